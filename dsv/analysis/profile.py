@@ -1,0 +1,100 @@
+"""`dsv profile`: per-layer × per-head sparsity and recall of a checkpoint, as heatmaps and a table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+from dsv.analysis.checkpointed_model import load_model  # noqa: E402
+from dsv.ops import head_sparsity, index_recall, keep_blocks_from_sparsity, sample_query_rows  # noqa: E402
+from dsv.train.data import build_dataset  # noqa: E402
+
+
+class _Recorder:
+    """Observer for every DSVAttention: exact sparsity and the recall of the layer's own selection."""
+
+    def __init__(self, theta: float, stride: int):
+        self.theta, self.stride = theta, stride
+        self.sparsity: dict[int, list[torch.Tensor]] = {}
+        self.recall: dict[int, list[torch.Tensor]] = {}
+
+    def __call__(self, layer, hidden, q, k, grid) -> None:
+        rows = sample_query_rows(q.shape[2], self.stride).to(q.device)
+        sparsity = head_sparsity(q, k, rows, self.theta, scale=layer.scale)
+        self.sparsity.setdefault(layer.layer_index, []).append(sparsity.float().cpu())
+        if layer.cfg.mode == "dense":
+            return
+        # Budget from this measurement, so that recall is comparable across layers whatever their state.
+        keep_blocks = keep_blocks_from_sparsity(sparsity, -(-q.shape[2] // layer.cfg.key_block),
+                                                layer.cfg.keep_floor_blocks, layer.cfg.keep_margin)
+        index = layer.compute_index(hidden, q, k, grid, keep_blocks=keep_blocks)
+        recall = index_recall(q, k, index, rows, scale=layer.scale).mean(0)
+        self.recall.setdefault(layer.layer_index, []).append(recall.float().cpu())
+
+
+def _heatmap(matrix: torch.Tensor, title: str, path: Path, vmin: float, vmax: float) -> None:
+    fig, ax = plt.subplots(figsize=(1.0 + 0.5 * matrix.shape[1], 1.0 + 0.4 * matrix.shape[0]))
+    image = ax.imshow(matrix.numpy(), cmap="viridis", vmin=vmin, vmax=vmax, aspect="auto")
+    ax.set_xlabel("head")
+    ax.set_ylabel("block")
+    ax.set_title(title)
+    ax.set_xticks(range(matrix.shape[1]))
+    ax.set_yticks(range(matrix.shape[0]))
+    for i in range(matrix.shape[0]):
+        for j in range(matrix.shape[1]):
+            ax.text(j, i, f"{matrix[i, j]:.2f}", ha="center", va="center", fontsize=7, color="white")
+    fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+@torch.no_grad()
+def profile_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clips: int = 8,
+                       theta: float | None = None, stride: int = 4) -> dict:
+    model, cfg, step = load_model(checkpoint, device)
+    dev = next(model.parameters()).device
+    theta = theta or cfg.attention.theta
+    recorder = _Recorder(theta, stride)
+    for layer in model.controller.layers:
+        layer.observer = recorder
+    data = build_dataset(cfg.data)
+    x0 = data.heldout_batch()[:clips].to(dev)
+    gen = torch.Generator().manual_seed(0)
+    t = torch.rand(x0.shape[0], generator=gen).to(dev)
+    noise = torch.randn(x0.shape, generator=gen).to(dev)
+    tb = t.view(-1, 1, 1, 1, 1)
+    model((1 - tb) * x0 + tb * noise, t)
+    for layer in model.controller.layers:
+        layer.observer = None
+
+    sparsity = torch.stack([torch.stack(v).mean(0) for _, v in sorted(recorder.sparsity.items())])
+    recall = (torch.stack([torch.stack(v).mean(0) for _, v in sorted(recorder.recall.items())])
+              if recorder.recall else None)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _heatmap(sparsity, f"sparsity at θ={theta} (step {step})", out / "sparsity.png", 0.0, 1.0)
+    files = ["sparsity.png"]
+    if recall is not None:
+        _heatmap(recall, f"recall of the {cfg.attention.mode} selection (step {step})", out / "recall.png", 0.0, 1.0)
+        files.append("recall.png")
+    lines = [f"# Attention profile, checkpoint step {step}, mode {cfg.attention.mode}, θ = {theta}", "",
+             "| block | path | sparse | mean sparsity | per-head sparsity | mean recall |",
+             "|---|---|---|---|---|---|"]
+    for i, layer in enumerate(model.controller.layers):
+        heads = " ".join(f"{s:.2f}" for s in sparsity[i].tolist())
+        mean_recall = "-" if recall is None else f"{recall[i].mean():.3f}"
+        lines.append(f"| {i} | {layer.last_path} | {layer.runs_sparse()} | {sparsity[i].mean():.3f} | {heads} | "
+                     f"{mean_recall} |")
+    (out / "profile.md").write_text("\n".join(lines) + "\n")
+    result = {"step": step, "theta": theta, "sparsity": sparsity.tolist(),
+              "recall": None if recall is None else recall.tolist()}
+    (out / "profile.json").write_text(json.dumps(result, indent=1))
+    files += ["profile.md", "profile.json"]
+    return {**result, "files": [str(out / f) for f in files], "table": "\n".join(lines)}

@@ -1,0 +1,100 @@
+"""`dsv` command line: train, sample, profile, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _train(args) -> int:
+    from dsv.train.config import apply_overrides
+    from dsv.train.recipes import get_recipe
+    from dsv.train.trainer import Trainer
+
+    cfg = apply_overrides(get_recipe(args.recipe), args.set or [])
+    result = Trainer(cfg, resume=args.resume).run()
+    print(f"done: step {cfg.train.steps}, final loss {result.get('loss', float('nan')):.4f}, "
+          f"held-out loss {result.get('heldout_loss', float('nan')):.4f}, switch step {result['switch_step']}, "
+          f"sparse blocks {result['sparse_blocks_list']}")
+    return 0
+
+
+def _sample(args) -> int:
+    from dsv.analysis.sample import sample_videos
+
+    result = sample_videos(args.checkpoint, args.out, num=args.num, steps=args.steps, seed=args.seed,
+                           device=args.device, attention_mode=args.attention_mode)
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+def _profile(args) -> int:
+    from dsv.analysis.profile import profile_checkpoint
+
+    result = profile_checkpoint(args.checkpoint, args.out, device=args.device, clips=args.clips, theta=args.theta)
+    print(result["table"])
+    print("wrote: " + ", ".join(result["files"]))
+    return 0
+
+
+def _bench(args) -> int:
+    if args.what == "kernels":
+        from dsv.bench.kernels import run
+
+        return run(args)
+    raise AssertionError(args.what)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsv", description="DSV: dynamic sparse attention for video DiT training")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a video DiT with a named recipe")
+    train.add_argument("--recipe", default="debug_cpu", help="recipe name (see dsv.train.recipes)")
+    train.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="override a config field")
+    train.add_argument("--resume", action="store_true", help="continue the run in train.out_dir exactly")
+    train.set_defaults(func=_train)
+
+    sample = sub.add_parser("sample", help="write generated videos (mp4 or gif) from a checkpoint")
+    sample.add_argument("--checkpoint", required=True, help="run folder or checkpoint folder")
+    sample.add_argument("--out", default="samples.mp4", help="output file (.mp4 or .gif)")
+    sample.add_argument("--num", type=int, default=4)
+    sample.add_argument("--steps", type=int, default=25, help="Euler steps")
+    sample.add_argument("--seed", type=int, default=0)
+    sample.add_argument("--device", default="auto")
+    sample.add_argument("--attention-mode", default=None, help="override the attention mode (e.g. dense)")
+    sample.set_defaults(func=_sample)
+
+    profile = sub.add_parser("profile", help="per-layer × per-head sparsity and recall heatmaps from a checkpoint")
+    profile.add_argument("--checkpoint", required=True, help="run folder or checkpoint folder")
+    profile.add_argument("--out", default="profile", help="output folder")
+    profile.add_argument("--clips", type=int, default=8, help="held-out clips to measure on")
+    profile.add_argument("--theta", type=float, default=None, help="critical mass (default: the run's)")
+    profile.add_argument("--device", default="auto")
+    profile.set_defaults(func=_profile)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="what", required=True)
+    kernels = bench_sub.add_parser("kernels", help="sparse kernels vs dense cuDNN and FlexAttention (GPU)")
+    try:
+        from dsv.bench.kernels import add_arguments
+    except ImportError:  # the benchmark needs triton, which the CPU install may lack
+        add_arguments = None
+    if add_arguments is not None:
+        add_arguments(kernels)
+    bench.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileExistsError, FileNotFoundError, RuntimeError) as err:
+        print(f"dsv {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

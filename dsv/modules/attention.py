@@ -1,0 +1,253 @@
+"""`DSVAttention`: the drop-in 3-D self-attention of a video DiT block."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv.modules.config import AttentionConfig
+from dsv.modules.predictor import LowRankPredictor
+from dsv.ops import (
+    cube_permutation,
+    estimate_index,
+    head_sparsity,
+    SparseIndex,
+    index_recall,
+    keep_blocks_from_sparsity,
+    oracle_index,
+    sample_query_rows,
+    sparse_attention,
+    window_index,
+)
+from dsv.ops.grouping import check_sequence_matches_grid
+from dsv.ops.sparse_attention import resolve_backend
+
+
+def _ema(old: torch.Tensor, new: torch.Tensor, momentum: float) -> torch.Tensor:
+    """EMA without a host sync: NaN marks 'never measured', and then the new value is taken."""
+    new = new.to(old.dtype)
+    return torch.where(torch.isnan(old), new, momentum * old + (1.0 - momentum) * new)
+
+
+class DSVAttention(nn.Module):
+    """Multi-head self-attention over a `(T, H, W)` token grid, dense or dynamically sparse.
+
+    `forward(x [B, S, C], grid=(T, H, W)) -> [B, S, C]` with `S = T*H*W` tokens in raster order.
+    Internally the tokens are permuted so that each query cube of `cfg.cube` is contiguous; the cube
+    shares one key selection. `last_path` says which implementation ran ("dense:sdpa",
+    "sparse:reference", "sparse:triton").
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        head_dim: int | None = None,
+        cfg: AttentionConfig | None = None,
+        qk_norm: bool = True,
+        bias: bool = True,
+    ):
+        super().__init__()
+        self.cfg = cfg or AttentionConfig()
+        self.heads = heads
+        self.head_dim = head_dim or dim // heads
+        if self.head_dim * heads != dim and head_dim is None:
+            raise ValueError(f"dim={dim} is not divisible by heads={heads}; pass head_dim explicitly")
+        inner = heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.to_qkv = nn.Linear(dim, 3 * inner, bias=bias)
+        self.to_out = nn.Linear(inner, dim, bias=bias)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.predictor = (
+            LowRankPredictor(dim, heads, self.cfg.rank, self.cfg.predictor_lr,
+                             self.cfg.loss_cosine_weight, self.cfg.loss_mse_weight)
+            if self.cfg.mode == "dsv" else None
+        )
+        nan_heads = torch.full((heads,), float("nan"))
+        self.register_buffer("sparsity_ema", nan_heads.clone())
+        self.register_buffer("recall_ema", nan_heads.clone())
+        self.register_buffer("loss_ema", torch.tensor(float("nan")))
+        self.register_buffer("use_sparse", torch.tensor(self.cfg.mode == "window"))
+        self.register_buffer("keep_fraction", torch.ones(heads))
+        self.register_load_state_dict_post_hook(lambda module, _keys: module._refresh_host_state())
+        self._refresh_host_state()
+        self.controller = None
+        self.layer_index = 0
+        self.last_path = "none"
+        self._selection_cache: tuple[int, object] | None = None
+        self._warned_backend = False
+        self._window_cache: tuple[tuple, SparseIndex] | None = None
+        self._learned_id = -1
+        # Optional measurement hook `observer(layer, hidden, q, k, grid)` (profiling, analysis); it sees
+        # the grouped-order tensors and must not modify them.
+        self.observer = None
+
+    # ----- controller interface -----
+    def bind(self, controller, layer_index: int) -> None:
+        # A plain attribute, not a submodule: the controller is registered once at the model's top.
+        object.__setattr__(self, "controller", controller)
+        self.layer_index = layer_index
+
+    def _refresh_host_state(self) -> None:
+        # Host mirrors: the forward pass decides on them without a device synchronisation.
+        self._use_sparse_host = bool(self.use_sparse)
+        self._keep_fraction_host = [float(x) for x in self.keep_fraction]
+
+    def runs_sparse(self) -> bool:
+        if self.cfg.mode == "window":
+            return True
+        if self.cfg.mode == "dense" or self.controller is None:
+            return False
+        return self.controller.current_stage == 2 and self._use_sparse_host
+
+    def enter_stage2(self) -> None:
+        if self.predictor is not None:
+            self.predictor.set_lr(self.cfg.predictor_lr * self.cfg.stage2_lr_scale)
+
+    def dispatch(self) -> None:
+        """Decide dense or sparse for this block from its profiled sparsity, and each head's budget."""
+        sparsity = self.sparsity_ema
+        if torch.isnan(sparsity).any():
+            return  # never profiled: stay as is
+        keep = (1.0 - sparsity + self.cfg.keep_margin).clamp(0.0, 1.0)
+        self.keep_fraction.copy_(keep)
+        self.use_sparse.fill_(bool(sparsity.mean() >= self.cfg.sparse_threshold))
+        self._refresh_host_state()
+
+    def state_summary(self) -> dict:
+        def values(t: torch.Tensor) -> list[float | None]:
+            return [None if math.isnan(x) else round(x, 4) for x in t.tolist()]
+
+        return {
+            "path": self.last_path,
+            "sparse": self.runs_sparse(),
+            "sparsity": values(self.sparsity_ema),
+            "recall": values(self.recall_ema),
+            "keep": [round(x, 4) for x in self._keep_fraction_host],
+            "predictor_loss": None if math.isnan(float(self.loss_ema)) else round(float(self.loss_ema), 5),
+        }
+
+    # ----- forward -----
+    def forward(self, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        if x.dim() != 3:
+            raise ValueError(f"DSVAttention expects x of shape [B, S, C], got {tuple(x.shape)}")
+        batch, seq_len, _ = x.shape
+        check_sequence_matches_grid(seq_len, grid)
+        if self.cfg.check_finite and not torch.isfinite(x).all():
+            raise FloatingPointError(
+                f"DSVAttention layer {self.layer_index}: NaN or Inf in the attention input x; "
+                "the run is diverging or its input data is corrupt"
+            )
+        if self.cfg.mode in ("dsv", "oracle") and self.controller is None:
+            raise RuntimeError(
+                f"DSVAttention(mode={self.cfg.mode!r}) needs a DSVController: "
+                "call DSVController(cfg).attach(model) once after building the model"
+            )
+        perm, inv = cube_permutation(tuple(grid), self.cfg.cube)
+        perm, inv = perm.to(x.device), inv.to(x.device)
+        hidden = x.index_select(1, perm)
+        qkv = self.to_qkv(hidden).view(batch, seq_len, 3, self.heads, self.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, S, D]
+        q, k = self.q_norm(q), self.k_norm(k)
+
+        if self.observer is not None:
+            self.observer(self, hidden, q, k, grid)
+        learning = self.training and torch.is_grad_enabled() and self.controller is not None
+        # Select before the predictor steps, so a checkpointing recompute selects the same keys.
+        index = self._select(hidden, q, k, grid) if self.runs_sparse() else None
+        if learning:
+            # Identity saved-tensor hooks: the predictor's own small graph must not be captured by an
+            # enclosing activation checkpoint (it runs once per step, not again in the recompute).
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                self._learn_and_profile(hidden, q, k, grid)
+
+        if index is None:
+            out = F.scaled_dot_product_attention(q, k, v, scale=self.scale)
+            self.last_path = "dense:sdpa"
+        else:
+            backend = resolve_backend(self.cfg.backend, q)
+            self._report_backend(backend, q)
+            out = sparse_attention(q, k, v, index, scale=self.scale, backend=backend)
+            self.last_path = f"sparse:{backend}"
+        out = out.transpose(1, 2).reshape(batch, seq_len, self.heads * self.head_dim)
+        return self.to_out(out).index_select(1, inv)
+
+    def _keep_blocks(self, num_kv_blocks: int, device: torch.device) -> torch.Tensor:
+        """Per-head key-block budget from the dispatched kept fraction (host mirror: no device sync)."""
+        sparsity = 1.0 - torch.tensor(self._keep_fraction_host)
+        return keep_blocks_from_sparsity(sparsity, num_kv_blocks, self.cfg.keep_floor_blocks).to(device)
+
+    def _window(self, grid, batch: int, device: torch.device) -> SparseIndex:
+        key = (tuple(grid), batch, device)
+        if self._window_cache is None or self._window_cache[0] != key:
+            cpu = window_index(tuple(grid), self.cfg.cube, self.cfg.key_block, batch, self.heads, self.cfg.window_frac)
+            index = dataclasses.replace(cpu, indices=cpu.indices.to(device), counts=cpu.counts.to(device))
+            self._window_cache = (key, index)
+        return self._window_cache[1]
+
+    def _select(self, hidden, q, k, grid):
+        cache_key = self.controller.forward_id if self.controller is not None else None
+        reuse = self.training and torch.is_grad_enabled() and cache_key is not None
+        if reuse and self._selection_cache is not None and self._selection_cache[0] == cache_key:
+            return self._selection_cache[1]
+        index = self.compute_index(hidden, q, k, grid)
+        if reuse:
+            self._selection_cache = (cache_key, index)
+        return index
+
+    def compute_index(self, hidden, q, k, grid, keep_blocks: torch.Tensor | None = None):
+        cfg = self.cfg
+        seq_len = q.shape[2]
+        kv_block = cfg.key_block
+        if cfg.mode == "window":
+            return self._window(grid, q.shape[0], q.device)
+        if keep_blocks is None:
+            keep_blocks = self._keep_blocks(-(-seq_len // kv_block), q.device)
+        with torch.no_grad():
+            if cfg.mode == "oracle":
+                return oracle_index(q, k, keep_blocks, cfg.group_size, kv_block, scale=self.scale)
+            q_lr, k_lr = self.predictor.project(hidden.detach().float())
+            return estimate_index(q_lr, k_lr, keep_blocks, cfg.group_size, kv_block)
+
+    def _learn_and_profile(self, hidden, q, k, grid) -> None:
+        """Once per training step (a checkpointing recompute skips it): one predictor step, and on
+        profiling steps the exact per-head sparsity and the recall of this layer's selection."""
+        cfg, controller = self.cfg, self.controller
+        if self._learned_id == controller.forward_id:
+            return
+        self._learned_id = controller.forward_id
+        seq_len = q.shape[2]
+        stride = max(cfg.sample_stride, -(-seq_len // cfg.max_sample_rows))
+        # Rotate the sampled rows with the step so that, over steps, every row is seen.
+        rows = sample_query_rows(seq_len, stride, offset=controller.step).to(q.device)
+        if self.predictor is not None:
+            loss = self.predictor.update(hidden, q, k, rows, self.scale)
+            self.loss_ema.copy_(_ema(self.loss_ema, loss, cfg.ema_momentum))
+        if not controller.profile_due():
+            return
+        with torch.no_grad():
+            sparsity = head_sparsity(q, k, rows, cfg.theta, scale=self.scale)
+            self.sparsity_ema.copy_(_ema(self.sparsity_ema, sparsity, cfg.ema_momentum))
+            if cfg.mode == "dense":
+                return
+            # Recall of the selection this layer would make at its measured budget.
+            keep_blocks = keep_blocks_from_sparsity(self.sparsity_ema, -(-seq_len // cfg.key_block),
+                                                    cfg.keep_floor_blocks, cfg.keep_margin)
+            index = self.compute_index(hidden, q, k, grid, keep_blocks=keep_blocks)
+            recall = index_recall(q, k, index, rows, scale=self.scale).mean(0)
+            self.recall_ema.copy_(_ema(self.recall_ema, recall, cfg.ema_momentum))
+
+    def _report_backend(self, backend: str, q: torch.Tensor) -> None:
+        if backend == "reference" and q.is_cuda and not self._warned_backend:
+            self._warned_backend = True
+            warnings.warn(
+                f"DSVAttention layer {self.layer_index}: sparse attention runs the PyTorch reference on "
+                f"{q.device} (slow); reason: backend={self.cfg.backend!r} or Triton kernels unavailable",
+                stacklevel=3,
+            )

@@ -1,0 +1,75 @@
+"""Configuration of DSV attention (the `attention` section of a run's config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ATTENTION_MODES = ("dense", "dsv", "window", "oracle")
+BACKENDS = ("auto", "reference", "triton")
+
+
+@dataclass
+class AttentionConfig:
+    # dense: full attention; dsv: the two-stage learned sparse method; window: 3-D window baseline
+    # (WA-L); oracle: exact top-k selection (for measurement; DSV with a perfect predictor).
+    mode: str = "dsv"
+    # Query cube (t, h, w): tokens of a cube are made contiguous and share one key selection.
+    cube: tuple[int, int, int] = (2, 4, 4)
+    # Keys per index entry in grouped order; 0 means one whole cube (block-sparse, the fast path).
+    kv_block: int = 0
+    # Sparse-op backend: auto = the fastest available for the device.
+    backend: str = "auto"
+
+    # Predictor.
+    rank: int = 16
+    predictor_lr: float = 1e-3
+    stage2_lr_scale: float = 0.1
+    loss_cosine_weight: float = 0.9
+    loss_mse_weight: float = 0.1
+    sample_stride: int = 64  # every n-th query row (grouped order) feeds the loss and the profiler
+    max_sample_rows: int = 256  # caps the R×S score rows at long sequences
+
+    # Profiler.
+    theta: float = 0.9
+    profile_every_stage1: int = 25
+    profile_every_stage2: int = 100
+    ema_momentum: float = 0.9
+
+    # Controller.
+    switch_loss_threshold: float = 0.01
+    min_stage1_steps: int = 0
+    max_stage1_steps: int = 0  # 0: no limit, switch only on the loss threshold
+    sparse_threshold: float = 0.8  # a block goes sparse when its mean head sparsity reaches this
+    keep_floor_blocks: int = 2  # every group keeps at least this many key blocks
+    keep_margin: float = 0.0  # extra kept fraction on top of (1 - sparsity)
+
+    window_frac: float = 2.0 / 3.0  # window extent per dimension for mode=window
+    check_finite: bool = True  # raise on NaN/Inf activations entering attention
+
+    def __post_init__(self) -> None:
+        self.cube = tuple(int(c) for c in self.cube)
+        if self.mode not in ATTENTION_MODES:
+            raise ValueError(f"attention.mode must be one of {ATTENTION_MODES}, got {self.mode!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"attention.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if len(self.cube) != 3 or min(self.cube) < 1:
+            raise ValueError(f"attention.cube must be three positive ints (t, h, w), got {self.cube}")
+        if self.kv_block < 0:
+            raise ValueError(f"attention.kv_block must be >= 0 (0 = cube volume), got {self.kv_block}")
+        if not 0.0 < self.theta < 1.0:
+            raise ValueError(f"attention.theta must be in (0, 1), got {self.theta}")
+        if not 0.0 <= self.ema_momentum < 1.0:
+            raise ValueError(f"attention.ema_momentum must be in [0, 1), got {self.ema_momentum}")
+        for name in ("sample_stride", "max_sample_rows", "profile_every_stage1", "profile_every_stage2",
+                     "keep_floor_blocks", "rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"attention.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def group_size(self) -> int:
+        t, h, w = self.cube
+        return t * h * w
+
+    @property
+    def key_block(self) -> int:
+        return self.kv_block or self.group_size

@@ -1,0 +1,120 @@
+"""The DSV controller: stage switch, per-block dispatch and per-head key budgets.
+
+One controller serves every `DSVAttention` of a model. Global state (stage, switch step) lives in its
+buffers and per-layer state (sparsity, recall, loss EMAs, dispatch, kept fraction) in each layer's
+buffers, so all of it is part of the model's `state_dict` and of every checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dsv.modules.config import AttentionConfig
+
+
+@dataclass
+class StepEvents:
+    """What changed at the end of a step, for the log."""
+
+    switched: bool = False
+    redispatched: bool = False
+
+
+class DSVController(nn.Module):
+    def __init__(self, cfg: AttentionConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.register_buffer("stage", torch.tensor(1, dtype=torch.long))
+        self.register_buffer("switch_step", torch.tensor(-1, dtype=torch.long))
+        self.step = 0
+        # Increments once per training forward; a layer's selection is cached under it so that an
+        # activation-checkpointing recompute reuses the same keys as the original forward.
+        self.forward_id = 0
+        self._layers: list = []
+        self._stage_host = 1
+        self.register_load_state_dict_post_hook(lambda module, _keys: module._refresh_host_state())
+
+    # ----- wiring -----
+    def attach(self, model: nn.Module) -> "DSVController":
+        """Attach every `DSVAttention` in `model` (in module order) to this controller."""
+        from dsv.modules.attention import DSVAttention
+
+        self._layers = [m for m in model.modules() if isinstance(m, DSVAttention)]
+        if not self._layers:
+            raise ValueError("attach: the model has no DSVAttention layers")
+        for index, layer in enumerate(self._layers):
+            layer.bind(self, index)
+        return self
+
+    @property
+    def layers(self) -> list:
+        return self._layers
+
+    def _refresh_host_state(self) -> None:
+        self._stage_host = int(self.stage)
+
+    # ----- schedule -----
+    @property
+    def current_stage(self) -> int:
+        return self._stage_host
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        self.forward_id += 1
+
+    def profile_due(self) -> bool:
+        every = self.cfg.profile_every_stage1 if self._stage_host == 1 else self.cfg.profile_every_stage2
+        return self.step % every == 0
+
+    def end_step(self) -> StepEvents:
+        """Called after each optimizer step; decides the stage switch and re-dispatches blocks after a
+        profiling step (sparsity is dynamic, so the dispatch follows it)."""
+        events = StepEvents()
+        if self.cfg.mode in ("dense", "window") or not self.profile_due():  # no stages to run
+            return events
+        if self._stage_host == 1 and self._switch_due():
+            self.stage.fill_(2)
+            self.switch_step.fill_(self.step + 1)
+            self._stage_host = 2
+            events.switched = True
+            for layer in self._layers:
+                layer.enter_stage2()
+        if self._stage_host == 2:
+            for layer in self._layers:
+                layer.dispatch()
+            events.redispatched = True
+        return events
+
+    def _switch_due(self) -> bool:
+        cfg = self.cfg
+        done = self.step + 1
+        if done < cfg.min_stage1_steps:
+            return False
+        if cfg.max_stage1_steps and done >= cfg.max_stage1_steps:
+            return True
+        if cfg.mode == "oracle":  # exact selection needs no predictor training
+            return True
+        mean_loss = self.mean_predictor_loss()
+        return mean_loss is not None and mean_loss < cfg.switch_loss_threshold
+
+    # ----- readouts -----
+    def mean_predictor_loss(self) -> float | None:
+        losses = [float(layer.loss_ema) for layer in self._layers if layer.predictor is not None]
+        losses = [x for x in losses if not math.isnan(x)]
+        return sum(losses) / len(losses) if losses else None
+
+    def sparse_layers(self) -> list[int]:
+        return [i for i, layer in enumerate(self._layers) if layer.runs_sparse()]
+
+    def summary(self) -> dict:
+        """Per-layer state for the metrics log (host values)."""
+        return {
+            "stage": self._stage_host,
+            "switch_step": int(self.switch_step),
+            "predictor_loss": self.mean_predictor_loss(),
+            "layers": [layer.state_summary() for layer in self._layers],
+        }

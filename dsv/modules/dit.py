@@ -1,0 +1,176 @@
+"""A compact video DiT: 3-D patchify, adaLN-single timestep conditioning, DSV self-attention, MLP."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from dsv.modules.attention import DSVAttention
+from dsv.modules.config import AttentionConfig
+from dsv.modules.controller import DSVController
+
+
+@dataclass
+class ModelConfig:
+    in_channels: int = 3
+    patch: tuple[int, int, int] = (1, 4, 4)  # (t, h, w) extent of one token
+    hidden: int = 128
+    depth: int = 4
+    heads: int = 4
+    head_dim: int = 0  # 0: hidden // heads
+    mlp_ratio: float = 4.0
+    num_classes: int = 0  # > 0 adds class conditioning (with a null class for guidance)
+    activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        self.patch = tuple(int(p) for p in self.patch)
+        if len(self.patch) != 3 or min(self.patch) < 1:
+            raise ValueError(f"model.patch must be three positive ints (t, h, w), got {self.patch}")
+        if self.head_dim == 0 and self.hidden % self.heads:
+            raise ValueError(f"model.hidden={self.hidden} is not divisible by model.heads={self.heads}")
+
+    @property
+    def attention_head_dim(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+
+def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+    """Sinusoidal embedding of `t [B]` in [0, 1] (scaled by 1000 as in DiT) → `[B, dim]`."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
+    args = (t.float() * 1000.0)[:, None] * freqs[None]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+def sincos_position_3d(grid: tuple[int, int, int], dim: int, device: torch.device) -> torch.Tensor:
+    """Fixed 3-D sin-cos position embedding `[T*H*W, dim]` (raster order): the channels are split over
+    t, h, w so that any grid size works without retraining a table."""
+    per_axis = (dim // 6) * 2
+    parts = []
+    coords = torch.meshgrid(*[torch.arange(n, device=device, dtype=torch.float32) for n in grid], indexing="ij")
+    for axis in range(3):
+        pos = coords[axis].reshape(-1)
+        half = per_axis // 2
+        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=device, dtype=torch.float32) / half)
+        args = pos[:, None] * freqs[None]
+        parts += [torch.sin(args), torch.cos(args)]
+    emb = torch.cat(parts, dim=-1)
+    return F.pad(emb, (0, dim - emb.shape[1]))
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * (1 + scale[:, None]) + shift[:, None]
+
+
+class DiTBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, attn_cfg: AttentionConfig):
+        super().__init__()
+        hidden = cfg.hidden
+        self.norm1 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
+        self.attn = DSVAttention(hidden, cfg.heads, cfg.attention_head_dim, attn_cfg)
+        self.norm2 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
+        mlp_hidden = int(hidden * cfg.mlp_ratio)
+        self.mlp = nn.Sequential(nn.Linear(hidden, mlp_hidden), nn.GELU(approximate="tanh"), nn.Linear(mlp_hidden, hidden))
+        # adaLN-single (PixArt-α): one shared timestep MLP, plus a learned per-block table.
+        self.scale_shift_table = nn.Parameter(torch.randn(6, hidden) / hidden**0.5)
+
+    def forward(self, x: torch.Tensor, t_mod: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        shift1, scale1, gate1, shift2, scale2, gate2 = (self.scale_shift_table[None] + t_mod).unbind(1)
+        x = x + gate1[:, None] * self.attn(modulate(self.norm1(x), shift1, scale1), grid)
+        return x + gate2[:, None] * self.mlp(modulate(self.norm2(x), shift2, scale2))
+
+
+class VideoDiT(nn.Module):
+    """`forward(x [B, C, T, H, W], t [B], y [B] | None) -> velocity [B, C, T, H, W]`."""
+
+    def __init__(self, cfg: ModelConfig, attn_cfg: AttentionConfig):
+        super().__init__()
+        self.cfg = cfg
+        hidden = cfg.hidden
+        self.patch_embed = nn.Conv3d(cfg.in_channels, hidden, kernel_size=cfg.patch, stride=cfg.patch)
+        self.t_embed = nn.Sequential(nn.Linear(256, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
+        self.t_block = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 6 * hidden))
+        self.y_embed = nn.Embedding(cfg.num_classes + 1, hidden) if cfg.num_classes > 0 else None
+        self.blocks = nn.ModuleList(DiTBlock(cfg, attn_cfg) for _ in range(cfg.depth))
+        self.final_norm = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
+        self.final_table = nn.Parameter(torch.randn(2, hidden) / hidden**0.5)
+        self.final_linear = nn.Linear(hidden, cfg.in_channels * math.prod(cfg.patch))
+        self._init_weights()
+        self.controller = DSVController(attn_cfg).attach(self)
+
+    def _init_weights(self) -> None:
+        # DiT's zero-init of the output paths: every block starts as the identity.
+        for block in self.blocks:
+            nn.init.zeros_(block.attn.to_out.weight)
+            nn.init.zeros_(block.attn.to_out.bias)
+            nn.init.zeros_(block.mlp[-1].weight)
+            nn.init.zeros_(block.mlp[-1].bias)
+        nn.init.zeros_(self.final_linear.weight)
+        nn.init.zeros_(self.final_linear.bias)
+
+    def token_grid(self, video_shape: tuple[int, ...]) -> tuple[int, int, int]:
+        """Token grid of an input `[B, C, T, H, W]`; rejects sizes the patch does not divide."""
+        t, h, w = video_shape[-3:]
+        for name, size, p in zip("THW", (t, h, w), self.cfg.patch):
+            if size % p:
+                raise ValueError(f"input {name}={size} is not divisible by the patch extent {p} (model.patch)")
+        return t // self.cfg.patch[0], h // self.cfg.patch[1], w // self.cfg.patch[2]
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dim() != 5 or x.shape[1] != self.cfg.in_channels:
+            raise ValueError(f"x must be [B, {self.cfg.in_channels}, T, H, W], got {tuple(x.shape)}")
+        if t.shape != (x.shape[0],):
+            raise ValueError(f"t must be [B]={x.shape[0]} timesteps in [0, 1], got {tuple(t.shape)}")
+        grid = self.token_grid(x.shape)
+        tokens = self.patch_embed(x).flatten(2).transpose(1, 2)  # [B, S, hidden], raster order
+        tokens = tokens + sincos_position_3d(grid, self.cfg.hidden, x.device).to(tokens.dtype)
+        cond = self.t_embed(timestep_embedding(t, 256).to(tokens.dtype))
+        if self.y_embed is not None:
+            if y is None:
+                y = torch.full_like(t, self.cfg.num_classes, dtype=torch.long)  # the null class
+            cond = cond + self.y_embed(y)
+        t_mod = self.t_block(cond).view(-1, 6, self.cfg.hidden)
+        for block in self.blocks:
+            if self.cfg.activation_checkpointing and self.training:
+                tokens = checkpoint(block, tokens, t_mod, grid, use_reentrant=False)
+            else:
+                tokens = block(tokens, t_mod, grid)
+        shift, scale = (self.final_table[None] + cond[:, None]).unbind(1)
+        out = self.final_linear(modulate(self.final_norm(tokens), shift, scale))
+        return self.unpatchify(out, grid)
+
+    def unpatchify(self, tokens: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        b = tokens.shape[0]
+        pt, ph, pw = self.cfg.patch
+        c = self.cfg.in_channels
+        x = tokens.view(b, *grid, pt, ph, pw, c)
+        x = x.permute(0, 7, 1, 4, 2, 5, 3, 6)  # [B, C, T, pt, H, ph, W, pw]
+        return x.reshape(b, c, grid[0] * pt, grid[1] * ph, grid[2] * pw)
+
+
+def flow_matching_loss(
+    model: VideoDiT, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor, y: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Rectified flow: x_t = (1 - t)·x0 + t·noise; the model predicts the velocity noise - x0."""
+    tb = t.view(-1, 1, 1, 1, 1).to(x0.dtype)
+    x_t = (1 - tb) * x0 + tb * noise
+    pred = model(x_t, t, y)
+    return F.mse_loss(pred.float(), (noise - x0).float())
+
+
+@torch.no_grad()
+def sample_euler(
+    model: VideoDiT, noise: torch.Tensor, steps: int, y: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Integrate the learned velocity from t = 1 (noise) to t = 0 (data) with Euler steps."""
+    x = noise
+    times = torch.linspace(1.0, 0.0, steps + 1, device=noise.device)
+    for i in range(steps):
+        t = times[i].expand(noise.shape[0])
+        x = x + (times[i + 1] - times[i]) * model(x, t, y).to(x.dtype)
+    return x

@@ -1,0 +1,156 @@
+"""Atomic checkpoints: safetensors weights + the full training state, verified on load.
+
+Layout: `<run>/checkpoints/step_00000100/{model.safetensors, state.pt, manifest.json}` and
+`<run>/checkpoints/latest` (the name of the newest complete checkpoint). A checkpoint is written into a
+temporary folder and renamed into place only when complete, so a crash while saving never damages an
+existing checkpoint. The manifest holds SHA-256 digests, so a truncated or altered file is detected.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+MANIFEST = "manifest.json"
+WEIGHTS = "model.safetensors"
+STATE = "state.pt"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt, or does not match the model/config."""
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def checkpoint_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, train_state: dict, config: dict,
+                    keep: int) -> Path:
+    """Write checkpoint `step` atomically, point `latest` at it, and prune all but the newest `keep`."""
+    root = checkpoint_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"step_{step:08d}"
+    final = root / name
+    tmp = root / f".tmp_{name}_{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(weights, tmp / WEIGHTS, metadata={"format": "dsv", "step": str(step)})
+    torch.save(train_state, tmp / STATE)
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "config": config,
+        "sha256": {WEIGHTS: _sha256(tmp / WEIGHTS), STATE: _sha256(tmp / STATE)},
+    }
+    _write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
+    for f in (WEIGHTS, STATE):
+        with open(tmp / f, "rb+") as handle:
+            os.fsync(handle.fileno())
+    if final.exists():  # re-saving a step: move the old copy aside first, drop it only after the swap
+        stale = root / f".stale_{name}_{os.getpid()}"
+        os.replace(final, stale)
+        os.replace(tmp, final)
+        shutil.rmtree(stale)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(root)
+    _write_text_atomic(root / "latest", name + "\n")
+    for old in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old)
+    return final
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_"))
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder, or a run folder (its `latest` checkpoint)."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return path
+    latest = checkpoint_root(path) / "latest"
+    if latest.is_file():
+        candidate = checkpoint_root(path) / latest.read_text().strip()
+        if (candidate / MANIFEST).is_file():
+            return candidate
+        raise CheckpointError(f"{latest} names {candidate.name}, which is missing or incomplete")
+    raise CheckpointError(f"no checkpoint at {path}: expected a checkpoint folder with {MANIFEST} "
+                          f"or a run folder with checkpoints/latest")
+
+
+def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
+    """Return `(weights, train_state, manifest)` after checking the files against the manifest."""
+    ckpt = resolve_checkpoint(path)
+    try:
+        manifest = json.loads((ckpt / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{ckpt / MANIFEST} is unreadable: {err}") from None
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{ckpt}: format_version {manifest.get('format_version')} is not {FORMAT_VERSION}")
+    for fname, expected in manifest.get("sha256", {}).items():
+        file = ckpt / fname
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing")
+        if _sha256(file) != expected:
+            raise CheckpointError(f"{file} is corrupt or truncated (SHA-256 differs from {MANIFEST})")
+    weights = load_file(ckpt / WEIGHTS)
+    state = torch.load(ckpt / STATE, map_location="cpu", weights_only=False)
+    return weights, state, manifest
+
+
+def load_weights_into(model: nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
+    """Strict load with an error that lists the mismatches instead of a wall of text."""
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    shape_diff = [f"{k}: checkpoint {tuple(weights[k].shape)} vs model {tuple(v.shape)}"
+                  for k, v in expected.items() if k in weights and weights[k].shape != v.shape]
+    if missing or unexpected or shape_diff:
+        lines = [f"checkpoint {source} does not match the model:"]
+        if missing:
+            lines.append(f"  missing {len(missing)} tensors, e.g. {missing[:3]}")
+        if unexpected:
+            lines.append(f"  unexpected {len(unexpected)} tensors, e.g. {unexpected[:3]}")
+        if shape_diff:
+            lines.append(f"  {len(shape_diff)} shape mismatches, e.g. {shape_diff[:3]}")
+        raise CheckpointError("\n".join(lines))
+    model.load_state_dict(weights)

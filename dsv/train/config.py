@@ -1,0 +1,122 @@
+"""Typed run configuration: nested dataclasses, `--set section.field=value` overrides, round-trip to dict."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from dsv.modules.config import AttentionConfig
+from dsv.modules.dit import ModelConfig
+from dsv.train.data import DataConfig
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 0
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(float(b) for b in self.betas)
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    batch_size: int = 4
+    seed: int = 0
+    device: str = "auto"  # auto: cuda if available, else cpu
+    bf16: bool = True  # autocast to bf16 on CUDA; CPU runs stay fp32 (exact, reproducible)
+    out_dir: str = "runs/debug"
+    log_every: int = 10
+    eval_every: int = 50
+    ckpt_every: int = 100
+    keep_checkpoints: int = 2
+    tensorboard: bool = True
+    threads: int = 0  # torch CPU threads; 0 leaves the default
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "log_every", "eval_every", "ckpt_every", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+def _parse_value(text: str, current):
+    """Parse `text` into the type of the field's current value."""
+    kind = type(current)
+    if isinstance(current, bool):
+        lowered = text.lower()
+        if lowered not in ("true", "false", "1", "0", "yes", "no"):
+            raise ValueError(f"expected a boolean (true/false), got {text!r}")
+        return lowered in ("true", "1", "yes")
+    if isinstance(current, tuple):
+        items = [s for s in text.replace("x", ",").replace("(", "").replace(")", "").split(",") if s.strip()]
+        elem = type(current[0]) if current else float
+        return tuple(elem(s.strip()) for s in items)
+    if current is None:
+        if text.lower() in ("none", "null", ""):
+            return None
+        return text
+    if kind in (int, float, str):
+        return kind(text)
+    raise ValueError(f"cannot parse a value of type {kind.__name__} from the command line")
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """Apply `section.field=value` strings; unknown names and bad values raise with the valid choices."""
+    sections = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    changed: dict[str, dict[str, object]] = {}
+    for item in overrides:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise ValueError(f"--set expects section.field=value, got {item!r}")
+        key, text = item.split("=", 1)
+        section_name, field_name = key.split(".", 1)
+        if section_name not in sections:
+            raise ValueError(f"--set {key}: unknown section {section_name!r}; sections: {sorted(sections)}")
+        section = sections[section_name]
+        names = {f.name: f for f in dataclasses.fields(section)}
+        if field_name not in names:
+            raise ValueError(f"--set {key}: unknown field; {section_name} has {sorted(names)}")
+        try:
+            value = _parse_value(text, getattr(section, field_name))
+        except ValueError as err:
+            raise ValueError(f"--set {key}={text}: {err}") from None
+        changed.setdefault(section_name, {})[field_name] = value
+    # Rebuild the touched sections so that their __post_init__ validation runs on the new values.
+    updates = {name: dataclasses.replace(sections[name], **fields) for name, fields in changed.items()}
+    return dataclasses.replace(cfg, **updates)
+
+
+def config_to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(data: dict) -> Config:
+    """Inverse of `config_to_dict`; unknown sections or fields raise (a config from another version)."""
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    unknown = set(data) - set(sections)
+    if unknown:
+        raise ValueError(f"config has unknown sections {sorted(unknown)}; expected {sorted(sections)}")
+    built = {}
+    for name, section_field in sections.items():
+        cls = section_field.default_factory().__class__
+        values = data.get(name, {})
+        names = {f.name for f in dataclasses.fields(cls)}
+        extra = set(values) - names
+        if extra:
+            raise ValueError(f"config section {name!r} has unknown fields {sorted(extra)}")
+        built[name] = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+    return Config(**built)

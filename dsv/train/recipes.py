@@ -1,0 +1,83 @@
+"""Named recipes: each returns a complete `Config`; variations are `--set` overrides, not copies."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from dsv.modules.config import AttentionConfig
+from dsv.modules.dit import ModelConfig
+from dsv.train.config import Config, OptimConfig, TrainConfig
+from dsv.train.data import DataConfig
+
+RECIPES: dict[str, Callable[[], Config]] = {}
+
+
+def recipe(fn: Callable[[], Config]) -> Callable[[], Config]:
+    RECIPES[fn.__name__] = fn
+    return fn
+
+
+def get_recipe(name: str) -> Config:
+    if name not in RECIPES:
+        raise ValueError(f"unknown recipe {name!r}; available: {sorted(RECIPES)}")
+    return RECIPES[name]()
+
+
+@recipe
+def debug_cpu() -> Config:
+    """A tiny DiT on the bundled real video that trains on 2 CPU cores in under 3 minutes and goes
+    through both stages: 8 frames of 32×32 pixels, 1×4×4 patches → an 8×8×8 grid of 512 tokens."""
+    return Config(
+        model=ModelConfig(in_channels=3, patch=(1, 4, 4), hidden=96, depth=4, heads=4),
+        attention=AttentionConfig(
+            mode="dsv", cube=(2, 2, 2), rank=8, predictor_lr=3e-3, sample_stride=4,
+            profile_every_stage1=10, profile_every_stage2=20,
+            switch_loss_threshold=0.2, min_stage1_steps=60, max_stage1_steps=150,
+            sparse_threshold=0.35, keep_floor_blocks=4,
+        ),
+        data=DataConfig(frames=8, size=32, load_short_side=48),
+        optim=OptimConfig(lr=1e-3, warmup_steps=20),
+        train=TrainConfig(steps=240, batch_size=4, out_dir="runs/debug_cpu", log_every=20, eval_every=80,
+                          ckpt_every=120, threads=2),
+    )
+
+
+@recipe
+def small_gpu() -> Config:
+    """A 12-block DiT at 16×64×64 pixels (patch 1×4×4 → 4096 tokens) for quick runs on one GPU."""
+    return Config(
+        model=ModelConfig(in_channels=3, patch=(1, 4, 4), hidden=384, depth=12, heads=6,
+                          activation_checkpointing=False),
+        attention=AttentionConfig(mode="dsv", cube=(2, 4, 4), profile_every_stage1=25, profile_every_stage2=100,
+                                  switch_loss_threshold=0.05, min_stage1_steps=500, max_stage1_steps=3000),
+        data=DataConfig(frames=16, size=64, load_short_side=96),
+        optim=OptimConfig(lr=2e-4, warmup_steps=200),
+        train=TrainConfig(steps=6000, batch_size=8, out_dir="runs/small_gpu", log_every=50, eval_every=500,
+                          ckpt_every=1000),
+    )
+
+
+def _paper_shape(depth: int, heads: int, head_dim: int) -> Config:
+    # The DSV paper's transformer shapes. Without a bundled video VAE they train on pixels with 1×8×8
+    # patches: 16 frames at 256×256 → a 16×32×32 grid of 16,384 tokens.
+    return Config(
+        model=ModelConfig(in_channels=3, patch=(1, 8, 8), hidden=heads * head_dim, depth=depth, heads=heads,
+                          activation_checkpointing=True),
+        attention=AttentionConfig(mode="dsv", cube=(4, 4, 4)),
+        data=DataConfig(frames=16, size=256, load_short_side=288),
+        optim=OptimConfig(lr=1e-4, warmup_steps=1000),
+        train=TrainConfig(steps=300_000, batch_size=1, out_dir="runs/paper", log_every=50, eval_every=2000,
+                          ckpt_every=2000),
+    )
+
+
+@recipe
+def dit_0p8b() -> Config:
+    """The paper's 0.8B shape: 28 blocks, 12 heads × 96."""
+    return _paper_shape(depth=28, heads=12, head_dim=96)
+
+
+@recipe
+def dit_2p7b() -> Config:
+    """The paper's 2.7B shape: 32 blocks, 16 heads × 128, hidden 2048."""
+    return _paper_shape(depth=32, heads=16, head_dim=128)

@@ -1,0 +1,265 @@
+"""The one trainer: flow-matching training of the video DiT with DSV attention."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from dsv.modules.dit import VideoDiT, flow_matching_loss
+from dsv.train.checkpoint import (
+    CheckpointError,
+    list_checkpoints,
+    load_checkpoint,
+    load_weights_into,
+    save_checkpoint,
+)
+from dsv.train.config import Config, config_from_dict, config_to_dict
+from dsv.train.data import build_dataset
+
+# Sections that change the model's function or its saved state: a resumed run must match them.
+_SHAPE_SECTIONS = ("model", "attention")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"train.device={name!r} but no CUDA device is available")
+    return device
+
+
+def build_model(cfg: Config, device: torch.device) -> VideoDiT:
+    torch.manual_seed(cfg.train.seed)
+    return VideoDiT(cfg.model, cfg.attention).to(device)
+
+
+def heldout_targets(n: int, shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed (t, noise) for the held-out loss: t spread evenly over (0, 1), noise from a fixed seed."""
+    gen = torch.Generator().manual_seed(seed)
+    t = (torch.arange(n, dtype=torch.float32) + 0.5) / n
+    return t, torch.randn((n, *shape), generator=gen)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, resume: bool = False, quiet: bool = False):
+        self.cfg = cfg
+        self.quiet = quiet
+        self.run_dir = Path(cfg.train.out_dir)
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        self.device = resolve_device(cfg.train.device)
+        existing = list_checkpoints(self.run_dir)
+        if existing and not resume:
+            raise FileExistsError(
+                f"{self.run_dir} already holds checkpoints ({existing[-1].name}); pass --resume to continue "
+                f"that run, or --set train.out_dir=<new folder> to start another (nothing was overwritten)"
+            )
+        if resume and not existing:
+            raise CheckpointError(f"--resume: no checkpoint in {self.run_dir}/checkpoints")
+
+        self.model = build_model(cfg, self.device)
+        self.controller = self.model.controller
+        model_params = [p for n, p in self.model.named_parameters() if ".predictor." not in n]
+        self.optimizer = torch.optim.AdamW(model_params, lr=cfg.optim.lr, betas=cfg.optim.betas,
+                                           weight_decay=cfg.optim.weight_decay)
+        warmup = cfg.optim.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
+        self.data = build_dataset(cfg.data)
+        self.data_gen = torch.Generator().manual_seed(cfg.train.seed + 1)
+        self.noise_gen = torch.Generator().manual_seed(cfg.train.seed + 2)
+        self.heldout = self.data.heldout_batch()
+        self.heldout_t, self.heldout_noise = heldout_targets(
+            self.heldout.shape[0], tuple(self.heldout.shape[1:]), cfg.data.heldout_seed + 1)
+        self.step = 0
+        self.autocast = self.device.type == "cuda" and cfg.train.bf16
+        if resume:
+            self._restore(existing[-1])
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_file = open(self.run_dir / "metrics.jsonl", "a")
+        self.writer = None
+        if cfg.train.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+
+    # ----- state -----
+    def _predictors(self):
+        return [layer.predictor for layer in self.controller.layers if layer.predictor is not None]
+
+    def train_state(self) -> dict:
+        return {
+            "step": self.step,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "predictor_optimizers": [p.optimizer.state_dict() for p in self._predictors()],
+            "data_generator": self.data_gen.get_state(),
+            "noise_generator": self.noise_gen.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        }
+
+    def save(self) -> Path:
+        return save_checkpoint(self.run_dir, self.step, self.model, self.train_state(),
+                               config_to_dict(self.cfg), keep=self.cfg.train.keep_checkpoints)
+
+    def _restore(self, ckpt: Path) -> None:
+        weights, state, manifest = load_checkpoint(ckpt)
+        saved = config_from_dict(manifest["config"])
+        for section in _SHAPE_SECTIONS:
+            mine, theirs = getattr(self.cfg, section), getattr(saved, section)
+            if mine != theirs:
+                diff = [f"{section}.{k}: checkpoint {v!r}, run {getattr(mine, k)!r}"
+                        for k, v in vars(theirs).items() if getattr(mine, k) != v]
+                raise CheckpointError(f"checkpoint {ckpt} was made with another configuration: " + "; ".join(diff))
+        load_weights_into(self.model, weights, str(ckpt))
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        predictors = self._predictors()
+        if len(predictors) != len(state["predictor_optimizers"]):
+            raise CheckpointError(f"checkpoint {ckpt} has {len(state['predictor_optimizers'])} predictor "
+                                  f"optimizers, the model has {len(predictors)}")
+        for predictor, opt_state in zip(predictors, state["predictor_optimizers"]):
+            predictor.optimizer.load_state_dict(opt_state)
+        self.data_gen.set_state(state["data_generator"])
+        self.noise_gen.set_state(state["noise_generator"])
+        torch.set_rng_state(state["torch_rng"])
+        if state["cuda_rng"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        self.step = state["step"]
+        self.controller.step = self.step
+
+    # ----- steps -----
+    def _batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x0 = self.data.sample(self.cfg.train.batch_size, self.data_gen)
+        # Logit-normal timesteps (as in SD3): more weight on the middle of the noise schedule.
+        t = torch.sigmoid(torch.randn(x0.shape[0], generator=self.noise_gen))
+        noise = torch.randn(x0.shape, generator=self.noise_gen)
+        return x0.to(self.device), t.to(self.device), noise.to(self.device)
+
+    def train_step(self) -> dict:
+        self.model.train()
+        self.controller.begin_step(self.step)
+        x0, t, noise = self._batch()
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            loss = flow_matching_loss(self.model, x0, t, noise)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"step {self.step}: training loss is {float(loss)}; stopping before the "
+                                     "optimizer applies it (the last checkpoint is intact)")
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for g in self.optimizer.param_groups for p in g["params"]], self.cfg.optim.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        events = self.controller.end_step()
+        self.step += 1
+        return {"loss": loss.detach(), "grad_norm": grad_norm, "events": events}
+
+    @torch.no_grad()
+    def heldout_loss(self) -> float:
+        self.model.eval()
+        total = 0.0
+        n = self.heldout.shape[0]
+        chunk = self.cfg.train.batch_size
+        for i in range(0, n, chunk):
+            x0 = self.heldout[i:i + chunk].to(self.device)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+                loss = flow_matching_loss(self.model, x0, self.heldout_t[i:i + chunk].to(self.device),
+                                          self.heldout_noise[i:i + chunk].to(self.device))
+            total += float(loss) * x0.shape[0]
+        return total / n
+
+    # ----- logging -----
+    def _log(self, record: dict) -> None:
+        self.metrics_file.write(json.dumps(record) + "\n")
+        self.metrics_file.flush()
+        if self.writer is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step" and value is not None:
+                    self.writer.add_scalar(key, value, record["step"])
+
+    def _print(self, text: str) -> None:
+        if not self.quiet:
+            tqdm.write(text)
+
+    def _describe_layers(self, summary: dict) -> str:
+        lines = []
+        for i, layer in enumerate(summary["layers"]):
+            sparsity = " ".join("  -  " if s is None else f"{s:.2f}" for s in layer["sparsity"])
+            recall = [r for r in layer["recall"] if r is not None]
+            recall_text = f" recall {sum(recall) / len(recall):.3f}" if recall else ""
+            lines.append(f"    block {i:2d} [{layer['path']:>16}] head sparsity {sparsity}{recall_text}")
+        return "\n".join(lines)
+
+    def run(self) -> dict:
+        cfg = self.cfg.train
+        self._print(f"DSV training: device={self.device}, mode={self.cfg.attention.mode}, "
+                    f"params={sum(p.numel() for p in self.model.parameters()) / 1e6:.2f}M, "
+                    f"data={len(self.data.sources())} real sources ({', '.join(s.name.split('/')[-1] for s in self.data.sources())}), "
+                    f"run_dir={self.run_dir}")
+        window_loss, window_n, t_start = 0.0, 0, time.perf_counter()
+        last = {}
+        bar = tqdm(total=cfg.steps, initial=self.step, disable=self.quiet, dynamic_ncols=True, leave=False,
+                   mininterval=2.0)
+        while self.step < cfg.steps:
+            out = self.train_step()
+            bar.update(1)
+            window_loss = window_loss + out["loss"]  # stays on the device until logged
+            window_n += 1
+            events = out["events"]
+            if events.switched:
+                summary = self.controller.summary()
+                self._print(f"step {self.step}: predictor loss {summary['predictor_loss']:.4f} → stage 2; "
+                            f"sparse blocks: {self.controller.sparse_layers()}\n" + self._describe_layers(summary))
+            if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                summary = self.controller.summary()
+                elapsed = time.perf_counter() - t_start
+                record = {
+                    "step": self.step,
+                    "loss": float(window_loss) / window_n,
+                    "lr": self.scheduler.get_last_lr()[0],
+                    "grad_norm": float(out["grad_norm"]),
+                    "stage": summary["stage"],
+                    "predictor_loss": summary["predictor_loss"],
+                    "sparse_blocks": len(self.controller.sparse_layers()),
+                    "steps_per_s": window_n / elapsed,
+                }
+                for i, layer in enumerate(summary["layers"]):
+                    for key in ("sparsity", "recall"):
+                        values = [v for v in layer[key] if v is not None]
+                        if values:
+                            record[f"{key}/block{i}"] = sum(values) / len(values)
+                record["layers"] = summary["layers"]
+                self._log(record)
+                pl = summary["predictor_loss"]
+                self._print(f"step {self.step:5d} | loss {record['loss']:.4f} | stage {summary['stage']} | "
+                            f"predictor loss {'-' if pl is None else f'{pl:.4f}'} | sparse blocks "
+                            f"{self.controller.sparse_layers()} | {record['steps_per_s']:.1f} it/s")
+                window_loss, window_n, t_start = 0.0, 0, time.perf_counter()
+                last = record
+            if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
+                held = self.heldout_loss()
+                self._log({"step": self.step, "heldout_loss": held})
+                self._print(f"step {self.step:5d} | held-out loss {held:.4f} | per-block state:\n"
+                            + self._describe_layers(self.controller.summary()))
+                last["heldout_loss"] = held
+            if self.step % cfg.ckpt_every == 0 or self.step == cfg.steps:
+                path = self.save()
+                self._print(f"step {self.step:5d} | checkpoint {path}")
+        bar.close()
+        self.close()
+        last["switch_step"] = int(self.controller.switch_step)
+        last["sparse_blocks_list"] = self.controller.sparse_layers()
+        return last
+
+    def close(self) -> None:
+        self.metrics_file.close()
+        if self.writer is not None:
+            self.writer.close()
+
