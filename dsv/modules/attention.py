@@ -212,7 +212,7 @@ class DSVAttention(nn.Module):
         with torch.no_grad():
             if cfg.mode == "oracle":
                 return oracle_index(q, k, keep_blocks, cfg.group_size, kv_block, scale=self.scale)
-            q_lr, k_lr = self.predictor.project(hidden.detach().float())
+            q_lr, k_lr = self.predictor.project(hidden.detach().to(self.predictor.q_proj.weight.dtype))
             return estimate_index(q_lr, k_lr, keep_blocks, cfg.group_size, kv_block)
 
     def _learn_and_profile(self, hidden, q, k, grid) -> None:

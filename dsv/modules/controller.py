@@ -74,16 +74,20 @@ class DSVController(nn.Module):
         """Called after each optimizer step; decides the stage switch and re-dispatches blocks after a
         profiling step (sparsity is dynamic, so the dispatch follows it)."""
         events = StepEvents()
-        if self.cfg.mode in ("dense", "window") or not self.profile_due():  # no stages to run
+        if self.cfg.mode in ("dense", "window"):  # no stages to run
             return events
-        if self._stage_host == 1 and self._switch_due():
-            self.stage.fill_(2)
-            self.switch_step.fill_(self.step + 1)
-            self._stage_host = 2
-            events.switched = True
-            for layer in self._layers:
-                layer.enter_stage2()
-        if self._stage_host == 2:
+        profiled = self.profile_due()
+        if self._stage_host == 1:
+            forced = self.cfg.max_stage1_steps and self.step + 1 >= self.cfg.max_stage1_steps
+            # The loss check reads every layer's EMA (a device sync), so it runs on profiling steps only.
+            if (profiled or forced) and self._switch_due():
+                self.stage.fill_(2)
+                self.switch_step.fill_(self.step + 1)
+                self._stage_host = 2
+                events.switched = True
+                for layer in self._layers:
+                    layer.enter_stage2()
+        if self._stage_host == 2 and (profiled or events.switched):
             for layer in self._layers:
                 layer.dispatch()
             events.redispatched = True

@@ -64,10 +64,11 @@ class LowRankPredictor(nn.Module):
         self, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, scale: float
     ) -> torch.Tensor:
         """Loss on sampled query rows: `hidden [B,S,C]`, `q, k [B,H,S,D]`, `rows` LongTensor `[R]`."""
-        q_lr, k_lr = self.project(hidden.float())
+        dtype = self.q_proj.weight.dtype  # the predictor keeps its own (fp32) precision under autocast
+        q_lr, k_lr = self.project(hidden.to(dtype))
         pred = q_lr[:, :, rows] @ k_lr.transpose(-1, -2)  # [B, H, R, S]
         with torch.no_grad():
-            true = (q[:, :, rows].float() @ k.float().transpose(-1, -2)) * scale
+            true = (q[:, :, rows].to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale
         return predictor_loss(pred, true, self.cosine_weight, self.mse_weight)
 
     def update(

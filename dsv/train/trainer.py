@@ -201,8 +201,8 @@ class Trainer:
         cfg = self.cfg.train
         self._print(f"DSV training: device={self.device}, mode={self.cfg.attention.mode}, "
                     f"params={sum(p.numel() for p in self.model.parameters()) / 1e6:.2f}M, "
-                    f"data={len(self.data.sources())} real sources ({', '.join(s.name.split('/')[-1] for s in self.data.sources())}), "
-                    f"run_dir={self.run_dir}")
+                    f"data={len(self.data.sources())} real sources "
+                    f"({', '.join(s.name.split('/')[-1] for s in self.data.sources())}), run_dir={self.run_dir}")
         window_loss, window_n, t_start = 0.0, 0, time.perf_counter()
         last = {}
         bar = tqdm(total=cfg.steps, initial=self.step, disable=self.quiet, dynamic_ncols=True, leave=False,
@@ -215,7 +215,8 @@ class Trainer:
             events = out["events"]
             if events.switched:
                 summary = self.controller.summary()
-                self._print(f"step {self.step}: predictor loss {summary['predictor_loss']:.4f} → stage 2; "
+                pl = summary["predictor_loss"]
+                self._print(f"step {self.step}: predictor loss {'-' if pl is None else f'{pl:.4f}'} → stage 2; "
                             f"sparse blocks: {self.controller.sparse_layers()}\n" + self._describe_layers(summary))
             if self.step % cfg.log_every == 0 or self.step == cfg.steps:
                 summary = self.controller.summary()

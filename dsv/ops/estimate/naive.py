@@ -1,0 +1,89 @@
+"""PyTorch reference of critical-KV estimation: low-rank block scores and per-head top-k.
+
+CPU path and test oracle of the fused estimation kernel. The ``[S, NKB]`` score matrix is produced one
+chunk of query groups at a time, so peak extra memory is ``O(chunk * NKB)``, never ``S x S``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dsv.ops.index import (
+    PAD,
+    SparseIndex,
+    check_bhsd,
+    check_keep_blocks,
+    compute_dtype,
+    resolve_chunk_size,
+    select_top_blocks,
+)
+
+
+def segment_means(x: torch.Tensor, segment: int) -> torch.Tensor:
+    """Mean of each run of ``segment`` consecutive rows; a partial last run averages its valid rows.
+
+    Args:
+        x: ``[B, H, S, r]``.
+        segment: rows per run.
+
+    Returns:
+        ``[B, H, ceil(S / segment), r]`` in ``x``'s dtype.
+    """
+    batch, heads, seq_len, rank = x.shape
+    num_segments = math.ceil(seq_len / segment)
+    padded = torch.nn.functional.pad(x, (0, 0, 0, num_segments * segment - seq_len))
+    sums = padded.view(batch, heads, num_segments, segment, rank).sum(3)
+    starts = torch.arange(num_segments, device=x.device) * segment
+    lengths = (starts + segment).clamp(max=seq_len) - starts
+    return sums / lengths.to(x.dtype).view(num_segments, 1)
+
+
+def estimate_index(
+    q_lr: torch.Tensor,
+    k_lr: torch.Tensor,
+    keep_blocks: torch.Tensor,
+    group_size: int,
+    kv_block: int,
+    chunk_groups: int | None = None,
+) -> SparseIndex:
+    """Select each query group's key blocks from low-rank query/key projections.
+
+    The group proxy is the mean of the group's ``q_lr`` rows, the block key the mean of the block's
+    ``k_lr`` rows (partial tails average their valid rows); ``score = proxy . block_key`` and each head
+    keeps its ``keep_blocks[h]`` best blocks, ties to the lower block id (``SparseIndex.from_topk``).
+
+    Args:
+        q_lr, k_lr: ``[B, H, S, r]`` low-rank queries and keys, floating, same dtype and device.
+        keep_blocks: integer ``[H]`` blocks kept per head, >= 1 (clipped to ``NKB``).
+        group_size: query tokens per group ``G``.
+        kv_block: key tokens per block.
+        chunk_groups: query groups scored at once; ``None`` sizes chunks to ``DEFAULT_CHUNK_BYTES``.
+
+    Returns:
+        ``SparseIndex`` with ``indices [B, H, NG, max(keep)]`` on the inputs' device.
+    """
+    batch, heads, seq_len, _ = check_bhsd({"q_lr": q_lr, "k_lr": k_lr})
+    for name, value in (("group_size", group_size), ("kv_block", kv_block)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    num_groups = math.ceil(seq_len / group_size)
+    num_kv_blocks = math.ceil(seq_len / kv_block)
+    keep = check_keep_blocks(keep_blocks, heads, num_kv_blocks, q_lr.device)
+    # Per score element: the score itself plus the sort's values and int64 ids.
+    bytes_per_group = batch * heads * num_kv_blocks * (2 * 4 + 8)
+    chunk = resolve_chunk_size(chunk_groups, num_groups, bytes_per_group, "chunk_groups")
+
+    dtype = compute_dtype(q_lr.dtype)
+    proxies = segment_means(q_lr.to(dtype), group_size)
+    block_keys = segment_means(k_lr.to(dtype), kv_block)
+
+    indices = torch.full(
+        (batch, heads, num_groups, int(keep.max())), PAD, dtype=torch.int32, device=q_lr.device
+    )
+    for start in range(0, num_groups, chunk):
+        scores = proxies[:, :, start : start + chunk] @ block_keys.transpose(-1, -2)
+        indices[:, :, start : start + chunk], _ = select_top_blocks(scores, keep)
+    counts = keep.to(torch.int32).view(1, heads, 1).expand(batch, heads, num_groups).contiguous()
+    return SparseIndex(indices, counts, group_size, kv_block, seq_len)

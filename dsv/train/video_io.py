@@ -1,0 +1,171 @@
+"""Video files <-> uint8 frame tensors.
+
+Decoding goes through PyAV (FFmpeg). Frames are converted and resized by FFmpeg's swscale while decoding,
+so a 1280x720 clip never exists in memory at full size as RGB. Writing gives ``.mp4`` (H.264 through
+PyAV, MPEG-4 part 2 where the FFmpeg build lacks libx264) or ``.gif`` (Pillow).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from fractions import Fraction
+from pathlib import Path
+
+import av
+import numpy as np
+import torch
+from PIL import Image
+
+WRITE_SUFFIXES = (".mp4", ".gif")
+
+# libx264 is missing from some FFmpeg builds (licensing); MPEG-4 part 2 is in all of them.
+_MP4_CODECS = ("libx264", "mpeg4")
+
+
+class VideoDecodeError(ValueError):
+    """A file exists but PyAV cannot decode video frames from it."""
+
+
+def read_video(path: str | os.PathLike, short_side: int | None = None) -> torch.Tensor:
+    """Decode every frame of the first video stream of ``path``.
+
+    Args:
+        path: any container/codec FFmpeg reads (.mp4, .avi, .mov, .mkv, .webm, .gif, ...).
+        short_side: resize each frame so its shorter side is this many pixels (aspect kept, the long side
+            rounded); area-averaging, so downscaling is antialiased. None keeps the stored size.
+
+    Returns:
+        uint8 tensor [T, H, W, 3], RGB. Every frame has the size of the first one (a stream whose
+        resolution changes midway is rescaled to it).
+
+    Raises:
+        FileNotFoundError: ``path`` is not an existing file.
+        VideoDecodeError: PyAV cannot open or decode it, it has no video stream, or no frame decodes.
+    """
+    if short_side is not None and (type(short_side) is not int or short_side < 1):
+        raise ValueError(f"read_video: short_side must be None or an int >= 1, got {short_side!r}")
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"read_video: no such video file: {path}")
+    frames: list[np.ndarray] = []
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise VideoDecodeError(f"read_video: {path} has no video stream")
+            stream = container.streams.video[0]
+            stream.thread_type = "AUTO"  # frame + slice threads: decoding the 720p clip dominates load time
+            out_w = out_h = 0
+            for frame in container.decode(stream):
+                if not frames:
+                    out_w, out_h = _scaled_size(frame.width, frame.height, short_side)
+                frames.append(frame.to_ndarray(width=out_w, height=out_h, format="rgb24", interpolation="AREA"))
+    except av.FFmpegError as err:
+        raise VideoDecodeError(f"read_video: PyAV cannot decode {path}: {err}") from err
+    if not frames:
+        raise VideoDecodeError(f"read_video: {path} has a video stream but no frame decodes")
+    return torch.from_numpy(np.stack(frames))
+
+
+def write_video(frames: torch.Tensor, path: str | os.PathLike, fps: float = 8) -> None:
+    """Write frames to ``path`` (.mp4 or .gif, chosen by suffix), atomically.
+
+    The file is written under a temporary name in the same folder and then renamed over ``path``, so a
+    reader never sees a half-written file. Missing parent folders are created.
+
+    Args:
+        frames: uint8 tensor [T, H, W, 3], RGB, T >= 1. For .mp4, H and W must be even (the encoders
+            store 4:2:0 chroma, which halves both).
+        path: destination; its suffix picks the format.
+        fps: frames per second, > 0. A GIF stores frame times in 1/100 s, so its rate is rounded to that.
+
+    Note: Pillow stores runs of identical consecutive frames in a GIF as one longer frame; playback is
+    unchanged, but reading such a GIF back gives fewer frames.
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in WRITE_SUFFIXES:
+        raise ValueError(
+            f"write_video: unsupported suffix {path.suffix!r} in {path}; supported: {', '.join(WRITE_SUFFIXES)}"
+        )
+    is_tensor = isinstance(frames, torch.Tensor)
+    if not is_tensor or frames.dtype != torch.uint8 or frames.dim() != 4 or frames.shape[-1] != 3:
+        desc = f"{frames.dtype} {tuple(frames.shape)}" if is_tensor else type(frames).__name__
+        raise ValueError(f"write_video: frames must be a uint8 tensor [T, H, W, 3], got {desc}")
+    if frames.shape[0] < 1 or frames.shape[1] < 1 or frames.shape[2] < 1:
+        raise ValueError(f"write_video: frames [T, H, W, 3] must be non-empty, got {tuple(frames.shape)}")
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0:
+        raise ValueError(f"write_video: fps must be a number > 0, got {fps!r}")
+    height, width = frames.shape[1], frames.shape[2]
+    if suffix == ".mp4" and (height % 2 or width % 2):
+        raise ValueError(
+            f"write_video: .mp4 needs even height and width (4:2:0 chroma), got {height}x{width} for {path}; "
+            "crop or pad the frames, or write a .gif"
+        )
+
+    array = frames.detach().cpu().contiguous().numpy()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # A hidden, unique name in the same folder: os.replace is atomic only within one file system, and the
+    # suffix ".part" keeps it out of folder scans for video files.
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.part")
+    try:
+        if suffix == ".mp4":
+            _write_mp4(array, tmp, fps)
+        else:
+            _write_gif(array, tmp, fps)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _scaled_size(width: int, height: int, short_side: int | None) -> tuple[int, int]:
+    """(width, height) with the shorter side scaled to ``short_side`` (unchanged if None)."""
+    if short_side is None:
+        return width, height
+    scale = short_side / min(width, height)
+    if width <= height:
+        return short_side, max(1, round(height * scale))
+    return max(1, round(width * scale)), short_side
+
+
+def _pick_mp4_codec() -> str:
+    """The first encoder of ``_MP4_CODECS`` this FFmpeg build has."""
+    for name in _MP4_CODECS:
+        try:
+            av.Codec(name, "w")
+        except av.codec.codec.UnknownCodecError:
+            continue
+        return name
+    raise RuntimeError(f"write_video: this FFmpeg build has none of the encoders {_MP4_CODECS} needed for .mp4")
+
+
+def _write_mp4(array: np.ndarray, path: Path, fps: float) -> None:
+    """Encode uint8 [T, H, W, 3] (H, W even) to an MP4 file at ``path``."""
+    codec = _pick_mp4_codec()
+    _, height, width, _ = array.shape
+    with av.open(str(path), mode="w", format="mp4") as container:
+        stream = container.add_stream(codec, rate=Fraction(fps).limit_denominator(1001))
+        stream.width, stream.height = width, height
+        stream.pix_fmt = "yuv420p"
+        if codec == "libx264":
+            stream.options = {"crf": "17"}  # visually lossless: files are small at our sizes anyway
+        else:
+            # mpeg4 is rate-controlled; ~4 bits per pixel per frame keeps it near lossless too.
+            stream.bit_rate = max(200_000, int(4 * width * height * fps))
+        for image in array:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")))
+        container.mux(stream.encode())  # flush the encoder's delayed frames
+
+
+def _write_gif(array: np.ndarray, path: Path, fps: float) -> None:
+    """Write uint8 [T, H, W, 3] to an endlessly looping GIF at ``path`` (adaptive palette per frame)."""
+    images = [Image.fromarray(image) for image in array]
+    images[0].save(
+        path,
+        format="GIF",  # the temporary name's suffix is ".part", so the format cannot come from it
+        save_all=True,
+        append_images=images[1:],
+        duration=max(10, round(1000 / fps)),  # ms per frame; GIF resolution is 10 ms
+        loop=0,
+    )

@@ -1,0 +1,148 @@
+"""DSVAttention: every mode against a float64 dense reference, checkpointing, and bad input."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dsv.modules.attention import DSVAttention
+from dsv.modules.config import AttentionConfig
+from dsv.modules.controller import DSVController
+from dsv.ops import cube_permutation, window_index
+
+GRID = (4, 4, 4)
+DIM, HEADS = 32, 2
+# float64 end to end: only summation order differs from the reference, so errors are ~1e-15 relative.
+TOL64 = dict(rtol=1e-9, atol=1e-10)
+
+
+class Wrapper(torch.nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.attn = DSVAttention(DIM, HEADS, cfg=cfg)
+        self.controller = DSVController(cfg).attach(self)
+
+    def forward(self, x):
+        return self.attn(x, GRID)
+
+
+def manual_dense(layer: DSVAttention, x: torch.Tensor) -> torch.Tensor:
+    """Dense attention in raster order, written without DSV's grouping or ops."""
+    b, s, _ = x.shape
+    q, k, v = layer.to_qkv(x).view(b, s, 3, HEADS, -1).permute(2, 0, 3, 1, 4).unbind(0)
+    q, k = layer.q_norm(q), layer.k_norm(k)
+    attn = torch.softmax((q @ k.transpose(-1, -2)) * layer.scale, dim=-1)
+    return layer.to_out((attn @ v).transpose(1, 2).reshape(b, s, -1))
+
+
+def make(mode: str, **overrides) -> Wrapper:
+    torch.manual_seed(0)
+    cfg = AttentionConfig(mode=mode, cube=(2, 2, 2), sample_stride=4, **overrides)
+    model = Wrapper(cfg).double()
+    # Non-zero output projection (DiT blocks zero-init it) so that outputs and gradients are informative.
+    torch.nn.init.normal_(model.attn.to_out.weight)
+    return model
+
+
+def grads(model, x):
+    x = x.clone().requires_grad_(True)
+    out = model(x)
+    (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+    return out.detach(), x.grad, {n: p.grad.clone() for n, p in model.named_parameters()
+                                  if p.grad is not None and "predictor" not in n}
+
+
+def test_dense_mode_equals_plain_attention():
+    model = make("dense")
+    x = torch.randn(2, 64, DIM, dtype=torch.float64)
+    out = model(x)
+    assert model.attn.last_path == "dense:sdpa"
+    torch.testing.assert_close(out, manual_dense(model.attn, x), **TOL64)
+
+
+def test_oracle_with_all_keys_equals_dense_forward_and_backward():
+    oracle = make("oracle", keep_floor_blocks=10_000, max_stage1_steps=1)
+    dense = make("dense")
+    x = torch.randn(2, 64, DIM, dtype=torch.float64)
+    oracle.controller.begin_step(0)
+    oracle(x)
+    oracle.controller.end_step()
+    assert oracle.controller.current_stage == 2
+    oracle.attn.use_sparse.fill_(True)
+    oracle.attn._refresh_host_state()
+    oracle.controller.begin_step(1)
+    out_o, gx_o, gp_o = grads(oracle, x)
+    assert oracle.attn.last_path == "sparse:reference"
+    out_d, gx_d, gp_d = grads(dense, x)
+    torch.testing.assert_close(out_o, out_d, **TOL64)
+    torch.testing.assert_close(gx_o, gx_d, **TOL64)
+    for name in gp_d:
+        torch.testing.assert_close(gp_o[name], gp_d[name], **TOL64)
+
+
+def test_window_mode_attends_to_the_window_only():
+    grid, seq = (4, 8, 8), 256  # large enough that a 2/3 window leaves cubes out
+    model = make("window")
+    layer = model.attn
+    x = torch.randn(1, seq, DIM, dtype=torch.float64)
+    out = layer(x, grid)
+    assert layer.last_path == "sparse:reference"
+    perm, inv = cube_permutation(grid, (2, 2, 2))
+    q, k, v = layer.to_qkv(x[:, perm]).view(1, seq, 3, HEADS, -1).permute(2, 0, 3, 1, 4).unbind(0)
+    q, k = layer.q_norm(q), layer.k_norm(k)
+    index = window_index(grid, (2, 2, 2), 8, 1, HEADS, 2 / 3)
+    groups = seq // 8
+    assert index.counts[0, 0, 0] < groups
+    # Dense reference with the window as a boolean mask.
+    blocks = torch.zeros(1, HEADS, groups, groups, dtype=torch.bool)
+    for g in range(groups):
+        blocks[0, :, g, index.indices[0, 0, g].long()] = True
+    mask = blocks.repeat_interleave(8, dim=2).repeat_interleave(8, dim=3)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scale)
+    expected = layer.to_out(expected.transpose(1, 2).reshape(1, seq, -1))[:, inv]
+    torch.testing.assert_close(out, expected, **TOL64)
+
+
+def test_stage2_sparse_with_checkpointing_matches_plain_backward():
+    x = torch.randn(2, 64, DIM, dtype=torch.float64)
+
+    def run(checkpointing: bool):
+        model = make("dsv", max_stage1_steps=1, sparse_threshold=0.0, profile_every_stage1=1,
+                     profile_every_stage2=1)
+        model.controller.begin_step(0)
+        model(x).sum().backward()
+        model.controller.end_step()
+        model.zero_grad()
+        model.controller.begin_step(1)
+        xin = x.clone().requires_grad_(True)
+        if checkpointing:
+            out = torch.utils.checkpoint.checkpoint(model, xin, use_reentrant=False)
+        else:
+            out = model(xin)
+        out.pow(2).sum().backward()
+        assert model.attn.last_path == "sparse:reference"
+        return out.detach(), xin.grad, model.attn.to_qkv.weight.grad
+
+    plain, checkpointed = run(False), run(True)
+    for a, b in zip(plain, checkpointed):
+        torch.testing.assert_close(a, b, **TOL64)
+
+
+def test_bad_inputs_raise_clear_errors():
+    model = make("dense")
+    with pytest.raises(ValueError, match=r"\[B, S, C\]"):
+        model.attn(torch.randn(64, DIM, dtype=torch.float64), GRID)
+    with pytest.raises(ValueError, match="grid"):
+        model.attn(torch.randn(1, 60, DIM, dtype=torch.float64), GRID)
+    bad = torch.randn(1, 64, DIM, dtype=torch.float64)
+    bad[0, 3, 1] = float("nan")
+    with pytest.raises(FloatingPointError, match="NaN or Inf"):
+        model(bad)
+    with pytest.raises(ValueError, match="not divisible"):
+        model.attn(torch.randn(1, 3 * 4 * 4, DIM, dtype=torch.float64), (3, 4, 4))
+    lonely = DSVAttention(DIM, HEADS, cfg=AttentionConfig(mode="dsv", cube=(2, 2, 2)))
+    with pytest.raises(RuntimeError, match="DSVController"):
+        lonely(torch.randn(1, 64, DIM), GRID)
+    with pytest.raises(ValueError, match="attention.mode"):
+        dataclasses.replace(AttentionConfig(), mode="sparse")

@@ -1,0 +1,84 @@
+"""Controller transitions: the stage switch, per-block dispatch, per-head budgets, and its saved state."""
+
+import math
+
+import torch
+
+from dsv.modules.config import AttentionConfig
+from dsv.modules.dit import ModelConfig, VideoDiT
+
+
+def model_with(**attention) -> VideoDiT:
+    torch.manual_seed(0)
+    cfg = AttentionConfig(cube=(2, 2, 2), **attention)
+    return VideoDiT(ModelConfig(hidden=32, depth=3, heads=2), cfg)
+
+
+def set_layer_state(model, losses, sparsities):
+    for layer, loss, sparsity in zip(model.controller.layers, losses, sparsities):
+        layer.loss_ema.fill_(loss)
+        layer.sparsity_ema.copy_(torch.tensor(sparsity))
+
+
+def test_switches_when_mean_predictor_loss_falls_below_threshold():
+    model = model_with(switch_loss_threshold=0.1, profile_every_stage1=1, sparse_threshold=0.8)
+    ctrl = model.controller
+    set_layer_state(model, [0.2, 0.1, 0.05], [[0.9, 0.95], [0.5, 0.6], [0.99, 0.7]])
+    ctrl.begin_step(0)
+    assert not ctrl.end_step().switched and ctrl.current_stage == 1  # mean 0.117 >= 0.1
+    model.controller.layers[0].loss_ema.fill_(0.1)
+    ctrl.begin_step(1)
+    events = ctrl.end_step()
+    assert events.switched and ctrl.current_stage == 2 and int(ctrl.switch_step) == 2
+    # Dispatch: block 0 (mean 0.925) and block 2 (0.845) go sparse; block 1 (0.55) stays dense.
+    assert ctrl.sparse_layers() == [0, 2]
+    torch.testing.assert_close(model.controller.layers[0].keep_fraction, torch.tensor([0.1, 0.05]))
+    # The predictor's learning rate drops in stage 2.
+    lr = model.controller.layers[0].predictor.optimizer.param_groups[0]["lr"]
+    assert math.isclose(lr, 1e-3 * 0.1)
+
+
+def test_min_and_max_stage1_steps_bound_the_switch():
+    model = model_with(switch_loss_threshold=0.5, min_stage1_steps=5, max_stage1_steps=8, profile_every_stage1=1)
+    ctrl = model.controller
+    set_layer_state(model, [0.01] * 3, [[0.9, 0.9]] * 3)
+    for step in range(4):  # loss is low, but min_stage1_steps holds the switch back
+        ctrl.begin_step(step)
+        assert not ctrl.end_step().switched
+    ctrl.begin_step(4)
+    assert ctrl.end_step().switched and int(ctrl.switch_step) == 5
+
+    model = model_with(switch_loss_threshold=0.01, max_stage1_steps=8, profile_every_stage1=1)
+    ctrl = model.controller
+    set_layer_state(model, [0.9] * 3, [[0.9, 0.9]] * 3)
+    for step in range(7):
+        ctrl.begin_step(step)
+        assert not ctrl.end_step().switched
+    ctrl.begin_step(7)
+    assert ctrl.end_step().switched and int(ctrl.switch_step) == 8
+
+
+def test_switch_is_checked_on_profiling_steps_only_and_dense_never_switches():
+    model = model_with(switch_loss_threshold=0.5, profile_every_stage1=10)
+    set_layer_state(model, [0.01] * 3, [[0.9, 0.9]] * 3)
+    model.controller.begin_step(3)
+    assert not model.controller.end_step().switched
+    model.controller.begin_step(10)
+    assert model.controller.end_step().switched
+    dense = model_with(mode="dense", max_stage1_steps=1, profile_every_stage1=1)
+    dense.controller.begin_step(0)
+    dense.controller.end_step()
+    assert dense.controller.current_stage == 1 and dense.controller.sparse_layers() == []
+
+
+def test_state_round_trips_through_state_dict():
+    model = model_with(switch_loss_threshold=0.5, profile_every_stage1=1, sparse_threshold=0.8)
+    set_layer_state(model, [0.01] * 3, [[0.9, 0.85], [0.2, 0.3], [0.95, 0.99]])
+    model.controller.begin_step(0)
+    model.controller.end_step()
+    fresh = model_with(switch_loss_threshold=0.5, profile_every_stage1=1, sparse_threshold=0.8)
+    assert fresh.controller.current_stage == 1
+    fresh.load_state_dict(model.state_dict())
+    assert fresh.controller.current_stage == 2
+    assert fresh.controller.sparse_layers() == model.controller.sparse_layers() == [0, 2]
+    assert fresh.controller.layers[2]._keep_fraction_host == model.controller.layers[2]._keep_fraction_host

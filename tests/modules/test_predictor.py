@@ -1,0 +1,63 @@
+"""The low-rank predictor learns to rank keys like the true QKᵀ on a toy problem."""
+
+import torch
+
+from dsv.modules.predictor import LowRankPredictor, predictor_loss
+from dsv.ops import estimate_index, index_recall, sample_query_rows
+
+
+def test_loss_is_zero_for_equal_rows_and_positive_otherwise():
+    rows = torch.randn(2, 3, 5, 40)
+    assert predictor_loss(rows, rows, 0.9, 0.1) < 1e-5
+    # A positive rescale keeps the ranking: both terms are scale-invariant.
+    assert predictor_loss(3.0 * rows, rows, 0.9, 0.1) < 1e-5
+    assert predictor_loss(torch.randn_like(rows), rows, 0.9, 0.1) > 0.5
+
+
+def test_predictor_learns_the_score_ranking():
+    torch.manual_seed(0)
+    batch, seq, dim, heads, head_dim, rank = 2, 128, 32, 2, 16, 8
+    # The "model": fixed projections whose QKᵀ has rank <= rank, so a perfect predictor exists.
+    wq = torch.randn(heads, dim, rank) / dim**0.5
+    wk = torch.randn(heads, dim, rank) / dim**0.5
+    mix_q, mix_k = torch.randn(heads, rank, head_dim), torch.randn(heads, rank, head_dim)
+    predictor = LowRankPredictor(dim, heads, rank=rank, lr=1e-2)
+    rows = sample_query_rows(seq, 4)
+    scale = head_dim**-0.5
+
+    def batch_qk():
+        hidden = torch.randn(batch, seq, dim)
+        q = torch.einsum("bsc,hcr,hrd->bhsd", hidden, wq, mix_q)
+        k = torch.einsum("bsc,hcr,hrd->bhsd", hidden, wk, mix_k) * 3.0
+        return hidden, q, k
+
+    def recall(hidden, q, k):
+        with torch.no_grad():
+            q_lr, k_lr = predictor.project(hidden)
+            keep = torch.full((heads,), 4, dtype=torch.int32)  # 4 of 32 key blocks (12.5%)
+            index = estimate_index(q_lr, k_lr, keep, group_size=8, kv_block=4)
+            return index_recall(q, k, index, rows, scale=scale).mean().item()
+
+    hidden, q, k = batch_qk()
+    first_loss = predictor.update(hidden, q, k, rows, scale).item()
+    first_recall = recall(hidden, q, k)
+    for _ in range(300):
+        predictor.update(*batch_qk(), rows, scale)
+    hidden, q, k = batch_qk()
+    with torch.no_grad():
+        last_loss = predictor.loss(hidden, q, k, rows, scale).item()
+    last_recall = recall(hidden, q, k)
+    assert last_loss < 0.2 * first_loss, (first_loss, last_loss)
+    assert last_recall > first_recall + 0.1, (first_recall, last_recall)
+
+
+def test_update_does_not_touch_the_model_graph():
+    torch.manual_seed(1)
+    predictor = LowRankPredictor(16, 2, rank=4)
+    hidden = torch.randn(1, 32, 16, requires_grad=True)
+    q = torch.randn(1, 2, 32, 8, requires_grad=True)
+    k = torch.randn(1, 2, 32, 8, requires_grad=True)
+    before = [p.detach().clone() for p in predictor.parameters()]
+    predictor.update(hidden, q, k, sample_query_rows(32, 4), 8**-0.5)
+    assert hidden.grad is None and q.grad is None and k.grad is None
+    assert any(not torch.equal(b, p) for b, p in zip(before, predictor.parameters()))

@@ -1,0 +1,96 @@
+import math
+
+import pytest
+import torch
+
+from dsv.ops.estimate import estimate_index
+from dsv.ops.index import PAD
+
+
+def brute_force_estimate(q_lr, k_lr, keep_blocks, group_size, kv_block):
+    """Loop-level spec: group-mean proxies, block-mean keys, dense scores, python top-k with low-id ties."""
+    B, H, S, _ = q_lr.shape
+    group_rows = [range(g, min(g + group_size, S)) for g in range(0, S, group_size)]
+    block_rows = [range(j, min(j + kv_block, S)) for j in range(0, S, kv_block)]
+    rows = {}
+    for b in range(B):
+        for h in range(H):
+            keys = [k_lr[b, h, list(r)].mean(0) for r in block_rows]
+            k = min(int(keep_blocks[h]), len(block_rows))
+            for g, r in enumerate(group_rows):
+                proxy = q_lr[b, h, list(r)].mean(0)
+                scores = [float(proxy @ key) for key in keys]
+                ranked = sorted(range(len(keys)), key=lambda j: (-scores[j], j))
+                rows[b, h, g] = sorted(ranked[:k])
+    return rows
+
+
+@pytest.mark.parametrize(
+    "B, S, group_size, kv_block, chunk_groups",
+    [
+        (2, 64, 8, 8, None),  # kv_block = group_size, even split
+        (1, 45, 8, 4, 1),  # ragged groups and blocks, one group per chunk
+        (2, 30, 4, 1, 3),  # token-level blocks, chunk not dividing NG
+        (1, 37, 5, 5, 2),  # ragged, kv_block = group_size
+    ],
+)
+def test_matches_brute_force_dense_topk(B, S, group_size, kv_block, chunk_groups):
+    H, rank = 3, 4
+    # float64 keeps accidental near-ties from flipping between the two summation orders.
+    q_lr = torch.randn(B, H, S, rank, dtype=torch.float64)
+    k_lr = torch.randn(B, H, S, rank, dtype=torch.float64)
+    keep = torch.tensor([1, 3, 100])
+    index = estimate_index(q_lr, k_lr, keep, group_size, kv_block, chunk_groups=chunk_groups)
+    index.validate()
+    num_kv_blocks = math.ceil(S / kv_block)
+    assert index.counts[0, :, 0].tolist() == [1, 3, num_kv_blocks]
+    for (b, h, g), expected in brute_force_estimate(q_lr, k_lr, keep, group_size, kv_block).items():
+        row = index.indices[b, h, g].tolist()
+        assert row == expected + [PAD] * (index.max_blocks - len(expected)), (b, h, g)
+
+
+def test_chunking_does_not_change_the_index():
+    q_lr, k_lr = torch.randn(2, 2, 50, 8), torch.randn(2, 2, 50, 8)
+    keep = torch.tensor([4, 9])
+    whole = estimate_index(q_lr, k_lr, keep, group_size=4, kv_block=2)
+    for chunk in (1, 5, 13):
+        chunked = estimate_index(q_lr, k_lr, keep, group_size=4, kv_block=2, chunk_groups=chunk)
+        assert torch.equal(chunked.indices, whole.indices)
+
+
+def test_equal_scores_keep_lowest_block_ids():
+    # Identical key rows give every block the same score for every group.
+    q_lr = torch.randn(1, 2, 24, 4)
+    k_lr = torch.ones(1, 2, 24, 4)
+    index = estimate_index(q_lr, k_lr, torch.tensor([2, 5]), group_size=4, kv_block=4)
+    assert (index.indices[0, 0, :, :2] == torch.tensor([0, 1], dtype=torch.int32)).all()
+    assert (index.indices[0, 1] == torch.arange(5, dtype=torch.int32)).all()
+
+
+def test_bfloat16_inputs_give_a_valid_index():
+    q_lr = torch.randn(1, 2, 40, 16).bfloat16()
+    k_lr = torch.randn(1, 2, 40, 16).bfloat16()
+    index = estimate_index(q_lr, k_lr, torch.tensor([3, 6]), group_size=8, kv_block=8)
+    index.validate()
+    assert index.indices.shape == (1, 2, 5, 5)
+
+
+@pytest.mark.parametrize(
+    "q_shape, k_shape, keep, kwargs, match",
+    [
+        ((2, 16, 4), (2, 16, 4), [1, 1], {}, r"q_lr must be 4-D \[B, H, S, D\]"),
+        ((1, 2, 16, 4), (1, 2, 12, 4), [1, 1], {}, r"k_lr has shape .* but q_lr has"),
+        ((1, 2, 16, 4), (1, 2, 16, 4), [1, 1, 1], {}, r"keep_blocks must have shape \[H\]=\[2\]"),
+        ((1, 2, 16, 4), (1, 2, 16, 4), [1, 1], {"group_size": 0}, r"group_size must be a positive int"),
+        ((1, 2, 16, 4), (1, 2, 16, 4), [1, 1], {"chunk_groups": 0}, r"chunk_groups must be a positive int"),
+    ],
+)
+def test_bad_arguments_rejected(q_shape, k_shape, keep, kwargs, match):
+    arguments = {"group_size": 4, "kv_block": 4} | kwargs
+    with pytest.raises(ValueError, match=match):
+        estimate_index(torch.randn(q_shape), torch.randn(k_shape), torch.tensor(keep), **arguments)
+
+
+def test_dtype_mismatch_rejected():
+    with pytest.raises(ValueError, match=r"k_lr has dtype torch.float64 but q_lr has torch.float32"):
+        estimate_index(torch.randn(1, 1, 8, 4), torch.randn(1, 1, 8, 4).double(), torch.tensor([1]), 4, 4)

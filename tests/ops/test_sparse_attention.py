@@ -1,0 +1,193 @@
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dsv.ops.index import SparseIndex
+from dsv.ops.sparse_attention import (
+    sparse_attention,
+    sparse_attention_reference,
+    sparse_attention_reference_with_lse,
+)
+
+TOLERANCES = {
+    # Both sides fp64; only the summation order differs over <= ~100-term sums.
+    torch.float64: {"rtol": 1e-10, "atol": 1e-10},
+    # fp32 accumulation (eps 1.2e-7) over <= ~100-term sums against an fp64 reference, 100x headroom.
+    torch.float32: {"rtol": 2e-5, "atol": 2e-5},
+    # bf16 rounding of outputs and gradients (2^-8 relative), and D_i uses the bf16-rounded output.
+    torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2},
+}
+
+
+def random_index(B, H, S, group_size, kv_block, keep):
+    num_groups, num_kv_blocks = math.ceil(S / group_size), math.ceil(S / kv_block)
+    scores = torch.randn(B, H, num_groups, num_kv_blocks)
+    return SparseIndex.from_topk(scores, torch.tensor(keep), group_size, kv_block, S)
+
+
+def dense_mask(index):
+    """Bool [B, H, S, S]: query i may see key j, built by looping over the index rows."""
+    B, H, NG, _ = index.indices.shape
+    G, kv, S = index.group_size, index.kv_block, index.seq_len
+    mask = torch.zeros(B, H, S, S, dtype=torch.bool)
+    for b in range(B):
+        for h in range(H):
+            for g in range(NG):
+                for j in index.indices[b, h, g, : index.counts[b, h, g]].tolist():
+                    mask[b, h, g * G : (g + 1) * G, j * kv : (j + 1) * kv] = True
+    return mask
+
+
+def dense_masked_attention(q, k, v, mask, scale=None):
+    """fp64 dense attention with a boolean mask; returns (out, lse)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q.double() @ k.double().transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, -1) @ v.double(), torch.logsumexp(scores, -1)
+
+
+def make_inputs(B, H, S, D, dtype):
+    return [torch.randn(B, H, S, D, dtype=torch.float64).to(dtype).requires_grad_() for _ in range(3)]
+
+
+def forward_and_grads(attention, q, k, v, grad_out):
+    out = attention(q, k, v)
+    return (out, *torch.autograd.grad(out, (q, k, v), grad_out))
+
+
+def assert_matches_dense(q, k, v, index, scale=None, chunk_groups=None):
+    """Forward and dq, dk, dv of the reference against fp64 dense masked attention on the same values."""
+    mask = dense_mask(index)
+    grad_out = torch.randn_like(q)
+    ours = forward_and_grads(
+        lambda *qkv: sparse_attention_reference(*qkv, index, scale=scale, chunk_groups=chunk_groups),
+        q, k, v, grad_out,
+    )
+    upcast = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    expected = forward_and_grads(
+        lambda *qkv: dense_masked_attention(*qkv, mask, scale)[0], *upcast, grad_out.double()
+    )
+    for name, got, want in zip(("out", "dq", "dk", "dv"), ours, expected):
+        assert got.dtype == q.dtype, name
+        assert torch.isfinite(got).all(), name
+        torch.testing.assert_close(got.double(), want, **TOLERANCES[q.dtype], msg=lambda m: f"{name}: {m}")
+
+
+CASES = {
+    "even, kv_block = group_size": (1, 2, 32, 8, 8, 8, [1, 4]),
+    "ragged, batch 2, kv_block 4": (2, 3, 37, 8, 8, 4, [1, 3, 10]),
+    "ragged, token-level keys": (1, 2, 29, 4, 4, 1, [3, 17]),
+    "ragged, one head keeps every block": (2, 2, 45, 16, 8, 8, [2, 6]),
+    "single partial group": (1, 1, 5, 4, 8, 4, [1]),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_matches_dense_masked_attention(case, dtype):
+    B, H, S, D, group_size, kv_block, keep = case
+    index = random_index(B, H, S, group_size, kv_block, keep)
+    assert_matches_dense(*make_inputs(B, H, S, D, dtype), index)
+
+
+def test_bfloat16_matches_dense_within_bf16_rounding():
+    B, H, S, D = 1, 2, 40, 16
+    index = random_index(B, H, S, 8, 8, [2, 4])
+    assert_matches_dense(*make_inputs(B, H, S, D, torch.bfloat16), index)
+
+
+@pytest.mark.parametrize("chunk_groups", [1, 3])
+def test_chunked_matches_dense(chunk_groups):
+    index = random_index(2, 2, 43, 4, 4, [3, 7])
+    assert_matches_dense(*make_inputs(2, 2, 43, 8, torch.float64), index, chunk_groups=chunk_groups)
+
+
+def test_custom_scale_matches_dense():
+    index = random_index(1, 2, 24, 4, 4, [2, 5])
+    assert_matches_dense(*make_inputs(1, 2, 24, 8, torch.float64), index, scale=0.7)
+
+
+@pytest.mark.parametrize("S, group_size, kv_block", [(48, 8, 8), (39, 8, 4), (21, 4, 1)])
+def test_keeping_every_block_equals_sdpa(S, group_size, kv_block):
+    B, H, D = 2, 2, 8
+    index = random_index(B, H, S, group_size, kv_block, [math.ceil(S / kv_block)] * H)
+    q, k, v = make_inputs(B, H, S, D, torch.float64)
+    grad_out = torch.randn_like(q)
+    ours = forward_and_grads(lambda *qkv: sparse_attention(*qkv, index), q, k, v, grad_out)
+    expected = forward_and_grads(F.scaled_dot_product_attention, q, k, v, grad_out)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), ours, expected):
+        torch.testing.assert_close(got, want, **TOLERANCES[torch.float64], msg=lambda m: f"{name}: {m}")
+
+
+def test_lse_matches_dense_and_every_output_is_written():
+    B, H, S, D = 2, 2, 37, 8
+    index = random_index(B, H, S, 8, 4, [2, 5])
+    q, k, v = make_inputs(B, H, S, D, torch.float32)
+    # Outputs start as NaN; a row missed by the chunk loop would stay NaN here.
+    out, lse = sparse_attention_reference_with_lse(q, k, v, index, chunk_groups=2)
+    assert lse.shape == (B, H, S) and lse.dtype == torch.float32 and not lse.requires_grad
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    _, dense_lse = dense_masked_attention(q, k, v, dense_mask(index))
+    torch.testing.assert_close(lse.double(), dense_lse, **TOLERANCES[torch.float32])
+    out.backward(torch.randn_like(out))
+    for name, grad in (("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+        assert torch.isfinite(grad).all(), name
+
+
+def test_keys_no_group_selects_get_zero_gradient():
+    S, group_size, kv_block = 16, 4, 4
+    # Every group keeps blocks 0 and 2 only.
+    indices = torch.tensor([0, 2], dtype=torch.int32).expand(1, 1, 4, 2).contiguous()
+    index = SparseIndex(indices, torch.full((1, 1, 4), 2, dtype=torch.int32), group_size, kv_block, S)
+    q, k, v = make_inputs(1, 1, S, 4, torch.float64)
+    sparse_attention(q, k, v, index).sum().backward()
+    unselected = torch.cat([torch.arange(4, 8), torch.arange(12, 16)])
+    assert (k.grad[0, 0, unselected] == 0).all() and (v.grad[0, 0, unselected] == 0).all()
+    assert (k.grad[0, 0, :4] != 0).any() and (v.grad[0, 0, 8:12] != 0).any()
+
+
+def test_gradcheck_float64():
+    index = random_index(1, 2, 7, 3, 2, [1, 3])
+    q, k, v = make_inputs(1, 2, 7, 3, torch.float64)
+    assert torch.autograd.gradcheck(lambda *qkv: sparse_attention_reference(*qkv, index, chunk_groups=2),
+                                    (q, k, v))
+
+
+def test_dispatcher_backends():
+    index = random_index(1, 2, 16, 4, 4, [1, 2])
+    q, k, v = make_inputs(1, 2, 16, 8, torch.float64)
+    expected = sparse_attention_reference(q, k, v, index)
+    for backend in ("auto", "reference"):
+        assert torch.equal(sparse_attention(q, k, v, index, backend=backend), expected)
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'reference'\), got 'triton'"):
+        sparse_attention(q, k, v, index, backend="triton")
+
+
+def good_arguments():
+    index = random_index(2, 2, 16, 4, 4, [1, 2])
+    q, k, v = (torch.randn(2, 2, 16, 8) for _ in range(3))
+    return {"q": q, "k": k, "v": v, "index": index}
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda a: {"q": a["q"][0]}, r"q must be 4-D \[B, H, S, D\]"),
+        (lambda a: {"k": a["k"].double()}, r"k has dtype torch.float64 but q has torch.float32"),
+        (lambda a: {"v": a["v"][..., :4]}, r"v has shape \(2, 2, 16, 4\) but q has \(2, 2, 16, 8\)"),
+        (lambda a: {name: a[name].to(torch.int32) for name in "qkv"}, r"q must have a floating dtype"),
+        (lambda a: {"index": random_index(1, 2, 16, 4, 4, [1, 2])}, r"index.indices has \[B, H, NG\]"),
+        (lambda a: {"index": random_index(2, 2, 15, 4, 4, [1, 2])}, r"index.seq_len=15 does not match"),
+        (lambda a: {"index": a["index"].indices}, r"index must be a SparseIndex"),
+        (lambda a: {"index": dataclasses.replace(a["index"], counts=a["index"].counts * 0)},
+         r"SparseIndex.counts must lie in"),
+        (lambda a: {"scale": -1.0}, r"scale must be a positive finite float"),
+    ],
+)
+def test_bad_inputs_raise_value_error_naming_the_argument(change, match):
+    arguments = good_arguments()
+    sparse_attention(**arguments)
+    with pytest.raises(ValueError, match=match):
+        sparse_attention(**(arguments | change(arguments)))

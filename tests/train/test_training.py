@@ -1,0 +1,141 @@
+"""End-to-end training on the bundled real data: smoke run, all modes, exact resume, checkpoint safety, CLI."""
+
+import json
+
+import pytest
+import torch
+
+from dsv.cli import main
+from dsv.train.checkpoint import CheckpointError, list_checkpoints
+from dsv.train.config import apply_overrides
+from dsv.train.recipes import get_recipe
+from dsv.train.trainer import Trainer
+
+# A model small enough for CI: 4 frames of 16×16 pixels, 1×2×2 patches → a 4×8×8 grid of 256 tokens.
+TINY = [
+    "model.hidden=32", "model.depth=2", "model.heads=2", "model.patch=1,2,2",
+    "data.frames=4", "data.size=16", "data.load_short_side=24", "data.heldout_clips=4",
+    "attention.cube=2,2,2", "attention.rank=4", "attention.sample_stride=4",
+    "attention.profile_every_stage1=2", "attention.profile_every_stage2=4",
+    "attention.sparse_threshold=0.0", "attention.switch_loss_threshold=0.0", "attention.min_stage1_steps=0",
+    "train.batch_size=2", "train.log_every=2", "train.eval_every=100", "train.tensorboard=false",
+    "optim.warmup_steps=0", "optim.lr=2e-3",
+]
+
+
+def tiny_config(tmp_path, *extra):
+    return apply_overrides(get_recipe("debug_cpu"), TINY + [f"train.out_dir={tmp_path}", *extra])
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_smoke_run_learns_switches_and_runs_sparse(tmp_path):
+    cfg = tiny_config(tmp_path, "train.steps=40", "attention.max_stage1_steps=20", "train.ckpt_every=40")
+    result = Trainer(cfg, quiet=True).run()
+    records = [r for r in read_metrics(tmp_path) if "loss" in r]
+    first, last = records[0], records[-1]
+    assert last["loss"] < 0.8 * first["loss"], (first["loss"], last["loss"])
+    assert result["switch_step"] == 20
+    assert result["sparse_blocks_list"] == [0, 1]
+    assert all(layer["path"] == "sparse:reference" for layer in last["layers"])
+    stage1_losses = [r["predictor_loss"] for r in records if r["stage"] == 1 and r["predictor_loss"] is not None]
+    assert stage1_losses[-1] < stage1_losses[0], stage1_losses
+    assert all(0.0 <= s <= 1.0 for layer in last["layers"] for s in layer["sparsity"])
+    assert all(0.0 < r <= 1.0 for layer in last["layers"] for r in layer["recall"])
+
+
+@pytest.mark.parametrize("mode", ["dense", "dsv", "window", "oracle"])
+def test_every_attention_mode_trains(tmp_path, mode):
+    cfg = tiny_config(tmp_path, f"attention.mode={mode}", "train.steps=6", "attention.max_stage1_steps=2",
+                      "train.ckpt_every=6")
+    result = Trainer(cfg, quiet=True).run()
+    assert torch.isfinite(torch.tensor(result["loss"]))
+    expected = {"dense": "dense:sdpa", "dsv": "sparse:reference", "window": "sparse:reference",
+                "oracle": "sparse:reference"}[mode]
+    assert {layer["path"] for layer in result["layers"]} == {expected}
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bits, where NaN (a never-measured EMA) equals NaN."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def final_state(run_dir, *schedule):
+    trainer = Trainer(tiny_config(run_dir, "train.steps=12", *schedule), resume=True, quiet=True)
+    weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    state = trainer.train_state()
+    trainer.close()
+    return weights, state
+
+
+def test_resume_continues_the_run_exactly(tmp_path):
+    schedule = ["attention.max_stage1_steps=4", "train.ckpt_every=6"]
+    Trainer(tiny_config(tmp_path / "straight", "train.steps=12", *schedule), quiet=True).run()
+    Trainer(tiny_config(tmp_path / "resumed", "train.steps=6", *schedule), quiet=True).run()
+    Trainer(tiny_config(tmp_path / "resumed", "train.steps=12", *schedule), resume=True, quiet=True).run()
+    straight_w, straight_s = final_state(tmp_path / "straight", *schedule)
+    resumed_w, resumed_s = final_state(tmp_path / "resumed", *schedule)
+    assert straight_s["step"] == resumed_s["step"] == 12
+    assert int(straight_w["controller.stage"]) == 2  # the run crossed the stage switch
+    for name, value in straight_w.items():
+        assert bitwise_equal(value, resumed_w[name]), name
+    for a, b in zip(straight_s["predictor_optimizers"], resumed_s["predictor_optimizers"]):
+        for key in a["state"]:
+            assert torch.equal(a["state"][key]["exp_avg"], b["state"][key]["exp_avg"])
+    assert torch.equal(straight_s["data_generator"], resumed_s["data_generator"])
+
+
+def test_checkpoint_errors_are_clear_and_keep_saved_files(tmp_path):
+    cfg = tiny_config(tmp_path, "train.steps=4", "train.ckpt_every=2", "train.keep_checkpoints=3")
+    Trainer(cfg, quiet=True).run()
+    checkpoints = list_checkpoints(tmp_path)
+    assert [p.name for p in checkpoints] == ["step_00000002", "step_00000004"]
+    snapshot = {p: p.read_bytes() for c in checkpoints for p in c.iterdir()}
+
+    with pytest.raises(FileExistsError, match="--resume"):
+        Trainer(cfg, quiet=True)
+    with pytest.raises(CheckpointError, match="model.hidden"):
+        Trainer(tiny_config(tmp_path, "train.steps=6", "model.hidden=48"), resume=True, quiet=True)
+    weights = checkpoints[-1] / "model.safetensors"
+    weights.write_bytes(snapshot[weights][: len(snapshot[weights]) // 2])  # a truncated file
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        Trainer(tiny_config(tmp_path, "train.steps=6"), resume=True, quiet=True)
+    weights.write_bytes(snapshot[weights])
+    # Nothing the failed attempts touched was lost or changed.
+    assert {p: p.read_bytes() for c in list_checkpoints(tmp_path) for p in c.iterdir()} == snapshot
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        Trainer(tiny_config(tmp_path / "empty", "train.steps=2"), resume=True, quiet=True)
+
+
+def test_config_overrides_reject_bad_input():
+    base = get_recipe("debug_cpu")
+    with pytest.raises(ValueError, match="unknown field"):
+        apply_overrides(base, ["model.hiden=3"])
+    with pytest.raises(ValueError, match="unknown section"):
+        apply_overrides(base, ["modle.hidden=3"])
+    with pytest.raises(ValueError, match="attention.mode"):
+        apply_overrides(base, ["attention.mode=sparse"])
+    with pytest.raises(ValueError, match="boolean"):
+        apply_overrides(base, ["train.bf16=maybe"])
+    with pytest.raises(ValueError, match="unknown recipe"):
+        get_recipe("nope")
+    assert apply_overrides(base, ["attention.cube=4x4x4"]).attention.cube == (4, 4, 4)
+
+
+def test_cli_sample_and_profile_write_their_files(tmp_path, capsys):
+    run = tmp_path / "run"
+    overrides = [item for o in TINY + [f"train.out_dir={run}", "train.steps=6", "train.ckpt_every=6",
+                                       "attention.max_stage1_steps=2"] for item in ("--set", o)]
+    assert main(["train", "--recipe", "debug_cpu", *overrides]) == 0
+    assert main(["sample", "--checkpoint", str(run), "--out", str(tmp_path / "s.gif"), "--num", "2",
+                 "--steps", "2"]) == 0
+    assert (tmp_path / "s.gif").stat().st_size > 0
+    assert main(["profile", "--checkpoint", str(run), "--out", str(tmp_path / "prof"), "--clips", "2"]) == 0
+    for name in ("sparsity.png", "recall.png", "profile.md", "profile.json"):
+        assert (tmp_path / "prof" / name).stat().st_size > 0
+    profile = json.loads((tmp_path / "prof" / "profile.json").read_text())
+    assert len(profile["sparsity"]) == 2 and len(profile["sparsity"][0]) == 2
+    assert main(["train", "--recipe", "debug_cpu", "--set", "model.hiden=3"]) == 2
+    assert "unknown field" in capsys.readouterr().err
