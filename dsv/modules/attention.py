@@ -251,3 +251,9 @@ class DSVAttention(nn.Module):
                 f"{q.device} (slow); reason: backend={self.cfg.backend!r} or Triton kernels unavailable",
                 stacklevel=3,
             )
+
+
+def model_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters for the model's optimizer: all but the sparsity predictors, which step themselves."""
+    predictor_params = {id(p) for m in model.modules() if isinstance(m, LowRankPredictor) for p in m.parameters()}
+    return [p for p in model.parameters() if id(p) not in predictor_params]

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from dsv.modules.attention import model_parameters
 from dsv.modules.dit import VideoDiT, flow_matching_loss
 from dsv.train.checkpoint import (
     CheckpointError,
@@ -64,8 +65,7 @@ class Trainer:
 
         self.model = build_model(cfg, self.device)
         self.controller = self.model.controller
-        model_params = [p for n, p in self.model.named_parameters() if ".predictor." not in n]
-        self.optimizer = torch.optim.AdamW(model_params, lr=cfg.optim.lr, betas=cfg.optim.betas,
+        self.optimizer = torch.optim.AdamW(model_parameters(self.model), lr=cfg.optim.lr, betas=cfg.optim.betas,
                                            weight_decay=cfg.optim.weight_decay)
         warmup = cfg.optim.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
