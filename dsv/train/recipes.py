@@ -26,11 +26,16 @@ def get_recipe(name: str) -> Config:
 @recipe
 def debug_cpu() -> Config:
     """A tiny DiT on the bundled real video that trains on 2 CPU cores in under 3 minutes and goes
-    through both stages: 8 frames of 32×32 pixels, 1×4×4 patches → an 8×8×8 grid of 512 tokens."""
+    through both stages: 8 frames of 32×32 pixels, 1×4×4 patches → an 8×8×8 grid of 512 tokens.
+
+    At this size and training length attention is still diffuse (head sparsity ~0.3–0.45 at θ = 0.9,
+    against 0.8–0.99 in the paper's trained 2.7B model), so the dispatch threshold is 0.35 and the
+    switch threshold 0.2 to show the whole method within the time budget.
+    """
     return Config(
         model=ModelConfig(in_channels=3, patch=(1, 4, 4), hidden=96, depth=4, heads=4),
         attention=AttentionConfig(
-            mode="dsv", cube=(2, 2, 2), rank=8, predictor_lr=3e-3, sample_stride=4,
+            mode="dsv", cube=(2, 2, 2), predictor_lr=3e-3, sample_stride=4,
             profile_every_stage1=10, profile_every_stage2=20,
             switch_loss_threshold=0.2, min_stage1_steps=60, max_stage1_steps=150,
             sparse_threshold=0.35, keep_floor_blocks=4,
