@@ -184,6 +184,11 @@ def good_arguments():
         (lambda a: {"index": dataclasses.replace(a["index"], counts=a["index"].counts * 0)},
          r"SparseIndex.counts must lie in"),
         (lambda a: {"scale": -1.0}, r"scale must be a positive finite float"),
+        # The meta device stands in for "another device" on a CPU-only machine.
+        (lambda a: {"k": a["k"].to("meta")}, r"k is on meta but q is on cpu"),
+        (lambda a: {"index": dataclasses.replace(a["index"], indices=a["index"].indices.to("meta"),
+                                                 counts=a["index"].counts.to("meta"))},
+         r"index tensors are on meta/meta, inputs on cpu"),
     ],
 )
 def test_bad_inputs_raise_value_error_naming_the_argument(change, match):
