@@ -74,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--device", default="auto")
     profile.set_defaults(func=_profile)
 
+    plan = sub.add_parser("plan", help="context-parallel plan per block (HCP, SCP, hybrid) from a sparsity profile")
+    from dsv.parallel import plan_cli
+
+    plan_cli.add_arguments(plan)
+    plan.set_defaults(func=plan_cli.run)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="what", required=True)
     kernels = bench_sub.add_parser("kernels", help="sparse kernels vs dense cuDNN and FlexAttention (GPU)")

@@ -1,0 +1,166 @@
+"""Head-wise context parallelism (HCP, Ulysses-like) with uneven, cost-balanced head counts.
+
+Layout. ``N`` ranks of a process group each hold a contiguous chunk of the grouped-order sequence:
+rank ``r`` holds tokens ``[r * S_local, (r + 1) * S_local)`` of every head, ``S = N * S_local``. A
+placement (``dsv.parallel.placement``) gives rank ``r`` the heads ``placement[r]`` (``H_r`` of them; the
+counts may differ). Heads are permuted into the order ``placement[0] + placement[1] + ...`` so that each
+rank's heads are one contiguous run of ``H_r`` heads; one ``all_to_all_single`` with split sizes
+``[H_0, ..., H_{N-1}]`` then hands rank ``r`` the full sequence of its heads, and the reverse exchange
+returns each rank its ``S_local`` rows of every head's output.
+
+Communication per rank and direction: ``3 * H_r * S_local * D * (N - 1)`` elements in for q, k, v and
+``H_r * S_local * D * (N - 1)`` out for the output; the backward moves the same volumes the other way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dsv.ops.index import SparseIndex, check_bhsd
+from dsv.ops.sparse_attention import sparse_attention_reference
+from dsv.parallel.placement import check_placement
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[int]], torch.Tensor]
+"""``attention_fn(q, k, v, head_ids) -> out``: ``[B, H_r, S, D]`` inputs of the global heads ``head_ids``."""
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` along dim 0 with uneven splits; the backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits: list[int], input_splits: list[int], group):
+        out = x.new_empty((sum(output_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        output_splits, input_splits = ctx.splits
+        # The gradient of a row goes back to where the row came from: the same exchange, splits swapped.
+        grad_in = grad_out.new_empty((sum(input_splits), *grad_out.shape[1:]))
+        dist.all_to_all_single(grad_in, grad_out.contiguous(), input_splits, output_splits, group=ctx.group)
+        return grad_in, None, None, None
+
+
+def all_to_all(
+    x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int], group=None
+) -> torch.Tensor:
+    """Differentiable ``all_to_all_single`` along dim 0.
+
+    Args:
+        x: ``[sum(input_splits), ...]``; the ``input_splits[j]`` rows after the first
+            ``sum(input_splits[:j])`` go to rank ``j`` of ``group``.
+        output_splits: rows received from each rank; must match what each rank sends here.
+        input_splits: rows sent to each rank.
+        group: process group, default the world.
+
+    Returns:
+        ``[sum(output_splits), ...]``, the rows from rank 0 first. Its gradient is routed back to the
+        senders by the reverse exchange (collective in backward too: every rank must run backward).
+    """
+    world = dist.get_world_size(group)
+    if len(output_splits) != world or len(input_splits) != world:
+        raise ValueError(
+            f"split lists must have one entry per rank ({world}), got {len(output_splits)} and "
+            f"{len(input_splits)}"
+        )
+    if sum(input_splits) != x.shape[0]:
+        raise ValueError(f"input_splits sum to {sum(input_splits)} but x has {x.shape[0]} rows")
+    return _AllToAll.apply(x, [int(s) for s in output_splits], [int(s) for s in input_splits], group)
+
+
+def hcp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    placement: Sequence[Sequence[int]],
+    attention_fn: AttentionFn,
+    group=None,
+) -> torch.Tensor:
+    """Attention over a sequence-sharded input, computed head-parallel with uneven head counts.
+
+    Every rank of ``group`` must call this with the same shapes, the same ``placement`` and an
+    ``attention_fn`` that computes the same function of its heads.
+
+    Args:
+        q, k, v: ``[B, H, S_local, D]``, this rank's contiguous chunk of the grouped-order sequence
+            (rank ``r`` holds tokens ``[r * S_local, (r + 1) * S_local)``).
+        placement: ``N`` lists of global head ids (``dsv.parallel.placement.place_heads``); rank ``r``
+            computes the heads ``placement[r]``, at least one.
+        attention_fn: ``attention_fn(q_full, k_full, v_full, head_ids) -> out_full``, all
+            ``[B, H_r, S, D]`` with ``S = N * S_local``; ``head_ids`` are the global ids of the ``H_r`` heads
+            in order (``placement[r]``). E.g. ``dense_attention_fn()`` or ``sparse_attention_fn(index)``.
+        group: process group, default the world.
+
+    Returns:
+        ``out [B, H, S_local, D]``: this rank's rows of the attention output of every head, in the
+        input's head order. Differentiable in ``q``, ``k``, ``v`` (the backward is collective too).
+    """
+    batch, heads, local_len, dim = check_bhsd({"q": q, "k": k, "v": v})
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world > heads:
+        raise ValueError(
+            f"head-wise CP over {world} ranks needs at least {world} heads, got H={heads}; "
+            "use sequence-wise CP (dsv.parallel.scp) for the extra ranks"
+        )
+    check_placement(placement, heads, world)
+    order = torch.tensor([h for members in placement for h in members], device=q.device)
+    counts = [len(members) for members in placement]
+    mine = counts[rank]
+
+    # [3, B, H, S_local, D] -> heads first in placement order: [H, 3, B, S_local, D], split along dim 0.
+    qkv = torch.stack((q, k, v)).index_select(2, order).permute(2, 0, 1, 3, 4)
+    received = all_to_all(qkv, [mine] * world, counts, group)
+    # Rows arrive from rank 0 first, so the source rank index is the sequence chunk index.
+    full = received.view(world, mine, 3, batch, local_len, dim).permute(2, 3, 1, 0, 4, 5)
+    q_full, k_full, v_full = full.reshape(3, batch, mine, world * local_len, dim).unbind(0)
+
+    head_ids = [int(h) for h in placement[rank]]
+    out_full = attention_fn(q_full, k_full, v_full, head_ids)
+    expected = (batch, mine, world * local_len, dim)
+    if tuple(out_full.shape) != expected:
+        raise ValueError(f"attention_fn returned shape {tuple(out_full.shape)}, expected {expected}")
+
+    # [B, H_r, N * S_local, D] -> [N, H_r, B, S_local, D]: chunk j goes back to rank j.
+    chunks = out_full.reshape(batch, mine, world, local_len, dim).permute(2, 1, 0, 3, 4)
+    returned = all_to_all(chunks.reshape(world * mine, batch, local_len, dim), counts, [mine] * world, group)
+    out_permuted = returned.permute(1, 0, 2, 3)  # [B, H, S_local, D], heads in placement order
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(heads, device=q.device)
+    return out_permuted.index_select(1, inverse)
+
+
+def dense_attention_fn(scale: float | None = None) -> AttentionFn:
+    """An ``attention_fn`` running dense ``F.scaled_dot_product_attention`` on the received heads."""
+
+    def attention(q, k, v, head_ids):
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
+
+    return attention
+
+
+def sparse_attention_fn(index: SparseIndex, scale: float | None = None) -> AttentionFn:
+    """An ``attention_fn`` running ``sparse_attention_reference`` with the received heads' rows of ``index``.
+
+    Args:
+        index: the full-sequence ``SparseIndex`` ``[B, H, NG, K_max]`` of all heads, identical on every rank.
+        scale: softmax scale, default ``D ** -0.5``.
+    """
+
+    def attention(q, k, v, head_ids):
+        heads = torch.tensor(head_ids, device=index.indices.device)
+        rows = SparseIndex(
+            index.indices.index_select(1, heads),
+            index.counts.index_select(1, heads),
+            index.group_size,
+            index.kv_block,
+            index.seq_len,
+        )
+        return sparse_attention_reference(q, k, v, rows, scale)
+
+    return attention

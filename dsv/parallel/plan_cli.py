@@ -1,0 +1,162 @@
+"""`dsv plan`: predicted attention time of naive HCP, naive SCP and the hybrid plan, from the cost model.
+
+``add_arguments(parser)`` fills an argparse parser; ``run(args)`` prints the plan as markdown and
+returns 0. Everything printed is a model prediction (``dsv.parallel.planner``), not a measurement.
+Until ``dsv plan`` is wired, ``python -m dsv.parallel.plan_cli [options]`` runs the same thing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dsv.parallel.planner import (
+    AttentionShape,
+    BlockPlan,
+    Cluster,
+    ModelPlan,
+    load_profile,
+    paper_profile,
+    plan_model,
+)
+from dsv.parallel.placement import METHODS
+
+# The paper's 2.7B model (DESIGN §2) and the H200 anchors of DESIGN §3.
+DEFAULT_LAYERS, DEFAULT_HEADS, DEFAULT_HEAD_DIM = 32, 16, 128
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("model")
+    model.add_argument("--layers", type=int, default=None,
+                       help=f"attention blocks (default {DEFAULT_LAYERS}, or the profile's)")
+    model.add_argument("--heads", type=int, default=None, help=f"heads (default {DEFAULT_HEADS}, or the profile's)")
+    model.add_argument("--head-dim", type=int, default=DEFAULT_HEAD_DIM)
+    model.add_argument("--tokens", type=int, default=262144, help="sequence length S per sample")
+    model.add_argument("--batch", type=int, default=1, help="samples per GPU group")
+    model.add_argument("--bytes-per-element", type=int, default=2, help="2 for bf16")
+    model.add_argument("--profile", default=None,
+                       help="JSON per-layer per-head sparsity ([[s, ...], ...] or {\"sparsity\": ...}); "
+                            "default: the built-in paper 2.7B profile")
+    cluster = parser.add_argument_group("cluster")
+    cluster.add_argument("--gpus", type=int, nargs="+", default=[4, 8, 16, 32, 64, 128])
+    cluster.add_argument("--gpus-per-node", type=int, default=8)
+    cluster.add_argument("--intra-node-gbps", type=float, default=450.0,
+                         help="GB/s per GPU and direction inside a node (NVLink)")
+    cluster.add_argument("--inter-node-gbps", type=float, default=50.0,
+                         help="GB/s per GPU and direction between nodes (a 400 Gb/s NIC per GPU)")
+    cluster.add_argument("--dense-tflops", type=float, default=560.0,
+                         help="dense attention fwd+bwd TFLOP/s per GPU (cuDNN on an H200, DESIGN §3)")
+    cluster.add_argument("--sparse-efficiency", type=float, default=1.0,
+                         help="sparse kernel TFLOP/s per kept FLOP as a fraction of dense (1 = ideal)")
+    planning = parser.add_argument_group("planning")
+    planning.add_argument("--sparse-threshold", type=float, default=0.8,
+                          help="a block runs sparse when its mean head sparsity is at least this")
+    planning.add_argument("--memory-cap-gib", type=float, default=None,
+                          help="per-GPU cap on one block's attention working set for the hybrid plan")
+    planning.add_argument("--placement", nargs="+", choices=METHODS, default=["naive", "lpt"],
+                          help="head placement methods the hybrid search tries")
+    planning.add_argument("--per-block", type=int, nargs="*", default=None,
+                          help="GPU counts whose per-block plans are printed (default: all of --gpus)")
+
+
+def _profile(args) -> tuple[list[list[float]], str]:
+    if args.profile is None:
+        layers = args.layers or DEFAULT_LAYERS
+        heads = args.heads or DEFAULT_HEADS
+        description = (
+            f"built-in paper 2.7B profile (DESIGN §2), {layers} blocks x {heads} heads: blocks 1-3 and the "
+            "last in [0.01, 0.02], block 4 in [0.70, 0.80], the rest in [0.90, 0.99]; heads spread "
+            "deterministically over each range by a golden-ratio sequence (not measured values)"
+        )
+        return paper_profile(layers, heads), description
+    profile = load_profile(args.profile)
+    if args.layers is not None and args.layers != len(profile):
+        raise ValueError(f"--layers={args.layers} but {args.profile} lists {len(profile)} layers")
+    if args.heads is not None and args.heads != len(profile[0]):
+        raise ValueError(f"--heads={args.heads} but {args.profile} lists {len(profile[0])} heads per layer")
+    return profile, f"{args.profile}, {len(profile)} blocks x {len(profile[0])} heads"
+
+
+def _ms(plan: BlockPlan | None) -> str:
+    return "n/a" if plan is None else f"{plan.time_s * 1e3:.2f}"
+
+
+def _seconds(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def _per_block_table(plan: ModelPlan, cap_bytes: int | None) -> list[str]:
+    lines = [
+        "| block | mean s | path | hybrid HCP x SCP | heads per HCP rank | naive HCP ms | "
+        "naive SCP ms | hybrid ms | hybrid compute / comm ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for layer, block in enumerate(plan.blocks):
+        hybrid = block.hybrid
+        slowest = max(range(hybrid.hcp), key=lambda r: hybrid.rank_s[r])
+        counts = "/".join(str(len(heads)) for heads in hybrid.placement)
+        over = [
+            name for name, p in (("naive HCP", block.naive_hcp), ("naive SCP", block.naive_scp))
+            if p is not None and cap_bytes is not None and p.memory_bytes > cap_bytes
+        ]
+        note = f" (over cap: {', '.join(over)})" if over else ""
+        lines.append(
+            f"| {layer + 1} | {sum(block.sparsity) / len(block.sparsity):.3f} | "
+            f"{'sparse' if hybrid.sparse else 'dense'} | {hybrid.hcp} x {hybrid.scp} | {counts} | "
+            f"{_ms(block.naive_hcp)} | {_ms(block.naive_scp)} | {_ms(hybrid)}{note} | "
+            f"{hybrid.compute_s[slowest] * 1e3:.2f} / {hybrid.comm_s[slowest] * 1e3:.2f} |"
+        )
+    return lines
+
+
+def run(args) -> int:
+    profile, description = _profile(args)
+    shape = AttentionShape(args.tokens, len(profile[0]), args.head_dim, args.batch, args.bytes_per_element)
+    cap_bytes = None if args.memory_cap_gib is None else int(args.memory_cap_gib * 2**30)
+    plans = []
+    for gpus in args.gpus:
+        cluster = Cluster(gpus, args.gpus_per_node, args.intra_node_gbps, args.inter_node_gbps,
+                          args.dense_tflops, args.sparse_efficiency)
+        plans.append(plan_model(profile, shape, cluster, args.sparse_threshold, cap_bytes, args.placement))
+
+    print("# Context-parallel plan (cost-model predictions, not measurements)\n")
+    print(f"- model: {len(profile)} blocks x {shape.heads} heads x head dim {shape.head_dim}; "
+          f"{shape.tokens} tokens, batch {shape.batch}, {shape.bytes_per_element} bytes per element")
+    print(f"- cluster: {args.gpus_per_node} GPUs per node; {args.intra_node_gbps:g} GB/s intra-node, "
+          f"{args.inter_node_gbps:g} GB/s inter-node per GPU and direction; dense attention "
+          f"{args.dense_tflops:g} TFLOP/s fwd+bwd; sparse efficiency {args.sparse_efficiency:g}")
+    print(f"- profile: {description}")
+    print(f"- dispatch: a block runs sparse when its mean head sparsity >= {args.sparse_threshold:g}, "
+          "else dense with every key kept")
+    print(f"- hybrid head placement methods: {', '.join(args.placement)}; memory cap: "
+          f"{'none' if cap_bytes is None else f'{args.memory_cap_gib:g} GiB'}")
+    print("- times: attention forward+backward of all blocks in one step, compute + communication, "
+          "no overlap; naive HCP = Ulysses over all GPUs with equal head counts (n/a: more GPUs than "
+          "heads); naive SCP = every GPU keeps its queries and fetches every remote K/V row\n")
+
+    print("| GPUs | naive HCP s/step | naive SCP s/step | hybrid s/step | hybrid speedup vs best naive |")
+    print("|---|---|---|---|---|")
+    for plan in plans:
+        naive = [t for t in (plan.naive_hcp_s, plan.naive_scp_s) if t is not None]
+        print(f"| {plan.cluster.gpus} | {_seconds(plan.naive_hcp_s)} | {_seconds(plan.naive_scp_s)} | "
+              f"{_seconds(plan.hybrid_s)} | {min(naive) / plan.hybrid_s:.2f}x |")
+
+    detail = args.gpus if args.per_block is None else args.per_block
+    unknown = sorted(set(detail) - set(args.gpus))
+    if unknown:
+        raise ValueError(f"--per-block lists {unknown}, which are not in --gpus {args.gpus}")
+    for plan in plans:
+        if plan.cluster.gpus in detail:
+            print(f"\n## {plan.cluster.gpus} GPUs: per-block plans\n")
+            print("\n".join(_per_block_table(plan, cap_bytes)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dsv plan", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Helpers for distributed tests: run a worker on N gloo ranks in fresh processes and collect results.
+
+Each rank writes what its worker returns to ``<dir>/rank<r>.pt``; a rank that raises writes the
+traceback instead, so the parent fails with the worker's own error rather than a bare exit code.
+"""
+
+import datetime
+import multiprocessing
+import os
+import socket
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+COLLECTIVE_TIMEOUT_S = 30
+"""A rank left waiting in a collective (its peer died) gives up after this long instead of hanging."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(worker, rank, world_size, port, args, out_dir):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    # One thread per rank: the ranks share two cores, and oversubscription makes every step slower.
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    )
+    try:
+        result = worker(rank, world_size, *args)
+        torch.save({"result": result}, Path(out_dir) / f"rank{rank}.pt")
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, Path(out_dir) / f"rank{rank}.pt")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(worker, world_size: int, *args, out_dir: Path, timeout_s: float = 60.0) -> list:
+    """Run ``worker(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result.
+
+    ``worker`` must be a module-level function (it is pickled into spawned processes).
+    """
+    context = multiprocessing.get_context("spawn")
+    port = free_port()
+    processes = [
+        context.Process(target=_entry, args=(worker, rank, world_size, port, args, str(out_dir)))
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
+    for rank in hung:
+        processes[rank].kill()
+        processes[rank].join()
+    outcomes = []
+    for rank in range(world_size):
+        path = Path(out_dir) / f"rank{rank}.pt"
+        outcomes.append(torch.load(path, weights_only=False) if path.exists() else None)
+    errors = [f"rank {r}:\n{o['error']}" for r, o in enumerate(outcomes) if o is not None and "error" in o]
+    if errors:
+        raise AssertionError("worker failed\n" + "\n".join(errors))
+    if hung:
+        raise AssertionError(f"ranks {hung} did not finish within {timeout_s} s")
+    missing = [rank for rank, outcome in enumerate(outcomes) if outcome is None]
+    if missing:
+        codes = [processes[r].exitcode for r in missing]
+        raise AssertionError(f"ranks {missing} exited with codes {codes} without a result")
+    return [outcome["result"] for outcome in outcomes]
