@@ -1,0 +1,1 @@
+"""Benchmarks: ``dsv bench kernels`` (sparse attention kernels against dense cuDNN and FlexAttention)."""

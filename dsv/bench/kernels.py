@@ -1,0 +1,349 @@
+"""``dsv bench kernels``: DSV's Triton sparse attention against cuDNN dense attention and FlexAttention.
+
+One run on one GPU. A correctness gate comes first (DSV kernels against the PyTorch references on a small
+ragged shape, forward and gradients; the fused estimation against ``estimate_index``) and the run aborts if
+it fails. Then per sequence length S: cuDNN SDPA dense, and per sparsity: FlexAttention (compiled, a
+``BlockMask`` of the same index), DSV forward, forward+backward and estimation. Times are medians of
+``triton.testing.do_bench`` (CUDA events, L2 flushed between runs); TFLOP/s counts attention FLOPs of the
+kept query-key pairs (``4 * pairs * D`` forward, 2.5x that backward); peak memory is
+``torch.cuda.max_memory_allocated`` over one forward+backward, inputs and index included.
+
+The kernel modules are imported inside ``run``: the CLI imports this module to build its parser, and that
+must not decorate the Triton kernels before a test process sets ``TRITON_INTERPRET``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from dsv.ops.measure import index_recall, oracle_index, sample_query_rows
+
+TARGETS = {0.90: 8.0, 0.95: 15.0, 0.98: 25.0}
+"""Forward+backward speedup over dense cuDNN asked for at S >= 32k, by sparsity."""
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[16384, 32768, 65536], help="sequence lengths S")
+    parser.add_argument("--sparsities", type=float, nargs="+", default=[0.90, 0.95, 0.98],
+                        help="fraction of key blocks each group drops")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=24)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--group-size", type=int, default=128, help="query tokens per group")
+    parser.add_argument("--kv-block", type=int, default=128, help="key tokens per block")
+    parser.add_argument("--rank", type=int, default=16, help="per-head dim of the low-rank estimation inputs")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--rep-ms", type=int, default=300, help="do_bench repetition budget per measurement")
+    parser.add_argument("--skip-dense", action="store_true", help="leave out cuDNN dense")
+    parser.add_argument("--skip-flex", action="store_true", help="leave out FlexAttention (saves its compiles)")
+    parser.add_argument("--out", type=Path, default=None, help="write the markdown report here")
+
+
+def attention_flops(pairs: float, head_dim: int, backward: bool) -> float:
+    """FLOPs over ``pairs`` query-key pairs: 4*pairs*D forward (QK^T and PV), 2.5x that for the backward."""
+    forward = 4.0 * pairs * head_dim
+    return forward * 3.5 if backward else forward
+
+
+def kept_pairs(index) -> float:
+    """Query-key pairs an index keeps, summed over batch and heads; ragged tails counted exactly."""
+    S, G, kv = index.seq_len, index.group_size, index.kv_block
+    device = index.indices.device
+    block_starts = torch.arange(index.num_kv_blocks, device=device) * kv
+    block_tokens = (block_starts + kv).clamp(max=S) - block_starts
+    keys = torch.where(index.valid_mask(), block_tokens[index.indices.clamp(min=0).long()], 0).sum(-1)
+    group_starts = torch.arange(index.num_groups, device=device) * G
+    rows = (group_starts + G).clamp(max=S) - group_starts
+    return float((keys.double() * rows.double()).sum())
+
+
+def recall_at_equal_keep(q: torch.Tensor, k: torch.Tensor, kept_fraction: float, group_size: int,
+                         kv_blocks=(1, 64), row_stride: int = 16, scale: float | None = None) -> dict:
+    """Attention mass that the oracle index keeps at one kept fraction, for several key granularities.
+
+    For each ``kv_block`` in ``kv_blocks`` every head keeps ``max(1, round(kept_fraction * NKB))`` blocks
+    chosen by ``measure.oracle_index`` (exact per-group mass top-k), so token-level selection (``kv_block=1``)
+    and block-level selection keep about the same number of keys; ``measure.index_recall`` then measures
+    the exact softmax mass captured on every ``row_stride``-th query row.
+
+    Args:
+        q, k: ``[B, H, S, D]`` in grouped token order (e.g. a trained model's attention inputs).
+        kept_fraction: kept fraction of the keys, in (0, 1].
+        group_size: query tokens per group.
+
+    Returns:
+        ``{kv_block: float32 [B, H] recall}``.
+    """
+    if not 0.0 < kept_fraction <= 1.0:
+        raise ValueError(f"kept_fraction must lie in (0, 1], got {kept_fraction!r}")
+    B, H, S, _ = q.shape
+    rows = sample_query_rows(S, row_stride).to(q.device)
+    result = {}
+    for kv_block in kv_blocks:
+        n_blocks = math.ceil(S / kv_block)
+        keep = torch.full((H,), max(1, round(kept_fraction * n_blocks)), dtype=torch.int64)
+        index = oracle_index(q, k, keep, group_size, kv_block, scale=scale)
+        result[kv_block] = index_recall(q, k, index, rows, scale=scale)
+    return result
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def correctness_gate(args, dtype: torch.dtype, device: str = "cuda") -> list[str]:
+    """DSV kernels against the references on a small ragged shape; returns the failures (empty: passed)."""
+    from dsv.ops.estimate import estimate_index
+    from dsv.ops.estimate.triton_kernels import estimate_index_triton
+    from dsv.ops.sparse_attention import sparse_attention_reference
+    from dsv.ops.sparse_attention.triton_kernels import sparse_attention_triton
+
+    failures = []
+    G, kv, D = args.group_size, args.kv_block, args.head_dim
+    B, H, S = 2, 3, 8 * max(G, kv) + 37
+    n_blocks = math.ceil(S / kv)
+    keep = torch.tensor([1, 3, n_blocks // 2])
+    q_lr, k_lr = (torch.randn(B, H, S, args.rank, device=device, dtype=dtype) for _ in range(2))
+    index = estimate_index_triton(q_lr, k_lr, keep, G, kv)
+    index.validate()
+    ref_index = estimate_index(q_lr, k_lr, keep, G, kv)
+    mismatch = (index.indices != ref_index.indices).float().mean().item()
+    # The fused kernel sums fp32 scores in another order: only near-ties may swap (rare).
+    if not torch.equal(index.counts, ref_index.counts) or mismatch > 1e-2:
+        failures.append(f"estimation: {mismatch:.2%} of index entries differ from estimate_index")
+
+    q, k, v = (torch.randn(B, H, S, D, device=device, dtype=dtype).requires_grad_() for _ in range(3))
+    grad_out = torch.randn_like(q)
+    out = sparse_attention_triton(q, k, v, index)
+    got = (out, *torch.autograd.grad(out, (q, k, v), grad_out))
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    ref = sparse_attention_reference(q32, k32, v32, index)
+    want = (ref, *torch.autograd.grad(ref, (q32, k32, v32), grad_out.float()))
+    # Two units of the dtype's eps, as tests/ops/test_triton_kernels.py derives.
+    tol = 2 * torch.finfo(dtype).eps
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        err = _rel_err(a, b)
+        if not torch.isfinite(a).all() or err > tol:
+            failures.append(f"sparse attention {name}: relative L2 error {err:.2e} > {tol:.2e}")
+    return failures
+
+
+def _flex_block_mask(index):
+    """FlexAttention BlockMask listing the index's blocks as full blocks (no mask_mod calls)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    B, H, NG, K = index.indices.shape
+    n_blocks = index.num_kv_blocks
+    full_indices = torch.zeros(B, H, NG, n_blocks, dtype=torch.int32, device=index.indices.device)
+    full_indices[..., :K] = index.indices.clamp(min=0)
+    no_partial = torch.zeros_like(index.counts)
+    return BlockMask.from_kv_blocks(no_partial, torch.zeros_like(full_indices), index.counts.contiguous(),
+                                    full_indices, BLOCK_SIZE=(index.group_size, index.kv_block),
+                                    seq_lengths=(index.seq_len, index.seq_len))
+
+
+def _flex_kernel_options(group_size: int, kv_block: int):
+    """FlexAttention's default tiles are 128; sparse blocks under 128 need tiles that divide them."""
+    if min(group_size, kv_block) >= 128:
+        return None
+    m, n = min(group_size, 64), min(kv_block, 64)
+    return {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_M1": min(m, 32), "BLOCK_N1": n, "BLOCK_M2": m, "BLOCK_N2": min(n, 32)}
+
+
+def _fwd_bwd(attention, q, k, v, grad_out):
+    def step():
+        out = attention(q, k, v)
+        torch.autograd.grad(out, (q, k, v), grad_out)
+    return step
+
+
+def _peak_gib(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / 2**30
+
+
+def _gpu_kernel_ms(fn, reps: int = 10) -> float:
+    """GPU time of the kernels ``fn`` launches, per call (torch.profiler), without host launch overhead."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return total_us / reps / 1e3 if total_us > 0 else None  # None: the profiler recorded no kernels
+
+
+def _fmt_len(S: int) -> str:
+    return f"{S // 1024}k" if S % 1024 == 0 else str(S)
+
+
+def _fmt(x, spec=".2f"):
+    return "—" if x is None else format(x, spec)
+
+
+def _bench_ms(fn, rep_ms: float) -> float:
+    """Median ms of ``fn`` by triton.testing.do_bench, with at least ~10 timed runs for slow cases."""
+    from triton.testing import do_bench
+
+    fn()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    stop.record()
+    torch.cuda.synchronize()
+    return do_bench(fn, warmup=25, rep=max(rep_ms, 10 * start.elapsed_time(stop)), return_mode="median")
+
+
+def _cudnn_attention(q, k, v):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+def _bench_seq_len(S: int, args, dtype: torch.dtype, flex) -> list[dict]:
+    """Rows of one sequence length: cuDNN dense, then per sparsity FlexAttention and DSV."""
+    from dsv.ops.estimate import estimate_index
+    from dsv.ops.estimate.triton_kernels import estimate_index_triton
+    from dsv.ops.sparse_attention.triton_kernels import sparse_attention_triton
+
+    B, H, D, G, kv = args.batch, args.heads, args.head_dim, args.group_size, args.kv_block
+    kernel_options = _flex_kernel_options(G, kv)
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=dtype).requires_grad_() for _ in range(3))
+    grad_out = torch.randn_like(q)
+    rows = []
+    dense_ms = None
+    if not args.skip_dense:
+        step = _fwd_bwd(_cudnn_attention, q, k, v, grad_out)
+        dense_ms, dense_mem = _bench_ms(step, args.rep_ms), _peak_gib(step)
+        with torch.no_grad():
+            dense_fwd_ms = _bench_ms(lambda: _cudnn_attention(q, k, v), args.rep_ms)
+        dense_flops = attention_flops(B * H * float(S) * S, D, backward=True)
+        rows.append(dict(S=S, method="cuDNN dense", kept=1.0, fwd_ms=dense_fwd_ms, ms=dense_ms,
+                         tflops=dense_flops / dense_ms / 1e9, mem=dense_mem))
+        print(rows[-1], flush=True)
+    q_lr, k_lr = (torch.randn(B, H, S, args.rank, device="cuda", dtype=dtype) for _ in range(2))
+    n_blocks = math.ceil(S / kv)
+    for sparsity in args.sparsities:
+        keep = torch.full((H,), max(1, round((1 - sparsity) * n_blocks)), dtype=torch.int64)
+        index = estimate_index_triton(q_lr, k_lr, keep, G, kv)
+        pairs = kept_pairs(index)
+        kept = pairs / (B * H * float(S) * S)
+        flops = attention_flops(pairs, D, backward=True)
+        estimate = lambda: estimate_index_triton(q_lr, k_lr, keep, G, kv)  # noqa: E731
+        est_ms, est_gpu_ms = _bench_ms(estimate, args.rep_ms), _gpu_kernel_ms(estimate)
+        est_ref_ms = _bench_ms(lambda: estimate_index(q_lr, k_lr, keep, G, kv), args.rep_ms)
+        attention = lambda q, k, v: sparse_attention_triton(q, k, v, index)  # noqa: E731
+        step = _fwd_bwd(attention, q, k, v, grad_out)
+        dsv_ms, dsv_mem = _bench_ms(step, args.rep_ms), _peak_gib(step)
+        with torch.no_grad():
+            dsv_fwd_ms = _bench_ms(lambda: attention(q, k, v), args.rep_ms)
+        flex_ms = None
+        if not args.skip_flex:
+            block_mask = _flex_block_mask(index)
+            flex_attention = lambda q, k, v: flex(q, k, v, block_mask=block_mask,  # noqa: E731
+                                                  kernel_options=kernel_options)
+            with torch.no_grad():
+                # Two independent implementations of one mask must agree (DESIGN §4: an ignored
+                # BlockMask computes dense attention silently).
+                agree = _rel_err(flex_attention(q, k, v), attention(q, k, v))
+                flex_fwd_ms = _bench_ms(lambda: flex_attention(q, k, v), args.rep_ms)
+            step = _fwd_bwd(flex_attention, q, k, v, grad_out)
+            flex_ms, flex_mem = _bench_ms(step, args.rep_ms), _peak_gib(step)
+            rows.append(dict(S=S, method="FlexAttention", kept=kept, fwd_ms=flex_fwd_ms, ms=flex_ms,
+                             tflops=flops / flex_ms / 1e9, mem=flex_mem, agree=agree, dense_ms=dense_ms))
+            print(rows[-1], flush=True)
+        rows.append(dict(S=S, method="DSV", kept=kept, sparsity=sparsity, fwd_ms=dsv_fwd_ms, ms=dsv_ms,
+                         tflops=flops / dsv_ms / 1e9, mem=dsv_mem, est_ms=est_ms, est_gpu_ms=est_gpu_ms,
+                         est_ref_ms=est_ref_ms, dense_ms=dense_ms, flex_ms=flex_ms))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def run(args) -> int:
+    if not torch.cuda.is_available():
+        print("dsv bench kernels needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from torch.nn.attention.flex_attention import flex_attention
+
+    dtype = DTYPES[args.dtype]
+    torch.manual_seed(0)
+    failures = correctness_gate(args, dtype)
+    if failures:
+        print("correctness gate FAILED:\n  " + "\n  ".join(failures), file=sys.stderr)
+        return 1
+    print("correctness gate passed", flush=True)
+    flex = torch.compile(flex_attention, dynamic=False)
+    rows = []
+    for S in args.seq_lens:
+        rows += _bench_seq_len(S, args, dtype, flex)
+        torch.cuda.empty_cache()  # the next length's inputs start from a clean pool
+    report = _report(rows, args, torch.cuda.get_device_name())
+    print(report)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(report)
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _report(rows, args, device_name: str) -> str:
+    lines = [
+        f"# Sparse attention kernels on {device_name}",
+        "",
+        f"torch {torch.__version__}, triton {__import__('triton').__version__}; B={args.batch}, H={args.heads}, "
+        f"D={args.head_dim}, {args.dtype}, group_size={args.group_size}, kv_block={args.kv_block}, "
+        f"estimation rank {args.rank}. Median ms of triton.testing.do_bench; fwd+bwd = forward and "
+        "backward (dq, dk, dv). TFLOP/s counts the kept query-key pairs (4·pairs·D forward, ×3.5 with the "
+        "backward). Peak memory: max allocated over one fwd+bwd, inputs included. Est.: critical-KV "
+        "estimation, fused Triton wall time (do_bench; a call this small is bound by host launch overhead) / "
+        "its kernels' GPU time (torch.profiler) / PyTorch reference wall time; share = fused GPU time ÷ DSV "
+        "fwd+bwd.",
+        "",
+        "| S | method | kept | fwd ms | fwd+bwd ms | TFLOP/s | × dense | × Flex | est. ms (fused / GPU / ref) "
+        "| est. share | peak GiB | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        speed_dense = r["dense_ms"] / r["ms"] if r.get("dense_ms") else None
+        speed_flex = r["flex_ms"] / r["ms"] if r.get("flex_ms") else None
+        if r["method"] == "FlexAttention":
+            speed_flex = 1.0
+        est = share = "—"
+        if "est_ms" in r:
+            est = f"{r['est_ms']:.3f} / {_fmt(r['est_gpu_ms'], '.3f')} / {r['est_ref_ms']:.3f}"
+            if r["est_gpu_ms"] is not None:
+                share = f"{r['est_gpu_ms'] / r['ms']:.1%}"
+        note = ""
+        if "agree" in r:
+            note = f"vs DSV out: {r['agree']:.1e}"
+        elif r["method"] == "DSV" and speed_dense is not None and r["S"] >= 32768:
+            target = TARGETS.get(round(r["sparsity"], 2))
+            if target is not None:
+                note = f"target ≥{target:g}×: {'met' if speed_dense >= target else 'missed'}"
+        lines.append(
+            f"| {_fmt_len(r['S'])} | {r['method']} | {r['kept']:.1%} | {_fmt(r['fwd_ms'])} | {_fmt(r['ms'])} "
+            f"| {_fmt(r['tflops'], '.0f')} | {_fmt(speed_dense, '.1f')} | {_fmt(speed_flex, '.2f')} | {est} "
+            f"| {share} | {_fmt(r['mem'])} | {note} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    raise SystemExit(run(parser.parse_args()))

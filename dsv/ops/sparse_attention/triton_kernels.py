@@ -1,0 +1,589 @@
+"""Triton kernels for block-sparse attention over a DSV critical-KV index.
+
+Layout (docs/architecture.md): ``q, k, v`` are ``[B, H, S, D]`` in grouped token order; query group ``g`` is
+rows ``[g*G, (g+1)*G)`` and attends to the key blocks ``index.indices[b, h, g, :counts]`` (each
+``kv_block`` rows). One program owns one query tile (forward, dq) or one key tile (dk/dv), so every output
+element is written by exactly one program: no atomics, deterministic results.
+
+- forward: FlashAttention-2 online softmax over the listed key blocks, base-2 exponentials, saves the
+  natural-log LSE ``[B, H, S]`` (fp32).
+- backward, dq: query-major, same walk as the forward; it also computes ``delta = rowsum(o * do) - dlse``
+  and stores it for the dk/dv pass.
+- backward, dk/dv: key-major; walks the transposed index (for each key block, the ascending list of groups
+  that selected it), built on the GPU by a stable sort of the index (``_transpose_index``). A split
+  backward (7 matmuls per tile pair) measured faster than accumulating dq with fp32 atomics from this pass
+  (5 matmuls): benchmarks/NOTES.md.
+
+The gathered tiles of each loop (K/V, or Q/dO) load through TMA descriptors on Hopper where that measured
+faster, through pointers elsewhere (``default_config``).
+
+Tile sizes are decoupled from the index granularity: ``BLOCK_M`` divides ``group_size`` and ``BLOCK_N``
+divides ``kv_block``; a listed block is walked in ``kv_block // BLOCK_N`` sub-tiles.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+_LOG2E = 1.4426950408889634  # the kernels work in base 2 (exp2) and store the LSE in natural log
+
+
+# ----------------------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_tile(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, EVEN_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
+    # Masks only where the shape needs them: unmasked loads vectorise to 16-byte accesses.
+    if EVEN_ROWS:
+        if EVEN_D:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    else:
+        if EVEN_D:
+            x = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+        else:
+            x = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    return x
+
+
+@triton.jit
+def _store_tile(ptrs, x, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, EVEN_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
+    if EVEN_ROWS:
+        if EVEN_D:
+            tl.store(ptrs, x)
+        else:
+            tl.store(ptrs, x, mask=offs_d[None, :] < HEAD_DIM)
+    else:
+        if EVEN_D:
+            tl.store(ptrs, x, mask=rows[:, None] < n_rows)
+        else:
+            tl.store(ptrs, x, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _load_rows(desc, ptrs, bi, hi, row0, rows, n_rows, offs_d, BLOCK: tl.constexpr, D_PAD: tl.constexpr,
+               HEAD_DIM: tl.constexpr, EVEN_ROWS: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr):
+    # Rows [row0, row0 + BLOCK) of one (batch, head): through the tensor-memory accelerator from a 4-D
+    # descriptor (rows past S and columns past D come back as zeros), or through pointers.
+    if USE_TMA:
+        x = desc.load([bi, hi, row0, 0]).reshape([BLOCK, D_PAD])
+    else:
+        x = _load_tile(ptrs, rows, n_rows, offs_d, HEAD_DIM, EVEN_ROWS, EVEN_D)
+    return x
+
+
+@triton.jit
+def _sparse_attn_fwd_kernel(
+    Q, K, V, K_DESC, V_DESC, OUT, LSE, IDX, CNT,
+    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
+    H, S, NG, K_MAX, qk_scale,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, KV_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    bi = pid_bh // H
+    hi = pid_bh % H
+    b = bi.to(tl.int64)
+    h = hi.to(tl.int64)
+    g = pid_m * BLOCK_M // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+
+    q = _load_tile(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :],
+                   offs_m, S, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
+    row = pid_bh * NG + g
+    n_iter = tl.load(CNT + row) * (KV_BLOCK // BLOCK_N)
+    idx_row = IDX + row.to(tl.int64) * K_MAX
+    k_base = K + b * skb + h * skh + offs_d[None, :]
+    v_base = V + b * svb + h * svh + offs_d[None, :]
+
+    # Finite start for the running max: a sub-tile lying wholly past S (ragged tail) then gives
+    # exp2(-inf - m) = 0 instead of exp2(-inf + inf) = NaN.
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    for it in range(0, n_iter):
+        blk = tl.load(idx_row + it // (KV_BLOCK // BLOCK_N))
+        start_n = blk * KV_BLOCK + (it % (KV_BLOCK // BLOCK_N)) * BLOCK_N
+        cols = start_n + offs_n
+        k = _load_rows(K_DESC, k_base + cols[:, None] * sks, bi, hi, start_n, cols, S, offs_d,
+                       BLOCK_N, D_PAD, HEAD_DIM, EVEN_N, EVEN_D, USE_TMA)
+        v = _load_rows(V_DESC, v_base + cols[:, None] * svs, bi, hi, start_n, cols, S, offs_d,
+                       BLOCK_N, D_PAD, HEAD_DIM, EVEN_N, EVEN_D, USE_TMA)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if not EVEN_N:
+            qk = tl.where(cols[None, :] < S, qk, float("-inf"))
+        # Scale applied inside the max and the exponent (scale > 0) so it fuses into one FMA per score.
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # A row with no listed block (count 0, outside the contract) yields 0 and LSE = -inf rather than NaN.
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    _store_tile(OUT + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :], out.to(OUT.dtype.element_ty),
+                offs_m, S, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
+    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # ln(2): natural-log LSE, as the reference
+    if EVEN_M:
+        tl.store(LSE + pid_bh.to(tl.int64) * S + offs_m, lse)
+    else:
+        tl.store(LSE + pid_bh.to(tl.int64) * S + offs_m, lse, mask=offs_m < S)
+
+
+@triton.jit
+def _sparse_attn_bwd_dq_kernel(
+    Q, K, V, K_DESC, V_DESC, OUT, DO, LSE, DLSE, DELTA, DQ, IDX, CNT,
+    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, sdob, sdoh, sdos, sdqb, sdqh, sdqs,
+    H, S, NG, K_MAX, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, KV_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, HAS_DLSE: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    bi = pid_bh // H
+    hi = pid_bh % H
+    b = bi.to(tl.int64)
+    h = hi.to(tl.int64)
+    g = pid_m * BLOCK_M // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+
+    q = _load_tile(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :],
+                   offs_m, S, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
+    do = _load_tile(DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :],
+                    offs_m, S, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
+    o = _load_tile(OUT + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :],
+                   offs_m, S, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
+    # delta is computed here, once per query row, and stored for the dk/dv pass (which runs after this one):
+    # this saves a separate pre-processing launch over the output and dO.
+    vec = pid_bh.to(tl.int64) * S + offs_m
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if EVEN_M:
+        if HAS_DLSE:
+            delta -= tl.load(DLSE + vec)
+        tl.store(DELTA + vec, delta)
+        lse2 = tl.load(LSE + vec) * 1.4426950408889634
+    else:
+        if HAS_DLSE:
+            delta -= tl.load(DLSE + vec, mask=offs_m < S, other=0.0)
+        tl.store(DELTA + vec, delta, mask=offs_m < S)
+        # Rows past S have q = do = 0 and delta = 0, so any finite LSE gives them ds = 0.
+        lse2 = tl.load(LSE + vec, mask=offs_m < S, other=0.0) * 1.4426950408889634
+
+    row = pid_bh * NG + g
+    n_iter = tl.load(CNT + row) * (KV_BLOCK // BLOCK_N)
+    idx_row = IDX + row.to(tl.int64) * K_MAX
+    k_base = K + b * skb + h * skh + offs_d[None, :]
+    v_base = V + b * svb + h * svh + offs_d[None, :]
+    dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    for it in range(0, n_iter):
+        blk = tl.load(idx_row + it // (KV_BLOCK // BLOCK_N))
+        start_n = blk * KV_BLOCK + (it % (KV_BLOCK // BLOCK_N)) * BLOCK_N
+        cols = start_n + offs_n
+        k = _load_rows(K_DESC, k_base + cols[:, None] * sks, bi, hi, start_n, cols, S, offs_d,
+                       BLOCK_N, D_PAD, HEAD_DIM, EVEN_N, EVEN_D, USE_TMA)
+        v = _load_rows(V_DESC, v_base + cols[:, None] * svs, bi, hi, start_n, cols, S, offs_d,
+                       BLOCK_N, D_PAD, HEAD_DIM, EVEN_N, EVEN_D, USE_TMA)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        if not EVEN_N:
+            p = tl.where(cols[None, :] < S, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    dq *= sm_scale
+    _store_tile(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqs + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+                offs_m, S, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
+
+
+@triton.jit
+def _sparse_attn_bwd_dkdv_kernel(
+    Q, K, V, DO, Q_DESC, DO_DESC, LSE, DELTA, DK, DV, OFFSETS, GROUPS,
+    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos,
+    H, S, NKB, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, KV_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    bi = pid_bh // H
+    hi = pid_bh % H
+    b = bi.to(tl.int64)
+    h = hi.to(tl.int64)
+    j = pid_n * BLOCK_N // KV_BLOCK
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+
+    k = _load_tile(K + b * skb + h * skh + offs_n[:, None] * sks + offs_d[None, :],
+                   offs_n, S, offs_d, HEAD_DIM, EVEN_N, EVEN_D)
+    v = _load_tile(V + b * svb + h * svh + offs_n[:, None] * svs + offs_d[None, :],
+                   offs_n, S, offs_d, HEAD_DIM, EVEN_N, EVEN_D)
+    seg = pid_bh * NKB + j
+    start = tl.load(OFFSETS + seg)
+    n_iter = (tl.load(OFFSETS + seg + 1) - start) * (GROUP // BLOCK_M)
+    q_base = Q + b * sqb + h * sqh + offs_d[None, :]
+    do_base = DO + b * sdob + h * sdoh + offs_d[None, :]
+    vec_base = pid_bh.to(tl.int64) * S
+    dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+    dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+    for it in range(0, n_iter):
+        g = tl.load(GROUPS + start + it // (GROUP // BLOCK_M))
+        start_m = g * GROUP + (it % (GROUP // BLOCK_M)) * BLOCK_M
+        rows = start_m + offs_m
+        q = _load_rows(Q_DESC, q_base + rows[:, None] * sqs, bi, hi, start_m, rows, S, offs_d,
+                       BLOCK_M, D_PAD, HEAD_DIM, EVEN_M, EVEN_D, USE_TMA)
+        do = _load_rows(DO_DESC, do_base + rows[:, None] * sdos, bi, hi, start_m, rows, S, offs_d,
+                        BLOCK_M, D_PAD, HEAD_DIM, EVEN_M, EVEN_D, USE_TMA)
+        if EVEN_M:
+            lse2 = tl.load(LSE + vec_base + rows) * 1.4426950408889634
+            delta = tl.load(DELTA + vec_base + rows)
+        else:
+            # LSE = +inf past S makes p = 0 there, so padded query rows add nothing to dk or dv.
+            lse2 = tl.load(LSE + vec_base + rows, mask=rows < S, other=float("inf")) * 1.4426950408889634
+            delta = tl.load(DELTA + vec_base + rows, mask=rows < S, other=0.0)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+    dk *= sm_scale
+    # dk/dv are allocated contiguous by the launcher.
+    out_off = pid_bh.to(tl.int64) * S * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    _store_tile(DK + out_off, dk.to(DK.dtype.element_ty), offs_n, S, offs_d, HEAD_DIM, EVEN_N, EVEN_D)
+    _store_tile(DV + out_off, dv.to(DV.dtype.element_ty), offs_n, S, offs_d, HEAD_DIM, EVEN_N, EVEN_D)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# launchers
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes and launch settings of one kernel; ``block_m`` must divide group_size, ``block_n`` kv_block.
+
+    ``tma``: the loop's gathered tiles (K/V in forward and dq, Q/dO in dk/dv) come through TMA descriptors
+    (Hopper and newer) instead of pointer loads.
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    tma: bool = False
+
+
+@dataclass(frozen=True)
+class SparseAttentionConfig:
+    """Settings of the three kernels."""
+
+    fwd: KernelConfig
+    bwd_dq: KernelConfig
+    bwd_dkdv: KernelConfig
+
+
+def default_config(head_dim: int, group_size: int, kv_block: int, tma: bool = False) -> SparseAttentionConfig:
+    """Launch settings for the three kernels, chosen by the H200 sweeps (benchmarks/NOTES.md).
+
+    ``tma``: use TMA loads where they measured faster (forward and dk/dv); the launchers pass True on
+    Hopper-class GPUs (compute capability >= 9) when ``D * itemsize`` is a multiple of 16 bytes.
+    """
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    if d_pad > 128:  # halve the tiles: fp32 accumulators of 256-wide rows
+        return SparseAttentionConfig(KernelConfig(min(group_size, 64), min(kv_block, 32), 4, 2, tma),
+                                     KernelConfig(min(group_size, 64), min(kv_block, 32), 4, 2),
+                                     KernelConfig(min(group_size, 32), min(kv_block, 64), 4, 2, tma))
+    if group_size >= 128 and kv_block >= 128:
+        return SparseAttentionConfig(KernelConfig(128, 64, 4, 2, tma), KernelConfig(128, 128, 8, 2),
+                                     KernelConfig(64, 64, 4, 3, tma))
+    m, n = min(group_size, 64), min(kv_block, 64)
+    return SparseAttentionConfig(KernelConfig(m, n, 4, 3, tma), KernelConfig(m, n, 4, 2, tma),
+                                 KernelConfig(m, n, 4, 2, tma))
+
+
+@functools.lru_cache(maxsize=None)
+def _has_tma(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _tma_supported(x: torch.Tensor) -> bool:
+    return x.is_cuda and _has_tma(x.device) and x.shape[-1] * x.element_size() % 16 == 0
+
+
+def _check_inputs(q, k, v, indices, counts, group_size, kv_block):
+    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"q, k, v must all be [B, H, S, D] of one shape, got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q, k, v must share one dtype among fp16/bf16/fp32, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device == indices.device == counts.device):
+        raise ValueError("q, k, v and the index must be on one device")
+    B, H, S, D = q.shape
+    if D > 256:
+        raise ValueError(f"head dim {D} > 256 is not supported by the Triton kernels (tiles would not fit)")
+    for name, val in (("group_size", group_size), ("kv_block", kv_block)):
+        if val < 16 or val & (val - 1):
+            raise ValueError(f"sparse_attention_triton needs {name} to be a power of two >= 16, got {val}; "
+                             "use sparse_attention_reference for finer (e.g. token-level) indices")
+    NG = triton.cdiv(S, group_size)
+    if indices.dim() != 4 or tuple(indices.shape[:3]) != (B, H, NG) or tuple(counts.shape) != (B, H, NG):
+        raise ValueError(f"index must be indices [B, H, NG, K_max], counts [B, H, NG] with NG={NG}; got "
+                         f"{tuple(indices.shape)}, {tuple(counts.shape)}")
+    if indices.dtype != torch.int32 or counts.dtype != torch.int32:
+        raise ValueError(f"indices and counts must be int32, got {indices.dtype}, {counts.dtype}")
+
+
+def _descriptor(x: torch.Tensor, block_rows: int, d_pad: int, cfg: KernelConfig):
+    """4-D TMA descriptor over ``x [B, H, S, D]`` with ``[1, 1, block_rows, d_pad]`` boxes, or ``x`` itself
+    when the config loads through pointers (the kernel then ignores the argument)."""
+    if not cfg.tma:
+        return x
+    elem = x.element_size()
+    if x.data_ptr() % 16 or any(st == 0 or st * elem % 16 for st in x.stride()[:-1]):
+        x = x.contiguous()  # TMA needs a 16-byte aligned base and positive 16-byte multiple strides
+    if x.data_ptr() % 16 or x.shape[-1] * elem % 16:
+        raise ValueError(f"TMA loads need D * itemsize to be a multiple of 16 bytes, got D={x.shape[-1]} of "
+                         f"{x.dtype}; use a config with tma=False")
+    return TensorDescriptor.from_tensor(x, [1, 1, block_rows, d_pad])
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    # The kernels take any batch/head/sequence strides but need unit stride along D.
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs are the accuracy path (tests, references): keep them IEEE instead of Triton's tf32 default.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _shape_flags(S, D, cfg_m, cfg_n):
+    d_pad = max(16, triton.next_power_of_2(D))
+    return d_pad, S % cfg_m == 0, S % cfg_n == 0, d_pad == D
+
+
+def _check_tiles(cfg: KernelConfig, group_size: int, kv_block: int, what: str):
+    if group_size % cfg.block_m or kv_block % cfg.block_n:
+        raise ValueError(f"{what} tiles ({cfg.block_m}, {cfg.block_n}) must divide "
+                         f"(group_size, kv_block) = ({group_size}, {kv_block})")
+
+
+def sparse_attention_fwd_launch(q, k, v, indices, counts, group_size: int, kv_block: int, scale: float,
+                                cfg: Optional[KernelConfig] = None):
+    """Forward launcher: returns ``out [B, H, S, D]`` (q's dtype) and ``lse [B, H, S]`` (fp32, natural log)."""
+    _check_inputs(q, k, v, indices, counts, group_size, kv_block)
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    indices, counts = indices.contiguous(), counts.contiguous()
+    B, H, S, D = q.shape
+    cfg = cfg or default_config(D, group_size, kv_block, _tma_supported(q)).fwd
+    _check_tiles(cfg, group_size, kv_block, "forward")
+    d_pad, even_m, even_n, even_d = _shape_flags(S, D, cfg.block_m, cfg.block_n)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(S, cfg.block_m), B * H)
+    _sparse_attn_fwd_kernel[grid](
+        q, k, v, _descriptor(k, cfg.block_n, d_pad, cfg), _descriptor(v, cfg.block_n, d_pad, cfg), out, lse,
+        indices, counts,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        H, S, indices.shape[2], indices.shape[3], scale * _LOG2E,
+        HEAD_DIM=D, D_PAD=d_pad, GROUP=group_size, KV_BLOCK=kv_block,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, EVEN_M=even_m, EVEN_N=even_n, EVEN_D=even_d, USE_TMA=cfg.tma,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse
+
+
+def _transpose_index(indices: torch.Tensor, n_key_blocks: int):
+    """Key-major CSR of an index: for each (b, h, key block), the ascending ids of the groups that list it.
+
+    Returns ``offsets`` int32 ``[B*H*NKB + 1]`` and ``groups`` int32 ``[B*H*NG*K_max]`` (entries past
+    ``offsets[-1]`` are padding). A stable sort by ``(b*H + h)*NKB + block`` keeps groups ascending per
+    segment; segment bounds come from a binary search of the sorted keys, with no host synchronisation.
+    """
+    BH = indices.shape[0] * indices.shape[1]
+    NG, K_MAX = indices.shape[2], indices.shape[3]
+    idx = indices.reshape(BH, NG, K_MAX)
+    seg_base = torch.arange(BH, device=idx.device, dtype=torch.int32).view(BH, 1, 1) * n_key_blocks
+    sentinel = BH * n_key_blocks  # padding entries sort after every segment
+    keys = torch.where(idx >= 0, idx + seg_base, sentinel).flatten()
+    sorted_keys, order = torch.sort(keys, stable=True)
+    groups = ((order // K_MAX) % NG).to(torch.int32)
+    bounds = torch.arange(sentinel + 1, device=idx.device, dtype=torch.int32)
+    offsets = torch.searchsorted(sorted_keys, bounds, out_int32=True)
+    return offsets, groups
+
+
+def _launch_bwd_dq(q, k, v, out, do, lse, dlse, indices, counts, group_size, kv_block, scale, cfg: KernelConfig):
+    """dq kernel; also returns ``delta = rowsum(out * do) - dlse`` [B, H, S] fp32 for the dk/dv kernel."""
+    B, H, S, D = q.shape
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    delta = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
+    has_dlse = dlse is not None
+    dlse_arg = dlse.contiguous() if has_dlse else lse  # never read when HAS_DLSE is False
+    d_pad, even_m, even_n, even_d = _shape_flags(S, D, cfg.block_m, cfg.block_n)
+    _sparse_attn_bwd_dq_kernel[(triton.cdiv(S, cfg.block_m), B * H)](
+        q, k, v, _descriptor(k, cfg.block_n, d_pad, cfg), _descriptor(v, cfg.block_n, d_pad, cfg),
+        out, do, lse, dlse_arg, delta, dq, indices, counts,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        do.stride(0), do.stride(1), do.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
+        H, S, indices.shape[2], indices.shape[3], scale * _LOG2E, scale,
+        HEAD_DIM=D, D_PAD=d_pad, GROUP=group_size, KV_BLOCK=kv_block, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        EVEN_M=even_m, EVEN_N=even_n, EVEN_D=even_d, HAS_DLSE=has_dlse, USE_TMA=cfg.tma,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return dq, delta
+
+
+def _launch_bwd_dkdv(q, k, v, do, lse, delta, offsets, groups, group_size, kv_block, scale, cfg: KernelConfig):
+    """dk/dv kernel over the transposed index ``(offsets, groups)`` of ``_transpose_index``."""
+    B, H, S, D = q.shape
+    dk = torch.empty((B, H, S, D), dtype=q.dtype, device=q.device)
+    dv = torch.empty((B, H, S, D), dtype=q.dtype, device=q.device)
+    d_pad, even_m, even_n, even_d = _shape_flags(S, D, cfg.block_m, cfg.block_n)
+    _sparse_attn_bwd_dkdv_kernel[(triton.cdiv(S, cfg.block_n), B * H)](
+        q, k, v, do, _descriptor(q, cfg.block_m, d_pad, cfg), _descriptor(do, cfg.block_m, d_pad, cfg),
+        lse, delta, dk, dv, offsets, groups,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        H, S, triton.cdiv(S, kv_block), scale * _LOG2E, scale,
+        HEAD_DIM=D, D_PAD=d_pad, GROUP=group_size, KV_BLOCK=kv_block, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        EVEN_M=even_m, EVEN_N=even_n, EVEN_D=even_d, USE_TMA=cfg.tma,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return dk, dv
+
+
+def sparse_attention_bwd_launch(do, q, k, v, out, lse, dlse, indices, counts, group_size: int, kv_block: int,
+                                scale: float, cfg: Optional[SparseAttentionConfig] = None):
+    """Backward launcher: returns ``dq, dk, dv [B, H, S, D]`` (q's dtype). ``dlse`` may be None."""
+    _check_inputs(q, k, v, indices, counts, group_size, kv_block)
+    q, k, v, out, do = (_last_dim_contiguous(x) for x in (q, k, v, out, do))
+    indices, counts, lse = indices.contiguous(), counts.contiguous(), lse.contiguous()
+    cfg = cfg or default_config(q.shape[-1], group_size, kv_block, _tma_supported(q))
+    _check_tiles(cfg.bwd_dq, group_size, kv_block, "dq")
+    _check_tiles(cfg.bwd_dkdv, group_size, kv_block, "dk/dv")
+    offsets, groups = _transpose_index(indices, triton.cdiv(q.shape[2], kv_block))
+    # The dq pass runs first: it writes delta, which the dk/dv pass reads.
+    dq, delta = _launch_bwd_dq(q, k, v, out, do, lse, dlse, indices, counts, group_size, kv_block, scale,
+                               cfg.bwd_dq)
+    dk, dv = _launch_bwd_dkdv(q, k, v, do, lse, delta, offsets, groups, group_size, kv_block, scale, cfg.bwd_dkdv)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------------------
+# custom ops (autograd, torch.compile, activation checkpointing)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("dsv::sparse_attention_fwd", mutates_args=())
+def _sparse_attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
+                             counts: torch.Tensor, group_size: int, kv_block: int,
+                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return sparse_attention_fwd_launch(q, k, v, indices, counts, group_size, kv_block, scale)
+
+
+@_sparse_attention_fwd_op.register_fake
+def _(q, k, v, indices, counts, group_size, kv_block, scale):
+    B, H, S, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, H, S), dtype=torch.float32)
+
+
+@torch.library.custom_op("dsv::sparse_attention_bwd", mutates_args=())
+def _sparse_attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
+                             indices: torch.Tensor, counts: torch.Tensor, group_size: int, kv_block: int,
+                             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return sparse_attention_bwd_launch(do, q, k, v, out, lse, dlse, indices, counts, group_size, kv_block, scale)
+
+
+@_sparse_attention_bwd_op.register_fake
+def _(do, q, k, v, out, lse, dlse, indices, counts, group_size, kv_block, scale):
+    return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, indices, counts, group_size, kv_block, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, indices, counts)
+    ctx.group_size, ctx.kv_block, ctx.scale = group_size, kv_block, scale
+    # An unused LSE then arrives as None rather than as a zero tensor to fill and read.
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, indices, counts = ctx.saved_tensors
+    if dout is None:  # only the LSE was used downstream
+        dout = torch.zeros_like(out)
+    dq, dk, dv = _sparse_attention_bwd_op(dout, q, k, v, out, lse, dlse, indices, counts,
+                                          ctx.group_size, ctx.kv_block, ctx.scale)
+    return dq, dk, dv, None, None, None, None, None
+
+
+_sparse_attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# public functions
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _unpack_index(q: torch.Tensor, index) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    if index.seq_len != q.shape[2]:
+        raise ValueError(f"index was built for seq_len {index.seq_len}, q has S={q.shape[2]}")
+    return index.indices, index.counts, int(index.group_size), int(index.kv_block)
+
+
+def sparse_attention_triton_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index,
+                                     scale: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-sparse attention with Triton kernels; also returns the log-sum-exp (differentiable).
+
+    Args:
+        q, k, v: ``[B, H, S, D]``, fp16/bf16 (fp32 runs in IEEE precision, for checks), in grouped token order.
+            Any batch/head/sequence strides; D must be <= 256.
+        index: a ``SparseIndex`` with ``group_size`` and ``kv_block`` powers of two >= 16.
+        scale: softmax scale, default ``D ** -0.5``.
+
+    Returns:
+        ``out [B, H, S, D]`` (q's dtype) and ``lse [B, H, S]`` (fp32, natural log).
+    """
+    indices, counts, group_size, kv_block = _unpack_index(q, index)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _sparse_attention_fwd_op(q, k, v, indices, counts, group_size, kv_block, scale)
+
+
+def sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index,
+                            scale: Optional[float] = None) -> torch.Tensor:
+    """Block-sparse attention with Triton kernels: ``out [B, H, S, D]``.
+
+    Every query of group ``g`` attends to the keys of the blocks ``index.indices[b, h, g, :counts]``.
+    q, k, v: ``[B, H, S, D]`` (see ``sparse_attention_triton_with_lse``). Differentiable in q, k, v;
+    registered as the custom ops ``dsv::sparse_attention_fwd/bwd``, so torch.compile traces it without a
+    graph break and activation checkpointing recomputes it.
+    """
+    return sparse_attention_triton_with_lse(q, k, v, index, scale)[0]
