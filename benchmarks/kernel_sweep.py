@@ -22,7 +22,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from dsv.ops.estimate import estimate_index
+from dsv.ops.estimate.naive import estimate_index
 from dsv.ops.estimate.triton_kernels import estimate_index_triton
 from dsv.ops.sparse_attention import sparse_attention_reference_with_lse
 from dsv.ops.sparse_attention import triton_kernels as tk

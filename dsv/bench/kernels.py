@@ -101,7 +101,7 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def correctness_gate(args, dtype: torch.dtype, device: str = "cuda") -> list[str]:
     """DSV kernels against the references on a small ragged shape; returns the failures (empty: passed)."""
-    from dsv.ops.estimate import estimate_index
+    from dsv.ops.estimate.naive import estimate_index
     from dsv.ops.estimate.triton_kernels import estimate_index_triton
     from dsv.ops.sparse_attention import sparse_attention_reference
     from dsv.ops.sparse_attention.triton_kernels import sparse_attention_triton
@@ -217,7 +217,7 @@ def _cudnn_attention(q, k, v):
 
 def _bench_seq_len(S: int, args, dtype: torch.dtype, flex) -> list[dict]:
     """Rows of one sequence length: cuDNN dense, then per sparsity FlexAttention and DSV."""
-    from dsv.ops.estimate import estimate_index
+    from dsv.ops.estimate.naive import estimate_index
     from dsv.ops.estimate.triton_kernels import estimate_index_triton
     from dsv.ops.sparse_attention.triton_kernels import sparse_attention_triton
 

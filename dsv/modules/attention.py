@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv.modules.config import AttentionConfig
+from dsv.modules.dispatch import SPEED_MODELS
 from dsv.modules.predictor import LowRankPredictor
 from dsv.ops import (
     cube_permutation,
@@ -83,6 +84,11 @@ class DSVAttention(nn.Module):
         self._selection_cache: tuple[int, object] | None = None
         self._warned_backend = False
         self._window_cache: tuple[tuple, SparseIndex] | None = None
+        self._last_shape: tuple[int, int] | None = None
+        self._backend_key: tuple | None = None
+        self._last_backend = "reference"
+        self.backend_reason: str | None = None
+        self.dispatch_reason = "not dispatched yet"
         self._learned_id = -1
         # Optional measurement hook `observer(layer, hidden, q, k, grid)` (profiling, analysis); it sees
         # the grouped-order tensors and must not modify them.
@@ -117,7 +123,18 @@ class DSVAttention(nn.Module):
             return  # never profiled: stay as is
         keep = (1.0 - sparsity + self.cfg.keep_margin).clamp(0.0, 1.0)
         self.keep_fraction.copy_(keep)
-        self.use_sparse.fill_(bool(sparsity.mean() >= self.cfg.sparse_threshold))
+        sparse = bool(sparsity.mean() >= self.cfg.sparse_threshold)
+        self.dispatch_reason = f"mean sparsity {float(sparsity.mean()):.3f} vs threshold {self.cfg.sparse_threshold}"
+        model = SPEED_MODELS.get(self._last_backend)
+        if sparse and model is not None and self._last_shape is not None:
+            # Measured kernel speed decides whether the kept fraction is small enough to beat dense.
+            batch, seq_len = self._last_shape
+            mean_keep = float(keep.mean())
+            shape = (batch, self.heads, seq_len, self.head_dim)
+            sparse = model.pays(mean_keep, *shape)
+            self.dispatch_reason += (f"; {self._last_backend} speed model: sparse {model.sparse_ms(mean_keep, *shape):.2f}"
+                                     f" ms vs dense {model.dense_ms(*shape):.2f} ms")
+        self.use_sparse.fill_(sparse)
         self._refresh_host_state()
 
     def state_summary(self) -> dict:
@@ -154,7 +171,14 @@ class DSVAttention(nn.Module):
         hidden = x.index_select(1, perm)
         qkv = self.to_qkv(hidden).view(batch, seq_len, 3, self.heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, S, D]
-        q, k = self.q_norm(q), self.k_norm(k)
+        # Norms may run in fp32 under autocast; attention takes one dtype.
+        q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
+        self._last_shape = (batch, seq_len)
+        if self.cfg.mode != "dense" and self._backend_key != (q.device, q.dtype):
+            # Which sparse backend these inputs get (and why not Triton), decided once per device/dtype.
+            self._backend_key = (q.device, q.dtype)
+            self._last_backend, self.backend_reason = resolve_backend(
+                self.cfg.backend, q, self.cfg.group_size, self.cfg.key_block)
 
         if self.observer is not None:
             self.observer(self, hidden, q, k, grid)
@@ -171,17 +195,17 @@ class DSVAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, scale=self.scale)
             self.last_path = "dense:sdpa"
         else:
-            backend = resolve_backend(self.cfg.backend, q)
-            self._report_backend(backend, q)
-            out = sparse_attention(q, k, v, index, scale=self.scale, backend=backend)
-            self.last_path = f"sparse:{backend}"
+            self._warn_if_slow(q)
+            out = sparse_attention(q, k, v, index, scale=self.scale, backend=self._last_backend)
+            self.last_path = f"sparse:{self._last_backend}"
         out = out.transpose(1, 2).reshape(batch, seq_len, self.heads * self.head_dim)
         return self.to_out(out).index_select(1, inv)
 
-    def _keep_blocks(self, num_kv_blocks: int, device: torch.device) -> torch.Tensor:
+    def _keep_blocks(self, num_kv_blocks: int) -> torch.Tensor:
         """Per-head key-block budget from the dispatched kept fraction (host mirror: no device sync)."""
         sparsity = 1.0 - torch.tensor(self._keep_fraction_host)
-        return keep_blocks_from_sparsity(sparsity, num_kv_blocks, self.cfg.keep_floor_blocks).to(device)
+        # Stays on the CPU: the estimation kernel then reads K_max without a device synchronisation.
+        return keep_blocks_from_sparsity(sparsity, num_kv_blocks, self.cfg.keep_floor_blocks)
 
     def _window(self, grid, batch: int, device: torch.device) -> SparseIndex:
         key = (tuple(grid), batch, device)
@@ -208,12 +232,12 @@ class DSVAttention(nn.Module):
         if cfg.mode == "window":
             return self._window(grid, q.shape[0], q.device)
         if keep_blocks is None:
-            keep_blocks = self._keep_blocks(-(-seq_len // kv_block), q.device)
+            keep_blocks = self._keep_blocks(-(-seq_len // kv_block))
         with torch.no_grad():
             if cfg.mode == "oracle":
                 return oracle_index(q, k, keep_blocks, cfg.group_size, kv_block, scale=self.scale)
             q_lr, k_lr = self.predictor.project(hidden.detach().to(self.predictor.q_proj.weight.dtype))
-            return estimate_index(q_lr, k_lr, keep_blocks, cfg.group_size, kv_block)
+            return estimate_index(q_lr, k_lr, keep_blocks, cfg.group_size, kv_block, backend=cfg.backend)
 
     def _learn_and_profile(self, hidden, q, k, grid) -> None:
         """Once per training step (a checkpointing recompute skips it): one predictor step, and on
@@ -243,15 +267,14 @@ class DSVAttention(nn.Module):
             recall = index_recall(q, k, index, rows, scale=self.scale).mean(0)
             self.recall_ema.copy_(_ema(self.recall_ema, recall, cfg.ema_momentum))
 
-    def _report_backend(self, backend: str, q: torch.Tensor) -> None:
-        if backend == "reference" and q.is_cuda and not self._warned_backend:
+    def _warn_if_slow(self, q: torch.Tensor) -> None:
+        if self._last_backend == "reference" and q.is_cuda and not self._warned_backend:
             self._warned_backend = True
             warnings.warn(
-                f"DSVAttention layer {self.layer_index}: sparse attention runs the PyTorch reference on "
-                f"{q.device} (slow); reason: backend={self.cfg.backend!r} or Triton kernels unavailable",
+                f"DSVAttention layer {self.layer_index}: sparse attention runs the slow PyTorch reference on "
+                f"{q.device}: {self.backend_reason}",
                 stacklevel=3,
             )
-
 
 def model_parameters(model: nn.Module) -> list[nn.Parameter]:
     """Parameters for the model's optimizer: all but the sparsity predictors, which step themselves."""

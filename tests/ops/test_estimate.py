@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from dsv.ops.estimate import estimate_index
+from dsv.ops.estimate.naive import estimate_index
 from dsv.ops.index import PAD
 
 

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from dsv.ops.index import SparseIndex
 from dsv.ops.sparse_attention import (
+    resolve_backend,
     sparse_attention,
     sparse_attention_reference,
     sparse_attention_reference_with_lse,
@@ -161,8 +162,13 @@ def test_dispatcher_backends():
     expected = sparse_attention_reference(q, k, v, index)
     for backend in ("auto", "reference"):
         assert torch.equal(sparse_attention(q, k, v, index, backend=backend), expected)
-    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'reference'\), got 'triton'"):
+    # Triton cannot take CPU float64 inputs: "auto" says why it fell back, "triton" refuses with the reason.
+    assert resolve_backend("auto", q, index.group_size, index.kv_block) == (
+        "reference", "inputs are on cpu; the Triton kernels need a CUDA device")
+    with pytest.raises(ValueError, match=r"backend='triton' cannot run: inputs are on cpu"):
         sparse_attention(q, k, v, index, backend="triton")
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'reference', 'triton'\), got 'cuda'"):
+        sparse_attention(q, k, v, index, backend="cuda")
 
 
 def good_arguments():

@@ -1,5 +1,54 @@
-"""Critical-KV estimation: which key blocks each query group keeps."""
+"""Critical-KV estimation: which key blocks each query group keeps, with backend dispatch."""
 
-from dsv.ops.estimate.naive import estimate_index
+from __future__ import annotations
 
-__all__ = ["estimate_index"]
+import importlib.util
+
+import torch
+
+from dsv.ops.estimate.naive import estimate_index as estimate_index_reference
+from dsv.ops.index import SparseIndex
+
+BACKENDS = ("auto", "reference", "triton")
+
+
+def triton_estimation_unsupported(q_lr: torch.Tensor, kv_block: int) -> str | None:
+    """Why the fused Triton estimation cannot run on these inputs, or None when it can."""
+    if not q_lr.is_cuda:
+        return f"inputs are on {q_lr.device}; the Triton kernels need a CUDA device"
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install 'dsv[triton]')"
+    from dsv.ops.estimate.triton_kernels import MAX_KV_BLOCKS
+
+    if -(-q_lr.shape[2] // kv_block) > MAX_KV_BLOCKS:
+        return f"more than {MAX_KV_BLOCKS} key blocks per row; use a larger kv_block"
+    return None
+
+
+def estimate_index(
+    q_lr: torch.Tensor,
+    k_lr: torch.Tensor,
+    keep_blocks: torch.Tensor,
+    group_size: int,
+    kv_block: int,
+    backend: str = "auto",
+) -> SparseIndex:
+    """Select each query group's key blocks from low-rank scores (see `naive.estimate_index` for the rule).
+
+    `backend`: "auto" = the fused Triton kernel where it can run (CUDA), else the PyTorch reference;
+    "triton" raises with the reason when it cannot run. Pass `keep_blocks` on the CPU: the kernel then
+    needs no device synchronisation.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    reason = triton_estimation_unsupported(q_lr, kv_block) if backend != "reference" else "reference requested"
+    if backend == "triton" and reason is not None:
+        raise ValueError(f"backend='triton' cannot run: {reason}")
+    if reason is None:
+        from dsv.ops.estimate.triton_kernels import estimate_index_triton
+
+        return estimate_index_triton(q_lr, k_lr, keep_blocks, group_size, kv_block)
+    return estimate_index_reference(q_lr, k_lr, keep_blocks, group_size, kv_block)
+
+
+__all__ = ["BACKENDS", "estimate_index", "estimate_index_reference", "triton_estimation_unsupported"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from dsv.ops.index import SparseIndex
@@ -10,14 +12,36 @@ from dsv.ops.sparse_attention.naive import (
     sparse_attention_reference_with_lse,
 )
 
-BACKENDS = ("auto", "reference")
+BACKENDS = ("auto", "reference", "triton")
 
 
-def resolve_backend(backend: str, q: torch.Tensor) -> str:
-    """The backend that `sparse_attention(..., backend=backend)` runs for inputs like `q`."""
+def triton_unsupported(q: torch.Tensor, group_size: int, kv_block: int) -> str | None:
+    """Why the Triton kernels cannot run on inputs like `q` with this grouping, or None when they can."""
+    if not q.is_cuda:
+        return f"inputs are on {q.device}; the Triton kernels need a CUDA device"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {q.dtype}; the fast kernels take bfloat16 or float16 (train with bf16 autocast)"
+    if q.shape[-1] > 256:
+        return f"head dim {q.shape[-1]} > 256"
+    for name, value in (("group size (cube volume)", group_size), ("kv_block", kv_block)):
+        if value < 16 or value & (value - 1):
+            return f"{name} {value} is not a power of two >= 16"
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install 'dsv[triton]')"
+    return None
+
+
+def resolve_backend(backend: str, q: torch.Tensor, group_size: int, kv_block: int) -> tuple[str, str | None]:
+    """`(backend that runs, why Triton does not)` for `sparse_attention(..., backend=backend)`.
+
+    "auto" takes Triton wherever it can run; "triton" raises with the reason where it cannot.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    return "reference"
+    reason = triton_unsupported(q, group_size, kv_block) if backend != "reference" else "reference requested"
+    if backend == "triton" and reason is not None:
+        raise ValueError(f"backend='triton' cannot run: {reason}")
+    return ("triton" if reason is None else "reference"), reason
 
 
 def sparse_attention(
@@ -34,19 +58,26 @@ def sparse_attention(
         q, k, v: ``[B, H, S, D]`` floating, same shape, dtype and device; ``S`` in grouped order.
         index: ``SparseIndex`` with ``[B, H, NG]`` rows for these inputs and ``seq_len == S``.
         scale: softmax scale, default ``D ** -0.5``.
-        backend: ``"reference"`` (PyTorch) or ``"auto"``, which picks the reference until a kernel
-            backend exists.
+        backend: ``"auto"`` (Triton kernels where they can run, else the PyTorch reference),
+            ``"triton"`` or ``"reference"``; `resolve_backend` tells which runs and why.
 
     Returns:
         ``out [B, H, S, D]`` in the input dtype, differentiable in ``q``, ``k``, ``v``.
     """
-    resolve_backend(backend, q)
+    if not isinstance(index, SparseIndex):
+        raise ValueError(f"index must be a SparseIndex, got {type(index).__name__}")
+    chosen, _ = resolve_backend(backend, q, index.group_size, index.kv_block)
+    if chosen == "triton":
+        from dsv.ops.sparse_attention.triton_kernels import sparse_attention_triton
+
+        return sparse_attention_triton(q, k, v, index, scale)
     return sparse_attention_reference(q, k, v, index, scale)
 
 
 __all__ = [
     "BACKENDS",
     "resolve_backend",
+    "triton_unsupported",
     "sparse_attention",
     "sparse_attention_reference",
     "sparse_attention_reference_with_lse",
