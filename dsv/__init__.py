@@ -1,8 +1,8 @@
 """DSV: learned dynamic sparse attention for training video diffusion transformers."""
 
-from dsv.modules.attention import DSVAttention, model_parameters
+from dsv.modules.attention import DSVAttention, DSVAttentionCore, model_parameters
 from dsv.modules.config import AttentionConfig
 from dsv.modules.controller import DSVController
 from dsv.modules.dit import ModelConfig, VideoDiT
 
-__all__ = ["AttentionConfig", "DSVAttention", "DSVController", "ModelConfig", "VideoDiT", "model_parameters"]
+__all__ = ["AttentionConfig", "DSVAttention", "DSVAttentionCore", "DSVController", "ModelConfig", "VideoDiT", "model_parameters"]

@@ -1,9 +1,15 @@
 """Shared test fixtures."""
 
+import os
 import zlib
 
 import pytest
 import torch
+
+# Without CUDA the Triton kernels run in Triton's interpreter, which must be chosen before anything (e.g.
+# diffusers through torch._dynamo) first imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

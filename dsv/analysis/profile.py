@@ -70,7 +70,9 @@ def profile_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clip
     t = torch.rand(x0.shape[0], generator=gen).to(dev)
     noise = torch.randn(x0.shape, generator=gen).to(dev)
     tb = t.view(-1, 1, 1, 1, 1)
-    model((1 - tb) * x0 + tb * noise, t)
+    # The same precision as training, so the layers take the same (fast) paths.
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda" and cfg.train.bf16):
+        model((1 - tb) * x0 + tb * noise, t)
     for layer in model.controller.layers:
         layer.observer = None
 

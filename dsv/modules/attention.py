@@ -35,36 +35,23 @@ def _ema(old: torch.Tensor, new: torch.Tensor, momentum: float) -> torch.Tensor:
     return torch.where(torch.isnan(old), new, momentum * old + (1.0 - momentum) * new)
 
 
-class DSVAttention(nn.Module):
-    """Multi-head self-attention over a `(T, H, W)` token grid, dense or dynamically sparse.
+class DSVAttentionCore(nn.Module):
+    """Everything DSV adds to one self-attention layer, without the projections: the predictor, the
+    per-layer state (sparsity, recall and loss EMAs, dispatch, per-head budgets) and the controller
+    interface. The caller brings `q, k, v` in grouped order; per forward:
+    `check_input` → (permute to grouped order, project) → `prepare_index` → `attend`.
 
-    `forward(x [B, S, C], grid=(T, H, W)) -> [B, S, C]` with `S = T*H*W` tokens in raster order.
-    Internally the tokens are permuted so that each query cube of `cfg.cube` is contiguous; the cube
-    shares one key selection. `last_path` says which implementation ran ("dense:sdpa",
+    `DSVAttention` adds DSV's own projections; integrations (e.g. diffusers processors) subclass this
+    and reuse a model's projections. `last_path` says which implementation ran ("dense:sdpa",
     "sparse:reference", "sparse:triton").
     """
 
-    def __init__(
-        self,
-        dim: int,
-        heads: int,
-        head_dim: int | None = None,
-        cfg: AttentionConfig | None = None,
-        qk_norm: bool = True,
-        bias: bool = True,
-    ):
+    def __init__(self, dim: int, heads: int, head_dim: int, cfg: AttentionConfig | None = None):
         super().__init__()
         self.cfg = cfg or AttentionConfig()
         self.heads = heads
-        self.head_dim = head_dim or dim // heads
-        if self.head_dim * heads != dim and head_dim is None:
-            raise ValueError(f"dim={dim} is not divisible by heads={heads}; pass head_dim explicitly")
-        inner = heads * self.head_dim
-        self.scale = self.head_dim**-0.5
-        self.to_qkv = nn.Linear(dim, 3 * inner, bias=bias)
-        self.to_out = nn.Linear(inner, dim, bias=bias)
-        self.q_norm = nn.RMSNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
         self.predictor = (
             LowRankPredictor(dim, heads, self.cfg.rank, self.cfg.predictor_lr,
                              self.cfg.loss_cosine_weight, self.cfg.loss_mse_weight)
@@ -148,38 +135,46 @@ class DSVAttention(nn.Module):
             "recall": values(self.recall_ema),
             "keep": [round(x, 4) for x in self._keep_fraction_host],
             "predictor_loss": None if math.isnan(float(self.loss_ema)) else round(float(self.loss_ema), 5),
+            "dispatch": self.dispatch_reason,
         }
 
-    # ----- forward -----
-    def forward(self, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+    # ----- per-forward steps -----
+    def check_input(self, x: torch.Tensor, grid: tuple[int, int, int]) -> None:
+        """Reject `x` unless it is `[B, T*H*W, C]` for `grid`, finite (when `cfg.check_finite`), and the
+        layer has the controller its mode needs."""
+        name = f"{type(self).__name__} layer {self.layer_index}"
         if x.dim() != 3:
-            raise ValueError(f"DSVAttention expects x of shape [B, S, C], got {tuple(x.shape)}")
-        batch, seq_len, _ = x.shape
-        check_sequence_matches_grid(seq_len, grid)
+            raise ValueError(f"{name}: expects x of shape [B, S, C], got {tuple(x.shape)}")
+        check_sequence_matches_grid(x.shape[1], grid)
         if self.cfg.check_finite and not torch.isfinite(x).all():
             raise FloatingPointError(
-                f"DSVAttention layer {self.layer_index}: NaN or Inf in the attention input x; "
-                "the run is diverging or its input data is corrupt"
+                f"{name}: NaN or Inf in the attention input x; the run is diverging or its input data is corrupt"
             )
         if self.cfg.mode in ("dsv", "oracle") and self.controller is None:
             raise RuntimeError(
-                f"DSVAttention(mode={self.cfg.mode!r}) needs a DSVController: "
+                f"{name}: mode={self.cfg.mode!r} needs a DSVController: "
                 "call DSVController(cfg).attach(model) once after building the model"
             )
-        perm, inv = cube_permutation(tuple(grid), self.cfg.cube)
-        perm, inv = perm.to(x.device), inv.to(x.device)
-        hidden = x.index_select(1, perm)
-        qkv = self.to_qkv(hidden).view(batch, seq_len, 3, self.heads, self.head_dim)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, S, D]
-        # Norms may run in fp32 under autocast; attention takes one dtype.
-        q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
-        self._last_shape = (batch, seq_len)
+
+    def prepare_index(
+        self, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, grid: tuple[int, int, int]
+    ) -> SparseIndex | None:
+        """Observer, key selection and (in training) the predictor step and profiling.
+
+        Args:
+            hidden: `[B, S, C]` the attention input in grouped order (the predictor's input).
+            q, k: `[B, H, S, D]` after norms (and rotary embeddings), grouped order.
+            grid: `(T, H, W)` with `T*H*W == S`.
+
+        Returns:
+            The `SparseIndex` when this layer runs sparse now, else None (dense).
+        """
+        self._last_shape = (q.shape[0], q.shape[2])
         if self.cfg.mode != "dense" and self._backend_key != (q.device, q.dtype):
             # Which sparse backend these inputs get (and why not Triton), decided once per device/dtype.
             self._backend_key = (q.device, q.dtype)
             self._last_backend, self.backend_reason = resolve_backend(
                 self.cfg.backend, q, self.cfg.group_size, self.cfg.key_block)
-
         if self.observer is not None:
             self.observer(self, hidden, q, k, grid)
         learning = self.training and torch.is_grad_enabled() and self.controller is not None
@@ -190,16 +185,17 @@ class DSVAttention(nn.Module):
             # enclosing activation checkpoint (it runs once per step, not again in the recompute).
             with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
                 self._learn_and_profile(hidden, q, k, grid)
+        return index
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: SparseIndex | None) -> torch.Tensor:
+        """`q, k, v [B, H, S, D]` (grouped order) → `[B, H, S, D]`: dense SDPA when `index` is None,
+        else block-sparse over `index`; records the path in `last_path`."""
         if index is None:
-            out = F.scaled_dot_product_attention(q, k, v, scale=self.scale)
             self.last_path = "dense:sdpa"
-        else:
-            self._warn_if_slow(q)
-            out = sparse_attention(q, k, v, index, scale=self.scale, backend=self._last_backend)
-            self.last_path = f"sparse:{self._last_backend}"
-        out = out.transpose(1, 2).reshape(batch, seq_len, self.heads * self.head_dim)
-        return self.to_out(out).index_select(1, inv)
+            return F.scaled_dot_product_attention(q, k, v, scale=self.scale)
+        self._warn_if_slow(q)
+        self.last_path = f"sparse:{self._last_backend}"
+        return sparse_attention(q, k, v, index, scale=self.scale, backend=self._last_backend)
 
     def _keep_blocks(self, num_kv_blocks: int) -> torch.Tensor:
         """Per-head key-block budget from the dispatched kept fraction (host mirror: no device sync)."""
@@ -275,6 +271,49 @@ class DSVAttention(nn.Module):
                 f"{q.device}: {self.backend_reason}",
                 stacklevel=3,
             )
+
+
+class DSVAttention(DSVAttentionCore):
+    """Multi-head self-attention over a `(T, H, W)` token grid, dense or dynamically sparse.
+
+    `forward(x [B, S, C], grid=(T, H, W)) -> [B, S, C]` with `S = T*H*W` tokens in raster order.
+    Internally the tokens are permuted so that each query cube of `cfg.cube` is contiguous; the cube
+    shares one key selection.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        head_dim: int | None = None,
+        cfg: AttentionConfig | None = None,
+        qk_norm: bool = True,
+        bias: bool = True,
+    ):
+        if head_dim is None and dim % heads:
+            raise ValueError(f"dim={dim} is not divisible by heads={heads}; pass head_dim explicitly")
+        head_dim = head_dim or dim // heads
+        super().__init__(dim, heads, head_dim, cfg)
+        inner = heads * head_dim
+        self.to_qkv = nn.Linear(dim, 3 * inner, bias=bias)
+        self.to_out = nn.Linear(inner, dim, bias=bias)
+        self.q_norm = nn.RMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
+
+    def forward(self, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        self.check_input(x, grid)
+        batch, seq_len, _ = x.shape
+        perm, inv = cube_permutation(tuple(grid), self.cfg.cube)
+        perm, inv = perm.to(x.device), inv.to(x.device)
+        hidden = x.index_select(1, perm)
+        qkv = self.to_qkv(hidden).view(batch, seq_len, 3, self.heads, self.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, S, D]
+        # Norms may run in fp32 under autocast; attention takes one dtype.
+        q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
+        index = self.prepare_index(hidden, q, k, grid)
+        out = self.attend(q, k, v, index)
+        out = out.transpose(1, 2).reshape(batch, seq_len, self.heads * self.head_dim)
+        return self.to_out(out).index_select(1, inv)
 
 def model_parameters(model: nn.Module) -> list[nn.Parameter]:
     """Parameters for the model's optimizer: all but the sparsity predictors, which step themselves."""

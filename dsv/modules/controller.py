@@ -40,12 +40,13 @@ class DSVController(nn.Module):
 
     # ----- wiring -----
     def attach(self, model: nn.Module) -> "DSVController":
-        """Attach every `DSVAttention` in `model` (in module order) to this controller."""
-        from dsv.modules.attention import DSVAttention
+        """Attach every DSV attention layer (`DSVAttentionCore`: `DSVAttention` or an integration's
+        processor) in `model`, in module order, to this controller."""
+        from dsv.modules.attention import DSVAttentionCore
 
-        self._layers = [m for m in model.modules() if isinstance(m, DSVAttention)]
+        self._layers = [m for m in model.modules() if isinstance(m, DSVAttentionCore)]
         if not self._layers:
-            raise ValueError("attach: the model has no DSVAttention layers")
+            raise ValueError("attach: the model has no DSV attention layers (DSVAttention or an integration)")
         for index, layer in enumerate(self._layers):
             layer.bind(self, index)
         return self

@@ -194,7 +194,8 @@ class Trainer:
             sparsity = " ".join("  -  " if s is None else f"{s:.2f}" for s in layer["sparsity"])
             recall = [r for r in layer["recall"] if r is not None]
             recall_text = f" recall {sum(recall) / len(recall):.3f}" if recall else ""
-            lines.append(f"    block {i:2d} [{layer['path']:>16}] head sparsity {sparsity}{recall_text}")
+            lines.append(f"    block {i:2d} [{layer['path']:>16}] head sparsity {sparsity}{recall_text}"
+                         f" | {'sparse' if layer['sparse'] else 'dense'}: {layer['dispatch']}")
         return "\n".join(lines)
 
     def run(self) -> dict:

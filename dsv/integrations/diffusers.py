@@ -1,0 +1,516 @@
+"""DSV self-attention in diffusers video transformers: `WanTransformer3DModel`, `CogVideoXTransformer3DModel`.
+
+`install_dsv(transformer, cfg)` swaps the processor of every *self*-attention module for a DSV processor and
+registers a `DSVController` as `transformer.dsv_controller`. The processors reuse the module's own
+projections (`to_q`, `to_k`, `to_v`, `to_out`), query/key norms and rotary embeddings, so pretrained weights
+keep working; they are `nn.Module`s, so each layer's predictor and DSV state (sparsity, recall and loss EMAs,
+dispatch, kept fraction) sit in the transformer's `state_dict` under `<attention>.processor.`. Cross-attention
+is not touched.
+
+The latent token grid `(T, H, W)` is read at every forward by a forward pre-hook on the transformer: it
+divides the input's frame/height/width sizes by the model's patch size. Grids that the query cube
+(`cfg.cube`) does not divide are rejected there, before any work.
+
+Text tokens of CogVideoX: its attention is joint over `[text; video]`. DSV applies to the video-to-video
+part only. Every video query attends to all text keys on top of its selected video keys (text keys are
+never pruned, whatever the budget), and every text query attends densely to all tokens. The predictor, the
+profiled sparsity and the recall of a CogVideoX layer describe the video-to-video attention.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:
+    from diffusers import CogVideoXTransformer3DModel, WanTransformer3DModel
+    from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0
+    from diffusers.models.embeddings import apply_rotary_emb
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+    from diffusers.utils.constants import (
+        SAFE_WEIGHTS_INDEX_NAME,
+        SAFETENSORS_WEIGHTS_NAME,
+        WEIGHTS_INDEX_NAME,
+        WEIGHTS_NAME,
+    )
+except ImportError as err:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "dsv.integrations.diffusers needs diffusers (tested with 0.42): pip install 'dsv[integrations]'"
+    ) from err
+from safetensors import safe_open
+
+from dsv.modules.attention import DSVAttentionCore
+from dsv.modules.config import AttentionConfig
+from dsv.modules.controller import DSVController
+from dsv.ops import PAD, SparseIndex, cube_permutation
+
+__all__ = [
+    "CogVideoXDSVProcessor",
+    "WanDSVProcessor",
+    "WanVideoModel",
+    "build_wan_for_training",
+    "from_pretrained_local",
+    "install_dsv",
+]
+
+CONTROLLER_NAME = "dsv_controller"
+"""Attribute (and state_dict prefix) of the controller on a transformer patched by `install_dsv`."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# Token grid of the current forward
+# ----------------------------------------------------------------------------------------------------
+
+
+class _LatentGrid:
+    """Forward pre-hook of a patched transformer: records the token grid `(T, H, W)` of each input and the
+    cube permutation for it (computed and moved to the input's device once per forward, not per layer).
+
+    `frames_axis` is the axis of the frame count in `hidden_states` (Wan `[B, C, F, H, W]`: 2; CogVideoX
+    `[B, F, C, H, W]`: 1); height and width are the last two axes.
+    """
+
+    def __init__(self, patch: tuple[int, int, int], frames_axis: int, layout: str, cube: tuple[int, int, int]):
+        self.patch, self.frames_axis, self.layout, self.cube = patch, frames_axis, layout, cube
+        self.grid: tuple[int, int, int] | None = None
+        self.perm: torch.Tensor | None = None
+        self.inv: torch.Tensor | None = None
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        x = kwargs["hidden_states"] if "hidden_states" in kwargs else (args[0] if args else None)
+        if not isinstance(x, torch.Tensor) or x.dim() != 5:
+            found = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(
+                f"{type(module).__name__}: hidden_states must be a video latent {self.layout}, got {found}"
+            )
+        sizes = (x.shape[self.frames_axis], x.shape[-2], x.shape[-1])
+        for name, size, extent in zip(("frames", "height", "width"), sizes, self.patch):
+            if size % extent:
+                raise ValueError(
+                    f"{type(module).__name__}: hidden_states {name}={size} is not divisible by the model's patch "
+                    f"extent {extent} (patch (t, h, w) = {self.patch})"
+                )
+        grid = tuple(size // extent for size, extent in zip(sizes, self.patch))
+        try:
+            perm, inv = cube_permutation(grid, self.cube)
+        except ValueError as err:
+            raise ValueError(
+                f"{type(module).__name__}: hidden_states {self.layout}={tuple(x.shape)} with patch {self.patch} "
+                f"gives the token grid (T, H, W)={grid}, which attention.cube={self.cube} does not tile: {err}"
+            ) from None
+        self.grid, self.perm, self.inv = grid, perm.to(x.device), inv.to(x.device)
+
+    def current(self, device: torch.device) -> tuple[tuple[int, int, int], torch.Tensor, torch.Tensor]:
+        """`(grid, perm, inv)` of the transformer's current input, `perm`/`inv` on `device`."""
+        if self.grid is None:
+            raise RuntimeError(
+                "DSV processor called before its transformer ran: the token grid is recorded by the "
+                "transformer's forward, so call the transformer, not the attention module alone"
+            )
+        return self.grid, self.perm.to(device), self.inv.to(device)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Processors
+# ----------------------------------------------------------------------------------------------------
+
+
+def _wan_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Wan's rotary embedding on `x [B, H, S, D]` with `cos, sin [S, D]`.
+
+    Wan rotates interleaved channel pairs `(x[2i], x[2i+1])` and stores each pair's cos/sin twice. diffusers
+    keeps this function inside `WanAttnProcessor.__call__`, so it is restated here with the same arithmetic
+    (products in the frequency dtype, one rounding to `x`'s dtype), which keeps the dense path bit-compatible.
+    """
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    c, s = cos[..., 0::2], sin[..., 1::2]
+    return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2).type_as(x)
+
+
+class WanDSVProcessor(DSVAttentionCore):
+    """DSV self-attention processor for a `WanAttention` used as self-attention (`attn1`).
+
+    Called by `WanAttention.forward(hidden_states [B, S, C], None, None, rotary_emb)` with `S = T*H*W`
+    tokens in raster order and `rotary_emb = (cos, sin)`, each `[1, S, 1, D]`; returns `[B, S, C]`.
+    Uses the module's `to_q/to_k/to_v/to_out` and its `norm_q/norm_k` (RMSNorm across heads); a fused
+    `to_qkv` copy made by `fuse_projections()` is not used.
+    """
+
+    def __init__(self, attn: nn.Module, cfg: AttentionConfig, grid: _LatentGrid):
+        heads = attn.heads
+        super().__init__(attn.to_q.in_features, heads, attn.to_q.out_features // heads, cfg)
+        self._grid = grid
+
+    def forward(
+        self,
+        attn: nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        if encoder_hidden_states is not None or attention_mask is not None:
+            raise ValueError(
+                "WanDSVProcessor is self-attention: encoder_hidden_states and attention_mask must be None "
+                "(it is installed on attn1 only)"
+            )
+        grid, perm, inv = self._grid.current(hidden_states.device)
+        self.check_input(hidden_states, grid)
+        hidden = hidden_states.index_select(1, perm)  # grouped order: each query cube is contiguous
+        # Wan normalises q and k across all heads, before the head split.
+        q, k, v = attn.norm_q(attn.to_q(hidden)), attn.norm_k(attn.to_k(hidden)), attn.to_v(hidden)
+        q, k, v = (t.unflatten(2, (self.heads, -1)).transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
+        expected = (1, hidden.shape[1], 1, self.head_dim)
+        if rotary_emb is None or any(tuple(f.shape) != expected for f in rotary_emb):
+            found = None if rotary_emb is None else [tuple(f.shape) for f in rotary_emb]
+            raise ValueError(
+                f"WanDSVProcessor: rotary_emb must be (cos, sin), each of shape {list(expected)}, as "
+                f"WanTransformer3DModel passes from its WanRotaryPosEmbed; got {found}"
+            )
+        cos, sin = (f.index_select(1, perm).flatten(0, 2) for f in rotary_emb)  # [S, D], grouped order
+        q, k = _wan_rotary(q, cos, sin), _wan_rotary(k, cos, sin)
+        index = self.prepare_index(hidden, q, k, grid)
+        out = self.attend(q, k, v, index).transpose(1, 2).flatten(2, 3).type_as(q)
+        out = attn.to_out[1](attn.to_out[0](out))
+        return out.index_select(1, inv)
+
+
+def _append_always_kept(index: SparseIndex, extra_len: int) -> SparseIndex:
+    """Extend an index over `S` grouped tokens to the sequence `[grouped tokens; extra_len extra tokens]`.
+
+    Every original query group keeps its selected blocks plus all key blocks of the extra tokens (appended
+    after its valid entries, so rows stay ascending). The query groups of the extra tokens list only the
+    extra key blocks: their outputs are placeholders that the caller recomputes densely.
+
+    Args:
+        index: rows `[B, H, S / G, K]`; `S` must be a multiple of `group_size` and of `kv_block`, so that
+            the extra tokens start a new query group and a new key block.
+        extra_len: number of appended tokens, `L >= 1`.
+
+    Returns:
+        `SparseIndex` with rows `[B, H, ceil((S + L) / G), K + ceil(L / kv_block)]` and `seq_len = S + L`.
+    """
+    seq_len, group_size, kv_block = index.seq_len, index.group_size, index.kv_block
+    if seq_len % group_size or seq_len % kv_block:
+        raise ValueError(
+            f"appending always-kept tokens needs the video length S={seq_len} to be a multiple of the group "
+            f"size {group_size} and of attention.kv_block={kv_block}; choose a kv_block that divides {seq_len}"
+        )
+    batch, heads, groups, width = index.indices.shape
+    device = index.indices.device
+    extra_blocks = math.ceil(extra_len / kv_block)
+    extra_ids = torch.arange(seq_len // kv_block, seq_len // kv_block + extra_blocks, device=device, dtype=torch.int32)
+    indices = torch.full((batch, heads, groups, width + extra_blocks), PAD, dtype=torch.int32, device=device)
+    indices[..., :width] = index.indices
+    slots = index.counts.long().unsqueeze(-1) + torch.arange(extra_blocks, device=device)
+    indices.scatter_(-1, slots, extra_ids.expand(batch, heads, groups, extra_blocks))
+    extra_groups = math.ceil((seq_len + extra_len) / group_size) - groups
+    extra_rows = torch.full((batch, heads, extra_groups, width + extra_blocks), PAD, dtype=torch.int32, device=device)
+    extra_rows[..., :extra_blocks] = extra_ids
+    counts = torch.cat([index.counts + extra_blocks,
+                        torch.full((batch, heads, extra_groups), extra_blocks, dtype=torch.int32, device=device)], 2)
+    return SparseIndex(torch.cat([indices, extra_rows], 2), counts, group_size, kv_block, seq_len + extra_len)
+
+
+class CogVideoXDSVProcessor(DSVAttentionCore):
+    """DSV processor for the joint text+video self-attention (`attn1`) of a `CogVideoXBlock`.
+
+    Called with `hidden_states [B, S, C]` (video tokens, raster order, `S = T*H*W`),
+    `encoder_hidden_states [B, L, C]` (text tokens) and optionally `image_rotary_emb = (cos, sin)`, each
+    `[S, D]`; returns `(video [B, S, C], text [B, L, C])` like `CogVideoXAttnProcessor2_0`. DSV selects
+    the video keys of each video query cube; text keys are always kept and text queries attend densely.
+    """
+
+    def __init__(self, attn: nn.Module, cfg: AttentionConfig, grid: _LatentGrid):
+        heads = attn.heads
+        super().__init__(attn.to_q.in_features, heads, attn.to_q.out_features // heads, cfg)
+        self._grid = grid
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        # diffusers' Attention.forward passes on only the keyword arguments named in the processor's
+        # `__call__` signature; nn.Module.__call__ is `(*args, **kwargs)` and would lose image_rotary_emb.
+        return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+
+    def _heads(self, attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`x [B, N, C]` → `q, k, v [B, H, N, D]`, with CogVideoX's per-head query/key norms."""
+        q, k, v = (proj(x).unflatten(2, (self.heads, -1)).transpose(1, 2) for proj in (attn.to_q, attn.to_k, attn.to_v))
+        if attn.norm_q is not None:
+            q = attn.norm_q(q)
+        if attn.norm_k is not None:
+            k = attn.norm_k(k)
+        return q, k, v
+
+    def forward(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb):
+        if encoder_hidden_states is None:
+            raise ValueError("CogVideoXDSVProcessor: encoder_hidden_states (the text tokens [B, L, C]) is required")
+        if attention_mask is not None:
+            raise ValueError("CogVideoXDSVProcessor: attention_mask is not supported (CogVideoX passes None)")
+        grid, perm, inv = self._grid.current(hidden_states.device)
+        self.check_input(hidden_states, grid)
+        seq_len = hidden_states.shape[1]
+        hidden = hidden_states.index_select(1, perm)  # grouped order: each query cube is contiguous
+        q_video, k_video, v_video = self._heads(attn, hidden)
+        q_text, k_text, v_text = self._heads(attn, encoder_hidden_states)
+        if image_rotary_emb is not None:
+            freqs = tuple(f.index_select(0, perm) for f in image_rotary_emb)  # [S, D] in grouped order
+            q_video, k_video = apply_rotary_emb(q_video, freqs), apply_rotary_emb(k_video, freqs)
+        index = self.prepare_index(hidden, q_video, k_video, grid)
+        # Video first, text after: the video groups and key blocks keep their ids, text keys get the last ids.
+        q, k, v = (torch.cat(pair, 2) for pair in ((q_video, q_text), (k_video, k_text), (v_video, v_text)))
+        if index is None:
+            out = self.attend(q, k, v, None)
+        else:
+            video_out = self.attend(q, k, v, _append_always_kept(index, q_text.shape[2]))[:, :, :seq_len]
+            # Text queries attend densely to every token (their rows in the sparse call saw text keys only).
+            text_out = F.scaled_dot_product_attention(q_text, k, v, scale=self.scale)
+            out = torch.cat([video_out, text_out], 2)
+        out = out.transpose(1, 2).flatten(2, 3).type_as(q)
+        out = attn.to_out[1](attn.to_out[0](out))
+        return out[:, :seq_len].index_select(1, inv), out[:, seq_len:]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Installation
+# ----------------------------------------------------------------------------------------------------
+
+
+def _self_attention_layout(transformer: nn.Module):
+    """`(named self-attention modules, processor class, expected original processor class, _LatentGrid args)`
+    for a supported transformer, or TypeError."""
+    if isinstance(transformer, WanTransformer3DModel):
+        modules = [(f"blocks.{i}.attn1", block.attn1) for i, block in enumerate(transformer.blocks)]
+        patch = tuple(int(p) for p in transformer.config.patch_size)
+        return modules, WanDSVProcessor, WanAttnProcessor, (patch, 2, "[B, C, F, H, W]")
+    if isinstance(transformer, CogVideoXTransformer3DModel):
+        blocks = transformer.transformer_blocks
+        modules = [(f"transformer_blocks.{i}.attn1", block.attn1) for i, block in enumerate(blocks)]
+        p = int(transformer.config.patch_size)
+        patch = (int(transformer.config.patch_size_t or 1), p, p)
+        return modules, CogVideoXDSVProcessor, CogVideoXAttnProcessor2_0, (patch, 1, "[B, F, C, H, W]")
+    raise TypeError(
+        "install_dsv supports diffusers WanTransformer3DModel and CogVideoXTransformer3DModel, "
+        f"got {type(transformer).__name__}"
+    )
+
+
+def install_dsv(transformer: nn.Module, cfg: AttentionConfig) -> DSVController:
+    """Install DSV on every self-attention layer of a diffusers video transformer.
+
+    Args:
+        transformer: a `WanTransformer3DModel` (its `attn1` modules) or `CogVideoXTransformer3DModel`
+            (its joint `attn1` modules; text tokens are always attended, see the module docstring), with
+            the default processors. Cross-attention (Wan `attn2`) is left as it is.
+        cfg: the DSV attention config; `cfg.cube` must tile the token grid of every input.
+
+    Returns:
+        The controller, also registered as `transformer.dsv_controller` (its stage buffers are in the
+        state_dict). Drive it like any DSV model: `begin_step(step)` before the forward, `end_step()`
+        after the optimizer step; optimise `dsv.model_parameters(transformer)` (predictors step themselves).
+
+    The processors are created in float32 on each attention module's device; each predictor casts its
+    input to its own dtype. Do not call `set_attn_processor` afterwards: it would drop the DSV layers
+    that the controller drives.
+    """
+    if not isinstance(cfg, AttentionConfig):
+        raise TypeError(f"install_dsv: cfg must be a dsv.AttentionConfig, got {type(cfg).__name__}")
+    modules, processor_cls, original_cls, grid_args = _self_attention_layout(transformer)
+    if hasattr(transformer, CONTROLLER_NAME):
+        raise ValueError(f"install_dsv: {type(transformer).__name__} already has DSV installed ({CONTROLLER_NAME})")
+    for name, attn in modules:
+        if type(attn.processor) is not original_cls:
+            raise ValueError(
+                f"install_dsv: {name} runs {type(attn.processor).__name__}, expected diffusers' "
+                f"{original_cls.__name__}; DSV replaces the default processor only (for fused projections, "
+                "call unfuse_qkv_projections() first)"
+            )
+    grid = _LatentGrid(*grid_args, cube=tuple(cfg.cube))
+    layers = []
+    for _, attn in modules:
+        processor = processor_cls(attn, cfg, grid).to(attn.to_q.weight.device)
+        attn.set_processor(processor)
+        layers.append(processor)
+    controller = DSVController(cfg)
+    transformer.add_module(CONTROLLER_NAME, controller)
+    controller.attach(transformer)
+    transformer.register_forward_pre_hook(grid, with_kwargs=True)
+    return controller
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading a local from_pretrained folder
+# ----------------------------------------------------------------------------------------------------
+
+_SUPPORTED = {cls.__name__: cls for cls in (WanTransformer3DModel, CogVideoXTransformer3DModel)}
+# state_dict keys that install_dsv adds: the self-attention processors and the controller.
+_DSV_KEY_PATTERNS = (r"(^|\.)attn1\.processor\.", rf"^{CONTROLLER_NAME}\.")
+
+
+@contextlib.contextmanager
+def _dsv_keys_expected(cls: type):
+    """Within the block, diffusers' loader does not warn that DSV keys in a checkpoint are unused: they are
+    restored by `from_pretrained_local` right after, and checked there."""
+    name, unset = "_keys_to_ignore_on_load_unexpected", object()
+    own = cls.__dict__.get(name, unset)
+    setattr(cls, name, list(getattr(cls, name) or []) + list(_DSV_KEY_PATTERNS))
+    try:
+        yield
+    finally:
+        if own is unset:
+            delattr(cls, name)
+        else:
+            setattr(cls, name, own)
+
+
+def _with_variant(name: str, variant: str | None) -> str:
+    """diffusers' weight-file naming: the variant goes before the last suffix."""
+    if variant is None:
+        return name
+    stem, suffix = name.rsplit(".", 1)
+    return f"{stem}.{variant}.{suffix}"
+
+
+def _tensors_not_in(folder: Path, variant: str | None, known: set[str]) -> dict[str, torch.Tensor]:
+    """Tensors of the folder's weight files (safetensors first, as diffusers) whose keys are not in `known`."""
+    formats = ((SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME), (WEIGHTS_INDEX_NAME, WEIGHTS_NAME))
+    for index_name, single_name in formats:
+        index_file, single = folder / _with_variant(index_name, variant), folder / _with_variant(single_name, variant)
+        if index_file.is_file():
+            files = sorted({folder / f for f in json.loads(index_file.read_text())["weight_map"].values()})
+        elif single.is_file():
+            files = [single]
+        else:
+            continue
+        found = {}
+        for file in files:
+            if file.suffix == ".safetensors":
+                with safe_open(str(file), framework="pt", device="cpu") as f:
+                    found.update({key: f.get_tensor(key) for key in f.keys() if key not in known})
+            else:
+                state = torch.load(file, map_location="cpu", weights_only=True)
+                found.update({key: value for key, value in state.items() if key not in known})
+        return found
+    raise FileNotFoundError(f"no diffusers weight file (variant={variant!r}) in {folder}")
+
+
+def from_pretrained_local(
+    path: str | Path,
+    cfg: AttentionConfig,
+    *,
+    subfolder: str | None = None,
+    variant: str | None = None,
+    torch_dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """Load a local `save_pretrained` folder of a Wan or CogVideoX transformer and install DSV on it.
+
+    Nothing is downloaded (`local_files_only=True`). A plain pretrained folder gets fresh DSV state
+    (stage 1, untrained predictors). A folder saved from a model with DSV installed also holds the DSV
+    state (predictors, EMAs, dispatch, stage); it is restored and must match `cfg` (same mode and rank).
+
+    Args:
+        path: the folder (holding `config.json` and the weights), or a pipeline folder with `subfolder`.
+        cfg: DSV attention config.
+        subfolder, variant, torch_dtype: as in diffusers' `from_pretrained`.
+
+    Returns:
+        The transformer, with its controller at `.dsv_controller`.
+    """
+    folder = Path(path) / subfolder if subfolder else Path(path)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(
+            f"from_pretrained_local: {folder} has no config.json; pass a folder written by save_pretrained "
+            "(for a pipeline folder add subfolder='transformer')"
+        )
+    class_name = json.loads(config_file.read_text()).get("_class_name")
+    if class_name not in _SUPPORTED:
+        raise ValueError(f"from_pretrained_local: {folder} holds a {class_name}; supported: {sorted(_SUPPORTED)}")
+    cls = _SUPPORTED[class_name]
+    with _dsv_keys_expected(cls):
+        transformer = cls.from_pretrained(path, subfolder=subfolder, variant=variant, torch_dtype=torch_dtype,
+                                          local_files_only=True)
+    base_keys = set(transformer.state_dict())
+    install_dsv(transformer, cfg)
+    dsv_keys = set(transformer.state_dict()) - base_keys
+    saved = _tensors_not_in(folder, variant, base_keys)
+    if saved:
+        if set(saved) != dsv_keys:
+            def first(keys: set[str]) -> str:
+                keys = sorted(keys)
+                return f"{keys[:4]}{' ...' if len(keys) > 4 else ''}"
+
+            raise ValueError(
+                f"from_pretrained_local: the DSV state in {folder} does not match cfg (mode={cfg.mode!r}, "
+                f"rank={cfg.rank}); load it with the config it was saved with. Missing: "
+                f"{first(dsv_keys - set(saved))}; unexpected: {first(set(saved) - dsv_keys)}"
+            )
+        transformer.load_state_dict(saved, strict=False)
+    return transformer
+
+
+# ----------------------------------------------------------------------------------------------------
+# A small Wan for DSV's trainer
+# ----------------------------------------------------------------------------------------------------
+
+
+class WanVideoModel(nn.Module):
+    """A Wan transformer with DSV, in the interface of `dsv.VideoDiT`:
+    `forward(x [B, C, T, H, W], t [B] in [0, 1], y=None) -> velocity [B, C, T, H, W]`.
+
+    There is no text: cross-attention reads a learned null text embedding `[1, text_tokens, text_dim]`.
+    """
+
+    def __init__(self, transformer: WanTransformer3DModel, cfg: AttentionConfig, text_tokens: int):
+        super().__init__()
+        self.transformer = transformer
+        install_dsv(transformer, cfg)
+        text_dim = transformer.config.text_dim
+        self.null_text = nn.Parameter(torch.randn(1, text_tokens, text_dim) * text_dim**-0.5)
+
+    @property
+    def controller(self) -> DSVController:
+        # A property, not an attribute: the controller is registered once, under the transformer.
+        return getattr(self.transformer, CONTROLLER_NAME)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        channels = self.transformer.config.in_channels
+        if x.dim() != 5 or x.shape[1] != channels:
+            raise ValueError(f"x must be [B, {channels}, T, H, W], got {tuple(x.shape)}")
+        if t.shape != (x.shape[0],):
+            raise ValueError(f"t must be [B]={x.shape[0]} timesteps in [0, 1], got {tuple(t.shape)}")
+        if y is not None:
+            raise ValueError("WanVideoModel has no class conditioning: y must be None")
+        text = self.null_text.expand(x.shape[0], -1, -1).to(x.dtype)
+        # Wan's sinusoidal timestep embedding is scaled for its schedulers' timesteps in [0, 1000].
+        return self.transformer(x, t * 1000.0, text, return_dict=False)[0]
+
+
+def build_wan_for_training(
+    cfg: AttentionConfig,
+    *,
+    in_channels: int = 3,
+    patch: tuple[int, int, int] = (1, 2, 2),
+    num_layers: int = 4,
+    num_heads: int = 4,
+    head_dim: int = 32,
+    ffn_dim: int = 512,
+    text_dim: int = 64,
+    text_tokens: int = 4,
+    rope_max_seq_len: int = 256,
+) -> WanVideoModel:
+    """A small, randomly initialised Wan transformer with DSV installed, for `dsv.train.data` clips.
+
+    Defaults: 4 layers, 4 heads × 32 (hidden 128), RGB input, patch (1, 2, 2). `rope_max_seq_len` bounds the
+    token grid's largest extent. Nothing is downloaded.
+    """
+    transformer = WanTransformer3DModel(
+        patch_size=tuple(patch), num_attention_heads=num_heads, attention_head_dim=head_dim,
+        in_channels=in_channels, out_channels=in_channels, text_dim=text_dim, freq_dim=256, ffn_dim=ffn_dim,
+        num_layers=num_layers, rope_max_seq_len=rope_max_seq_len,
+    )
+    return WanVideoModel(transformer, cfg, text_tokens)

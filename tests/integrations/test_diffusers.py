@@ -1,0 +1,390 @@
+"""DSV installed in diffusers' Wan and CogVideoX transformers, against the unpatched models (same weights)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("diffusers", reason="the diffusers integration needs `pip install 'dsv[integrations]'`")
+
+from diffusers import CogVideoXTransformer3DModel, WanTransformer3DModel  # noqa: E402
+from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0  # noqa: E402
+from diffusers.models.embeddings import get_3d_rotary_pos_embed  # noqa: E402
+from diffusers.models.transformers.transformer_wan import WanAttnProcessor  # noqa: E402
+
+import dsv  # noqa: E402
+from dsv.integrations.diffusers import (  # noqa: E402
+    CogVideoXDSVProcessor,
+    WanDSVProcessor,
+    _append_always_kept,
+    build_wan_for_training,
+    from_pretrained_local,
+    install_dsv,
+)
+from dsv.modules.dit import flow_matching_loss  # noqa: E402
+from dsv.ops import oracle_index, sparse_attention  # noqa: E402
+from dsv.train.data import DataConfig, build_dataset  # noqa: E402
+
+# float64 end to end (the CogVideoX model, single Wan attention layers): only the order of the key
+# summation differs (DSV attends in cube-grouped order), so errors are ~1e-15 relative.
+TOL64 = dict(rtol=1e-9, atol=1e-10)
+# Whole Wan models: Wan runs its norms and residual stream in float32 whatever the model dtype, so the
+# reordered summation shows up as a few float32 ulps per layer (measured ~5e-7 on outputs of size ~2).
+TOL32 = dict(rtol=1e-5, atol=1e-5)
+CUBE = (2, 2, 2)
+
+
+def cfg(mode: str, **overrides) -> dsv.AttentionConfig:
+    return dsv.AttentionConfig(mode=mode, cube=CUBE, sample_stride=4, **overrides)
+
+
+def tiny_wan() -> WanTransformer3DModel:
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=3, out_channels=3,
+        text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=32,
+    )
+
+
+def wan_inputs(frames: int = 4, size: int = 8, dtype=torch.float32):
+    """Latent [2, 3, F, size, size] → token grid (F, size/2, size/2); 5 text tokens."""
+    return (torch.randn(2, 3, frames, size, size, dtype=dtype), torch.tensor([100.0, 700.0], dtype=dtype),
+            torch.randn(2, 5, 32, dtype=dtype))
+
+
+def wan_forward(model, inputs):
+    x, t, text = inputs  # by keyword, as diffusers pipelines call it (CogVideoX below: positional)
+    return model(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+
+
+def tiny_cogvideox(rotary: bool = True, patch_size_t: int | None = None) -> CogVideoXTransformer3DModel:
+    """Rotary position embeddings (CogVideoX 1.5 / 5B style) or fixed sin-cos ones (2B style)."""
+    return CogVideoXTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, time_embed_dim=32,
+        text_embed_dim=32, num_layers=2, sample_width=8, sample_height=8, sample_frames=13, patch_size=2,
+        patch_size_t=patch_size_t, max_text_seq_length=7, use_rotary_positional_embeddings=rotary,
+    ).double()
+
+
+def cog_inputs(rotary: bool = True, patch_size_t: int | None = None):
+    """Latent [2, F=4, 4, 8, 8] → token grid (4 / patch_size_t, 4, 4); 7 text tokens (a partial key block
+    of 8); the rotary (cos, sin) tables [S, 16] when `rotary`."""
+    frames = 4 // (patch_size_t or 1)
+    rope = (tuple(f.double() for f in get_3d_rotary_pos_embed(16, ((0, 0), (4, 4)), (4, 4), frames))
+            if rotary else None)
+    return torch.randn(2, 4, 4, 8, 8, dtype=torch.float64), torch.randn(2, 7, 32, dtype=torch.float64), rope
+
+
+def cog_forward(model, inputs):
+    x, text, rope = inputs
+    return model(x, text, torch.tensor([10, 600]), image_rotary_emb=rope, return_dict=False)[0]
+
+
+def grads(model, forward, inputs):
+    """Output, input gradient and parameter gradients (predictors excluded) of a weighted output sum."""
+    model.zero_grad()
+    x = inputs[0].clone().requires_grad_(True)
+    out = forward(model, (x, *inputs[1:]))
+    (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+    return out.detach(), x.grad, {n: p.grad.clone() for n, p in model.named_parameters()
+                                  if p.grad is not None and "predictor" not in n}
+
+
+def assert_same_grads(patched, reference, tol):
+    out_p, gx_p, gp_p = patched
+    out_r, gx_r, gp_r = reference
+    torch.testing.assert_close(out_p, out_r, **tol)
+    torch.testing.assert_close(gx_p, gx_r, **tol)
+    assert gp_p.keys() == gp_r.keys() and len(gp_r) > 20
+    for name in gp_r:
+        torch.testing.assert_close(gp_p[name], gp_r[name], **tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def train_steps(model, controller, forward, inputs, steps: int) -> None:
+    """`steps` training steps of the DSV schedule (the model's own weights are not updated)."""
+    model.train()
+    for step in range(steps):
+        controller.begin_step(step)
+        forward(model, inputs).pow(2).mean().backward()
+        controller.end_step()
+    model.zero_grad()
+
+
+# ----- Wan -----
+
+
+def test_wan_dense_layer_equals_diffusers_processor_in_float64():
+    model = tiny_wan().double()
+    inputs = wan_inputs(dtype=torch.float64)
+    captured = {}
+    model.blocks[1].attn1.register_forward_pre_hook(lambda m, args: captured.setdefault("args", args))
+    install_dsv(model, cfg("dense"))
+    wan_forward(model, inputs)
+    hidden, _, _, rotary = captured["args"]
+    attn = model.blocks[1].attn1
+    out = attn(hidden, None, None, rotary)
+    assert attn.processor.last_path == "dense:sdpa"
+    torch.testing.assert_close(out, WanAttnProcessor()(attn, hidden, None, None, rotary), **TOL64)
+
+
+def test_wan_dense_mode_equals_unpatched_forward_and_backward():
+    reference = tiny_wan()
+    patched = copy.deepcopy(reference)
+    controller = install_dsv(patched, cfg("dense"))
+    inputs = wan_inputs()
+    assert_same_grads(grads(patched, wan_forward, inputs), grads(reference, wan_forward, inputs), TOL32)
+    assert [layer.last_path for layer in controller.layers] == ["dense:sdpa"] * 2
+
+
+def test_wan_oracle_with_all_keys_equals_dense_forward_and_backward():
+    reference = tiny_wan()
+    patched = copy.deepcopy(reference)
+    controller = install_dsv(patched, cfg("oracle", max_stage1_steps=1, keep_floor_blocks=10_000,
+                                          sparse_threshold=0.0))
+    inputs = wan_inputs()
+    train_steps(patched, controller, wan_forward, inputs, steps=1)
+    assert controller.current_stage == 2 and controller.sparse_layers() == [0, 1]
+    controller.begin_step(1)
+    result = grads(patched, wan_forward, inputs)
+    assert [layer.last_path for layer in controller.layers] == ["sparse:reference"] * 2
+    assert_same_grads(result, grads(reference, wan_forward, inputs), TOL32)
+
+
+def test_wan_cross_attention_and_pretrained_weights_untouched():
+    reference = tiny_wan()
+    patched = copy.deepcopy(reference)
+    install_dsv(patched, cfg("dsv"))
+    for block in patched.blocks:
+        assert type(block.attn2.processor) is WanAttnProcessor
+        assert isinstance(block.attn1.processor, WanDSVProcessor)
+    before, after = reference.state_dict(), patched.state_dict()
+    assert {k for k in after if "attn2" in k} == {k for k in before if "attn2" in k}
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
+    added = set(after) - set(before)
+    assert all(k.startswith(("dsv_controller.", "blocks.0.attn1.processor.", "blocks.1.attn1.processor."))
+               for k in added)
+
+
+def test_wan_dsv_state_is_in_state_dict_and_round_trips(tmp_path):
+    settings = dict(max_stage1_steps=2, sparse_threshold=0.0, profile_every_stage1=1)
+    model = tiny_wan()
+    controller = install_dsv(model, cfg("dsv", **settings))
+    inputs = wan_inputs()
+    train_steps(model, controller, wan_forward, inputs, steps=3)
+    assert controller.current_stage == 2
+    state = model.state_dict()
+    for i in range(2):
+        prefix = f"blocks.{i}.attn1.processor."
+        for name in ("predictor.q_proj.weight", "predictor.k_proj.weight", "sparsity_ema", "recall_ema",
+                     "loss_ema", "use_sparse", "keep_fraction"):
+            assert prefix + name in state
+        assert not torch.isnan(state[prefix + "sparsity_ema"]).any()
+    assert int(state["dsv_controller.stage"]) == 2
+
+    torch.save(state, tmp_path / "state.pt")
+    fresh = tiny_wan()  # other random weights, fresh DSV state
+    fresh_controller = install_dsv(fresh, cfg("dsv", **settings))
+    assert fresh_controller.current_stage == 1
+    fresh.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    assert fresh_controller.current_stage == 2
+    assert fresh_controller.sparse_layers() == controller.sparse_layers() == [0, 1]
+    model.eval(), fresh.eval()
+    with torch.no_grad():
+        expected, out = wan_forward(model, inputs), wan_forward(fresh, inputs)
+    assert [layer.last_path for layer in fresh_controller.layers] == ["sparse:reference"] * 2
+    def saved_state(summary):  # the dispatch *reason* is log text, not saved state
+        return {**summary, "layers": [{k: v for k, v in layer.items() if k != "dispatch"} for layer in summary["layers"]]}
+
+    assert saved_state(fresh_controller.summary()) == saved_state(controller.summary())  # EMAs, dispatch, keep, stage
+    assert torch.equal(out, expected)
+
+
+def test_wan_sparse_stage_with_gradient_checkpointing_matches_plain():
+    base = tiny_wan()
+    inputs = wan_inputs()
+
+    def run(checkpointing: bool):
+        model = copy.deepcopy(base)
+        torch.manual_seed(1)  # the same predictor initialisation in both runs
+        controller = install_dsv(model, cfg("dsv", max_stage1_steps=1, sparse_threshold=0.0, profile_every_stage1=1))
+        if checkpointing:
+            model.enable_gradient_checkpointing()
+        train_steps(model, controller, wan_forward, inputs, steps=1)
+        controller.begin_step(1)
+        result = grads(model, wan_forward, inputs)
+        assert [layer.last_path for layer in controller.layers] == ["sparse:reference"] * 2
+        assert min(min(layer._keep_fraction_host) for layer in controller.layers) < 1.0  # really sparse
+        return result
+
+    assert_same_grads(run(True), run(False), TOL32)
+
+
+def test_wan_bad_inputs_and_misuse_raise_clear_errors():
+    model = tiny_wan()
+    with pytest.raises(TypeError, match="AttentionConfig"):
+        install_dsv(model, {"mode": "dsv"})
+    with pytest.raises(TypeError, match="WanTransformer3DModel"):
+        install_dsv(torch.nn.Linear(2, 2), cfg("dsv"))
+    model.blocks[1].attn1.set_processor(CogVideoXAttnProcessor2_0())
+    with pytest.raises(ValueError, match=r"blocks\.1\.attn1 runs CogVideoXAttnProcessor2_0"):
+        install_dsv(model, cfg("dsv"))
+    assert not hasattr(model, "dsv_controller")  # a refused install changes nothing
+
+    model = tiny_wan()
+    install_dsv(model, cfg("dsv"))
+    with pytest.raises(ValueError, match="already has DSV installed"):
+        install_dsv(model, cfg("dsv"))
+    with pytest.raises(RuntimeError, match="before its transformer ran"):
+        model.blocks[0].attn1(torch.randn(1, 64, 32))
+    with pytest.raises(ValueError, match=r"token grid \(T, H, W\)=\(3, 4, 4\).*cube.*T=3"):
+        wan_forward(model, wan_inputs(frames=3))  # T = 3 frames do not tile into cubes of 2
+    with pytest.raises(ValueError, match="height=7 is not divisible by the model's patch extent 2"):
+        wan_forward(model, (torch.randn(1, 3, 4, 7, 8), torch.tensor([1.0]), torch.randn(1, 5, 32)))
+    x, t, text = wan_inputs()
+    x[0, 0, 0, 0, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match="NaN or Inf"):
+        wan_forward(model, (x, t, text))
+
+
+def test_from_pretrained_local_plain_folder_gets_fresh_dsv_state(tmp_path):
+    reference = tiny_wan()
+    reference.save_pretrained(tmp_path)
+    loaded = from_pretrained_local(tmp_path, cfg("dense"))
+    assert isinstance(loaded, WanTransformer3DModel) and loaded.dsv_controller.current_stage == 1
+    assert all(torch.isnan(layer.sparsity_ema).all() for layer in loaded.dsv_controller.layers)
+    inputs = wan_inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(wan_forward(loaded, inputs), wan_forward(reference, inputs), **TOL32)
+    with pytest.raises(FileNotFoundError, match="subfolder='transformer'"):
+        from_pretrained_local(tmp_path / "missing", cfg("dense"))
+
+
+@pytest.mark.parametrize("safe_serialization", [True, False])
+def test_from_pretrained_local_restores_saved_dsv_state(tmp_path, safe_serialization):
+    settings = dict(max_stage1_steps=2, sparse_threshold=0.0, profile_every_stage1=1)
+    model = tiny_wan()
+    controller = install_dsv(model, cfg("dsv", **settings))
+    inputs = wan_inputs()
+    train_steps(model, controller, wan_forward, inputs, steps=3)
+    model.save_pretrained(tmp_path / "transformer", safe_serialization=safe_serialization)
+    loaded = from_pretrained_local(tmp_path, cfg("dsv", **settings), subfolder="transformer")
+    saved, restored = model.state_dict(), loaded.state_dict()
+    assert saved.keys() == restored.keys()
+    for key in saved:
+        assert torch.equal(saved[key], restored[key]), key
+    assert loaded.dsv_controller.current_stage == 2
+    model.eval(), loaded.eval()
+    with torch.no_grad():
+        assert torch.equal(wan_forward(loaded, inputs), wan_forward(model, inputs))
+    with pytest.raises(ValueError, match=r"does not match cfg \(mode='dense'.*unexpected: \['blocks\.0\.attn1"):
+        from_pretrained_local(tmp_path, cfg("dense"), subfolder="transformer")
+
+
+def test_build_wan_for_training_trains_on_real_video():
+    attention = dsv.AttentionConfig(mode="dsv", cube=(2, 4, 4), max_stage1_steps=2, sparse_threshold=0.0,
+                                    sample_stride=16, profile_every_stage1=1)
+    model = build_wan_for_training(attention, num_layers=2, num_heads=2, head_dim=16, ffn_dim=64, text_dim=32)
+    gen = torch.Generator().manual_seed(0)
+    x0 = build_dataset(DataConfig(frames=4, size=16, photos=False)).sample(2, gen)  # grid (4, 8, 8)
+    params = dsv.model_parameters(model)
+    predictor_params = [p for layer in model.controller.layers for p in layer.predictor.parameters()]
+    assert len(params) == len(list(model.parameters())) - len(predictor_params)
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    null_text = model.null_text.detach().clone()
+    losses = []
+    for step in range(4):
+        model.controller.begin_step(step)
+        loss = flow_matching_loss(model, x0, torch.rand(2, generator=gen), torch.randn(x0.shape, generator=gen))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        model.controller.end_step()
+        losses.append(float(loss.detach()))
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert model.controller.current_stage == 2
+    assert [layer.last_path for layer in model.controller.layers] == ["sparse:reference"] * 2
+    assert not torch.equal(model.null_text.detach(), null_text)  # the null text embedding is trained
+    assert model(x0, torch.rand(2)).shape == x0.shape
+    with pytest.raises(ValueError, match="y must be None"):
+        model(x0, torch.rand(2), torch.zeros(2, dtype=torch.long))
+
+
+# ----- CogVideoX -----
+
+
+@pytest.mark.parametrize("rotary, patch_size_t", [(True, None), (False, None), (True, 2)])
+def test_cogvideox_dense_mode_equals_unpatched_forward_and_backward(rotary, patch_size_t):
+    reference = tiny_cogvideox(rotary, patch_size_t)
+    patched = copy.deepcopy(reference)
+    controller = install_dsv(patched, cfg("dense"))
+    inputs = cog_inputs(rotary, patch_size_t)
+    assert_same_grads(grads(patched, cog_forward, inputs), grads(reference, cog_forward, inputs), TOL64)
+    assert [layer.last_path for layer in controller.layers] == ["dense:sdpa"] * 2
+    assert all(isinstance(b.attn1.processor, CogVideoXDSVProcessor) for b in patched.transformer_blocks)
+
+
+def test_cogvideox_oracle_with_all_keys_equals_dense_forward_and_backward():
+    reference = tiny_cogvideox()
+    patched = copy.deepcopy(reference)
+    controller = install_dsv(patched, cfg("oracle", max_stage1_steps=1, keep_floor_blocks=10_000,
+                                          sparse_threshold=0.0))
+    inputs = cog_inputs()
+    train_steps(patched, controller, cog_forward, inputs, steps=1)
+    controller.begin_step(1)
+    result = grads(patched, cog_forward, inputs)
+    assert [layer.last_path for layer in controller.layers] == ["sparse:reference"] * 2
+    assert_same_grads(result, grads(reference, cog_forward, inputs), TOL64)
+
+
+def test_cogvideox_text_tokens_stay_dense_under_a_partial_budget():
+    model = tiny_cogvideox()
+    install_dsv(model, cfg("oracle"))
+    # Stage 2, every layer sparse, each head keeping a quarter of the video key blocks.
+    state = model.state_dict()
+    state["dsv_controller.stage"] = torch.tensor(2)
+    for key in state:
+        if key.endswith("processor.use_sparse"):
+            state[key] = torch.tensor(True)
+        elif key.endswith("processor.keep_fraction"):
+            state[key] = torch.full_like(state[key], 0.25)
+    model.load_state_dict(state)
+    captured = {}
+    attn = model.transformer_blocks[1].attn1
+    attn.register_forward_pre_hook(lambda m, args, kwargs: captured.update(kwargs), with_kwargs=True)
+    inputs = cog_inputs()
+    with torch.no_grad():
+        cog_forward(model, inputs)
+        video, text = attn(**captured)
+        dense_video, dense_text = CogVideoXAttnProcessor2_0()(attn, **captured)
+    assert attn.processor.last_path == "sparse:reference"
+    torch.testing.assert_close(text, dense_text, **TOL64)
+    assert (video - dense_video).abs().max() > 1e-3  # the video queries did skip keys
+
+
+def test_appended_text_keys_are_attended_by_every_video_group():
+    seq, text_len, group, heads = 32, 5, 8, 2
+    q, k, v = torch.randn(3, 1, heads, seq + text_len, 16, dtype=torch.float64).unbind(0)
+    base = oracle_index(q[:, :, :seq], k[:, :, :seq], torch.tensor([1, 2]), group, group)
+    index = _append_always_kept(base, text_len)
+    index.validate()
+    assert index.seq_len == seq + text_len and torch.equal(index.counts[..., :4], base.counts + 1)
+    # Dense reference: each video group sees its selected video blocks and every text token.
+    mask = torch.zeros(1, heads, seq, seq + text_len, dtype=torch.bool)
+    for h in range(heads):
+        for g in range(seq // group):
+            for block in base.indices[0, h, g, : base.counts[0, h, g]].tolist():
+                mask[0, h, g * group:(g + 1) * group, block * group:(block + 1) * group] = True
+    mask[..., seq:] = True
+    expected = F.scaled_dot_product_attention(q[:, :, :seq], k, v, attn_mask=mask)
+    torch.testing.assert_close(sparse_attention(q, k, v, index)[:, :, :seq], expected, **TOL64)
+    with pytest.raises(ValueError, match="attention.kv_block=3"):
+        _append_always_kept(oracle_index(q[:, :, :seq], k[:, :, :seq], torch.tensor([2, 2]), group, 3), text_len)
+
+
+def test_cogvideox_grid_not_tiled_by_cube_raises():
+    model = tiny_cogvideox()
+    install_dsv(model, cfg("dsv"))
+    x, text, _ = cog_inputs()
+    with pytest.raises(ValueError, match=r"token grid \(T, H, W\)=\(4, 3, 3\)"):
+        model(x[..., :6, :6], text, torch.tensor([10, 600]))
