@@ -15,8 +15,12 @@ from dsv.modules.config import AttentionConfig
 from dsv.modules.controller import DSVController
 
 
+MODEL_ARCHS = ("dit", "wan")
+
+
 @dataclass
 class ModelConfig:
+    arch: str = "dit"  # dit: DSV's compact video DiT; wan: a diffusers Wan transformer with DSV installed
     in_channels: int = 3
     patch: tuple[int, int, int] = (1, 4, 4)  # (t, h, w) extent of one token
     hidden: int = 128
@@ -28,6 +32,8 @@ class ModelConfig:
     activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
+        if self.arch not in MODEL_ARCHS:
+            raise ValueError(f"model.arch must be one of {MODEL_ARCHS}, got {self.arch!r}")
         self.patch = tuple(int(p) for p in self.patch)
         if len(self.patch) != 3 or min(self.patch) < 1:
             raise ValueError(f"model.patch must be three positive ints (t, h, w), got {self.patch}")

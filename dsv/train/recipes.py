@@ -48,6 +48,16 @@ def debug_cpu() -> Config:
 
 
 @recipe
+def wan_debug_cpu() -> Config:
+    """debug_cpu's schedule on a small randomly initialised diffusers Wan transformer (4 layers, 4 heads × 24,
+    1×4×4 patches) with DSV installed on its self-attention; needs `pip install -e '.[integrations]'`."""
+    cfg = debug_cpu()
+    cfg.model = ModelConfig(arch="wan", in_channels=3, patch=(1, 4, 4), hidden=96, depth=4, heads=4)
+    cfg.train.out_dir = "runs/wan_debug_cpu"
+    return cfg
+
+
+@recipe
 def small_gpu() -> Config:
     """A 12-block DiT at 16×64×64 pixels (patch 1×4×4 → 4096 tokens) for quick runs on one GPU."""
     return Config(

@@ -34,9 +34,20 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def build_model(cfg: Config, device: torch.device) -> VideoDiT:
+def build_model(cfg: Config, device: torch.device) -> torch.nn.Module:
+    """The model of `cfg.model.arch`, seeded; either has `forward(x, t, y=None)` and `.controller`."""
     torch.manual_seed(cfg.train.seed)
-    return VideoDiT(cfg.model, cfg.attention).to(device)
+    m = cfg.model
+    if m.arch == "wan":
+        from dsv.integrations.diffusers import build_wan_for_training
+
+        model = build_wan_for_training(
+            cfg.attention, in_channels=m.in_channels, patch=m.patch, num_layers=m.depth, num_heads=m.heads,
+            head_dim=m.attention_head_dim, ffn_dim=int(m.hidden * m.mlp_ratio))
+        if m.activation_checkpointing:
+            model.transformer.enable_gradient_checkpointing()
+        return model.to(device)
+    return VideoDiT(m, cfg.attention).to(device)
 
 
 def heldout_targets(n: int, shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
