@@ -43,6 +43,10 @@ def _bench(args) -> int:
         from dsv.bench.kernels import run
 
         return run(args)
+    if args.what == "train":
+        from dsv.bench.train import run
+
+        return run(args)
     raise AssertionError(args.what)
 
 
@@ -89,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
         add_arguments = None
     if add_arguments is not None:
         add_arguments(kernels)
+    from dsv.bench.train import add_arguments as add_train_arguments
+
+    add_train_arguments(bench_sub.add_parser("train", help="training-step time: dense vs window vs DSV stage 2"))
     bench.set_defaults(func=_bench)
     return parser
 

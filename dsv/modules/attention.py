@@ -246,7 +246,8 @@ class DSVAttentionCore(nn.Module):
         stride = max(cfg.sample_stride, -(-seq_len // cfg.max_sample_rows))
         # Rotate the sampled rows with the step so that, over steps, every row is seen.
         rows = sample_query_rows(seq_len, stride, offset=controller.step).to(q.device)
-        if self.predictor is not None:
+        learn_due = controller.current_stage == 1 or controller.step % cfg.learn_every_stage2 == 0
+        if self.predictor is not None and learn_due:
             loss = self.predictor.update(hidden, q, k, rows, self.scale)
             self.loss_ema.copy_(_ema(self.loss_ema, loss, cfg.ema_momentum))
         if not controller.profile_due():

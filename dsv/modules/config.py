@@ -24,6 +24,7 @@ class AttentionConfig:
     rank: int = 16
     predictor_lr: float = 1e-3
     stage2_lr_scale: float = 0.1
+    learn_every_stage2: int = 1  # predictor steps every n-th step in stage 2 (its cost is per step)
     loss_cosine_weight: float = 0.9
     loss_mse_weight: float = 0.1
     sample_stride: int = 64  # every n-th query row (grouped order) feeds the loss and the profiler
@@ -61,6 +62,7 @@ class AttentionConfig:
         if not 0.0 <= self.ema_momentum < 1.0:
             raise ValueError(f"attention.ema_momentum must be in [0, 1), got {self.ema_momentum}")
         for name in ("sample_stride", "max_sample_rows", "profile_every_stage1", "profile_every_stage2",
+                     "learn_every_stage2",
                      "keep_floor_blocks", "rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"attention.{name} must be >= 1, got {getattr(self, name)}")

@@ -1,0 +1,170 @@
+"""``dsv bench train``: training-step time of one DiT with dense, window (WA-L) and DSV stage-2 attention.
+
+One process, one device. For each token count and mode the same model shape (a recipe's, default the
+paper's 2.7B: 32 blocks, 16 heads × 128) is built on the device, and full training steps (bf16 autocast,
+activation checkpointing, AdamW) are timed on random latents: throughput only, no quality. DSV runs in
+stage 2 with a per-layer/per-head sparsity profile (the paper's measured 2.7B profile by default, or a
+`dsv profile` JSON), dispatched by the same controller code as training. DSV's overheads are timed
+apart: the predictor update (steps with and without it), a profiling step (amortised over
+`profile_every_stage2`), and the critical-KV estimation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from dsv.modules.dit import VideoDiT, flow_matching_loss
+from dsv.modules.attention import model_parameters
+from dsv.parallel.planner import load_profile, paper_profile
+from dsv.train.config import apply_overrides
+from dsv.train.recipes import get_recipe
+
+MODES = ("dense", "window", "dsv")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--recipe", default="dit_2p7b", help="model shape (its model/attention sections)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[32768, 65536], help="tokens per sample")
+    parser.add_argument("--spatial", type=int, default=64, help="latent H = W in tokens; T = tokens / spatial²")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--profile", default="paper", help="'paper' or a JSON of per-layer per-head sparsity")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per mode (median reported)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", type=Path, default=None, help="write the markdown report here")
+
+
+def _timed(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) * 1e3
+
+
+class _Run:
+    """One model and optimizer at one token count, stepping on fixed random latents."""
+
+    def __init__(self, cfg, mode: str, tokens: int, spatial: int, device: torch.device):
+        if tokens % (spatial * spatial):
+            raise ValueError(f"--tokens {tokens} is not a multiple of --spatial² = {spatial * spatial}")
+        attention = dataclasses.replace(cfg.attention, mode=mode, check_finite=False,
+                                        profile_every_stage2=10**9, min_stage1_steps=0)
+        model_cfg = dataclasses.replace(cfg.model, activation_checkpointing=True)
+        grid = (tokens // (spatial * spatial), spatial, spatial)
+        shape = (1, model_cfg.in_channels, *(g * p for g, p in zip(grid, model_cfg.patch)))
+        torch.manual_seed(0)
+        with torch.device(device):
+            self.model = VideoDiT(model_cfg, attention)
+        self.optimizer = torch.optim.AdamW(model_parameters(self.model), lr=1e-4, fused=device.type == "cuda")
+        gen = torch.Generator(device).manual_seed(1)
+        self.x0 = torch.randn(shape, device=device, generator=gen)
+        self.noise = torch.randn(shape, device=device, generator=gen)
+        self.t = torch.rand(1, device=device, generator=gen)
+        self.device = device
+        self.step_index = 0
+
+    def step(self) -> None:
+        controller = self.model.controller
+        controller.begin_step(self.step_index)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+            loss = flow_matching_loss(self.model, self.x0, self.t, self.noise)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        controller.end_step()
+        self.step_index += 1
+
+    def enter_stage2(self, profile: list[list[float]]) -> None:
+        """Stage 2 with the given sparsity per layer and head, dispatched by the controller's rule."""
+        layers = self.model.controller.layers
+        if len(profile) != len(layers) or any(len(p) != layers[0].heads for p in profile):
+            raise ValueError(f"the sparsity profile is {len(profile)}×{len(profile[0])}, the model has "
+                             f"{len(layers)} layers × {layers[0].heads} heads")
+        controller = self.model.controller
+        controller.stage.fill_(2)
+        controller._refresh_host_state()
+        for layer, sparsity in zip(layers, profile):
+            layer.sparsity_ema.copy_(torch.tensor(sparsity))
+            layer.enter_stage2()
+            layer.dispatch()
+
+    def set_attention(self, **changes) -> None:
+        """Change schedule fields of the attention config on the controller and every layer."""
+        cfg = dataclasses.replace(self.model.controller.cfg, **changes)
+        self.model.controller.cfg = cfg
+        for layer in self.model.controller.layers:
+            layer.cfg = cfg
+
+    def median_ms(self, warmup: int, steps: int) -> float:
+        for _ in range(warmup):
+            self.step()
+        return statistics.median(_timed(self.step, self.device) for _ in range(steps))
+
+
+def run(args) -> int:
+    device = torch.device(args.device)
+    cfg = apply_overrides(get_recipe(args.recipe), args.set)
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    rows = []
+    for tokens in args.tokens:
+        dense_ms = None
+        for mode in args.modes:
+            run_ = _Run(cfg, mode, tokens, args.spatial, device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            row = {"tokens": tokens, "mode": mode, "notes": ""}
+            if mode == "dsv":
+                run_.step()  # one stage-1 step: the layers see their shapes and backends before dispatch
+                profile = paper_profile(cfg.model.depth, cfg.model.heads) if args.profile == "paper" \
+                    else load_profile(args.profile)
+                run_.enter_stage2(profile)
+                row["sparse_blocks"] = sum(layer.runs_sparse() for layer in run_.model.controller.layers)
+                row["ms"] = run_.median_ms(args.warmup, args.steps)
+                # Profiling steps: the controller's schedule made due on every step.
+                run_.set_attention(profile_every_stage2=1)
+                profiled = statistics.median(_timed(run_.step, device) for _ in range(max(1, args.steps // 2)))
+                every = cfg.attention.profile_every_stage2
+                row["notes"] = (f"profiling step +{profiled - row['ms']:.0f} ms (every {every} steps: "
+                                f"+{(profiled - row['ms']) / every:.1f} ms/step)")
+                # Without the predictor update (its cost is the difference).
+                run_.set_attention(profile_every_stage2=10**9, learn_every_stage2=10**9)
+                no_predictor = statistics.median(_timed(run_.step, device) for _ in range(max(1, args.steps // 2)))
+                row["notes"] += f"; predictor update {row['ms'] - no_predictor:.0f} ms/step"
+            else:
+                row["sparse_blocks"] = sum(layer.runs_sparse() for layer in run_.model.controller.layers)
+                row["ms"] = run_.median_ms(args.warmup, args.steps)
+            row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+            if mode == "dense":
+                dense_ms = row["ms"]
+            row["speedup"] = dense_ms / row["ms"] if dense_ms else float("nan")
+            rows.append(row)
+            print(f"{tokens:>6} {mode:>6}: {row['ms']:.1f} ms/step, {row['speedup']:.2f}x dense, "
+                  f"{row['peak_gib']:.1f} GiB, {row['sparse_blocks']} sparse blocks. {row['notes']}", flush=True)
+            del run_
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    lines = [f"# Training step time, {args.recipe} shape, {machine}", "",
+             f"torch {torch.__version__}; batch 1, {'bf16 autocast' if device.type == 'cuda' else 'fp32'}, "
+             f"activation checkpointing, AdamW; random "
+             f"latents of {cfg.model.in_channels} channels, patch {cfg.model.patch}; DSV in stage 2 with the "
+             f"{'paper 2.7B' if args.profile == 'paper' else args.profile} sparsity profile; median of "
+             f"{args.steps} steps after {args.warmup} warm-up.", "",
+             "| tokens | mode | ms/step | × dense | peak GiB | sparse blocks | DSV overheads |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['tokens']} | {r['mode']} | {r['ms']:.1f} | {r['speedup']:.2f} | {r['peak_gib']:.1f} | "
+                     f"{r['sparse_blocks']} | {r['notes']} |")
+    report = "\n".join(lines) + "\n"
+    print(report)
+    if args.out is not None:
+        args.out.write_text(report)
+    return 0

@@ -1,0 +1,126 @@
+"""FSDP2 for a DSV model: shard the DiT's parameters, keep the sparsity predictors replicated.
+
+`shard_model` applies `torch.distributed.fsdp.fully_shard` to every transformer block and to the root,
+excluding the predictors' parameters, and keeps DSV's per-layer state identical on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from dsv.modules.attention import DSVAttentionCore
+from dsv.modules.dit import VideoDiT
+from dsv.modules.predictor import LowRankPredictor
+
+# Per-layer buffers that the profiler and the predictor update with an EMA inside the training forward.
+# Rank-local inputs make them differ by rank; `sync_dsv_state` averages them.
+EMA_BUFFERS = ("sparsity_ema", "recall_ema", "loss_ema")
+
+
+def _dsv_layers(model: nn.Module) -> list[DSVAttentionCore]:
+    return [m for m in model.modules() if isinstance(m, DSVAttentionCore)]
+
+
+def _block_units(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks: the members of every `nn.ModuleList` that hold DSV layers
+    (`VideoDiT.blocks`). Each becomes one FSDP unit, so one block's parameters are gathered at a time."""
+    return [
+        block
+        for module in model.modules() if isinstance(module, nn.ModuleList)
+        for block in module if _dsv_layers(block)
+    ]
+
+
+@torch.no_grad()
+def sync_dsv_state(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Average every DSV layer's EMA buffers (`sparsity_ema [H]`, `recall_ema [H]`, `loss_ema []`)
+    over `group` (default: all ranks), in one all-reduce.
+
+    Called after each training forward (that is when the EMAs change), this equals an EMA of the
+    rank-averaged measurements: with identical old values on every rank,
+    `mean_r(m·old + (1-m)·x_r) = m·old + (1-m)·mean_r(x_r)`, and the first measurement (NaN → x_r)
+    becomes `mean_r(x_r)`. The dispatch and the stage switch, which read these buffers, then decide the
+    same on every rank. Never-measured entries are NaN on every rank (profiling runs on the same steps
+    everywhere) and stay NaN.
+    """
+    buffers = [getattr(layer, name) for layer in _dsv_layers(model) for name in EMA_BUFFERS]
+    flat = torch.cat([b.reshape(-1).float() for b in buffers])
+    dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=group)
+    for buffer, value in zip(buffers, flat.split([b.numel() for b in buffers])):
+        buffer.copy_(value.view_as(buffer))
+
+
+def shard_model(
+    model: VideoDiT,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool = True,
+    mixed_precision: bool = False,
+) -> VideoDiT:
+    """Shard `model` in place with FSDP2 (one unit per block, plus the root) and return it.
+
+    Call after `torch.distributed.init_process_group` and before building the model's optimizer (which
+    must then see the sharded `DTensor` parameters: `model_parameters(model)`). Input and output shapes
+    are unchanged: `forward(x [B, C, T, H, W], t [B], y [B] | None) -> [B, C, T, H, W]`, each rank with
+    its own local batch.
+
+    Why the predictors stay out of FSDP: a `LowRankPredictor` is detached from the model graph and
+    steps its own AdamW *inside* the forward pass, on gradients it all-reduces (AVG) itself. Under FSDP
+    its parameters would be 1-D shards that are only materialised around the block's forward, its
+    optimizer (built on the original tensors) would step storage FSDP no longer uses, and FSDP would
+    reduce-scatter gradients that the model's backward never produces. So every predictor parameter is
+    passed as `ignored_params`: it stays a plain, full tensor on every rank, and the predictor's own
+    all-reduce keeps the replicas identical. They are tiny (2·C·H·rank per layer), so replicating them
+    costs little memory.
+
+    DSV's buffers (EMAs, dispatch, kept fractions, the controller's stage) are never sharded: FSDP
+    leaves buffers as plain tensors. With data parallelism each rank measures sparsity, recall and
+    predictor loss on its own data, so a forward hook on the root runs `sync_dsv_state` after every
+    training forward; the controller's `end_step` (stage switch, dispatch) then sees identical EMAs on
+    every rank. One caveat: within the step, a layer computes its recall at the budget of its
+    not-yet-averaged sparsity EMA; recall is only reported, never used to decide.
+
+    Args:
+        model: a DSV model whose repeated blocks sit in an `nn.ModuleList` (`VideoDiT.blocks`).
+        mesh: 1-D data-parallel mesh; default: all ranks, on the device type of the model's parameters.
+        reshard_after_forward: free each block's gathered parameters after its forward (ZeRO-3) and
+            gather again for backward (and for an activation-checkpointing recompute); False keeps
+            them until backward (ZeRO-2-like: more memory, one all-gather less per block).
+        mixed_precision: compute in bf16 (parameters all-gathered in bf16) with fp32 gradient
+            reduction and fp32 sharded master parameters; the predictors keep fp32 throughout.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        ValueError: the model has no DSV attention layer, or no block list to shard.
+    """
+    if not _dsv_layers(model):
+        raise ValueError("shard_model: the model has no DSV attention layers (DSVAttention or an integration)")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "shard_model: torch.distributed is not initialised; call "
+            "torch.distributed.init_process_group (e.g. under torchrun) before sharding"
+        )
+    blocks = _block_units(model)
+    if not blocks:
+        raise ValueError("shard_model: found no nn.ModuleList of blocks holding DSV layers to shard")
+    if mesh is None:
+        device_type = next(model.parameters()).device.type
+        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    ignored = {p for m in model.modules() if isinstance(m, LowRankPredictor) for p in m.parameters()}
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if mixed_precision else MixedPrecisionPolicy())
+    options = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy, ignored_params=ignored)
+    for block in blocks:
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+
+    def after_forward(module: nn.Module, _args, _output) -> None:
+        # The EMAs change only in a training forward with grad enabled (attention.prepare_index).
+        if module.training and torch.is_grad_enabled():
+            sync_dsv_state(module)
+
+    model.register_forward_hook(after_forward)
+    return model

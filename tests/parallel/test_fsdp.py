@@ -1,0 +1,183 @@
+"""FSDP2 + activation checkpointing + DSV on 2 gloo ranks: sharded training equals the single-process
+run, the predictors stay replicated plain tensors, and DSV's state stays identical under data parallelism."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+import dsv.modules.attention as attention_module
+from dsv.modules.attention import model_parameters
+from dsv.modules.config import AttentionConfig
+from dsv.modules.dit import ModelConfig, VideoDiT, flow_matching_loss
+from dsv.parallel.fsdp import EMA_BUFFERS, shard_model
+from tests.parallel import run_distributed
+
+WORLD, STEPS, BATCH = 2, 4, 2
+VIDEO = (3, 4, 16, 16)  # C, T, H, W: with 1×2×2 patches a 4×8×8 grid of 256 tokens
+# Same batch on both ranks: FSDP's gradient average and the predictors' AVG all-reduce of two equal
+# values are exact, so the only differences from one process are summation orders (sharded grad-norm
+# for clipping, gloo's reduction, SDPA/GEMM blocking on other shapes): a few float32 ulps per step,
+# grown through 4 AdamW steps; 1e-5 absolute/relative leaves ~100x headroom over what we measure.
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def build_model() -> VideoDiT:
+    torch.manual_seed(0)  # every rank and the reference start from the same weights
+    model_cfg = ModelConfig(in_channels=VIDEO[0], patch=(1, 2, 2), hidden=32, depth=2, heads=2,
+                            activation_checkpointing=True)
+    # Profile every step so the EMAs move each step; switch after 2 steps; threshold 0 sends every block sparse.
+    attn_cfg = AttentionConfig(mode="dsv", cube=(2, 2, 2), backend="reference", rank=4, sample_stride=4,
+                               profile_every_stage1=1, profile_every_stage2=1, max_stage1_steps=2,
+                               sparse_threshold=0.0)
+    return VideoDiT(model_cfg, attn_cfg)
+
+
+def make_batches(seed: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(BATCH, *VIDEO, generator=gen), torch.rand(BATCH, generator=gen),
+             torch.randn(BATCH, *VIDEO, generator=gen)) for _ in range(STEPS)]
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def dsv_state(model: VideoDiT) -> dict:
+    """Every DSV buffer and the dispatch, per layer, plus the controller's stage."""
+    state = {"stage": model.controller.current_stage, "sparse_layers": model.controller.sparse_layers()}
+    for i, layer in enumerate(model.controller.layers):
+        for name in (*EMA_BUFFERS, "use_sparse", "keep_fraction"):
+            state[f"{i}.{name}"] = getattr(layer, name).clone()
+    return state
+
+
+def predictor_params(model: VideoDiT) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters() if ".predictor." in name}
+
+
+def train(model: VideoDiT, batches) -> dict:
+    """The trainer's step (dsv.train.trainer.Trainer.train_step) on the given batches."""
+    optimizer = torch.optim.AdamW(model_parameters(model), lr=2e-3)
+    losses, paths, states = [], [], []
+    for step, (x0, t, noise) in enumerate(batches):
+        model.train()
+        model.controller.begin_step(step)
+        loss = flow_matching_loss(model, x0, t, noise)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model_parameters(model), 1.0)
+        optimizer.step()
+        model.controller.end_step()
+        losses.append(loss.item())
+        paths.append([layer.last_path for layer in model.controller.layers])
+        states.append(dsv_state(model))
+    return {
+        "losses": losses,
+        "paths": paths,
+        "states": states,
+        "params": {name: full(p) for name, p in model.named_parameters()},
+        "predictors": predictor_params(model),
+    }
+
+
+def fsdp_worker(rank, world, batches_per_rank):
+    torch.manual_seed(1234)  # the predictors' row sampling is deterministic; this pins anything else
+    model = shard_model(build_model())
+    # The predictors stay plain full tensors that their own optimizers step; the rest is sharded.
+    kinds = {name: (type(p).__name__, getattr(p, "placements", None)) for name, p in model.named_parameters()}
+    same_objects = all(
+        live is stepped
+        for layer in model.controller.layers
+        for live, stepped in zip(layer.predictor.parameters(), layer.predictor.optimizer.param_groups[0]["params"])
+    )
+    measured = {"loss": [], "sparsity": []}
+    record_measurements(model, measured)
+    result = train(model, batches_per_rank[rank])
+    return {**result, "kinds": kinds, "same_objects": same_objects, "measured": measured}
+
+
+def record_measurements(model: VideoDiT, measured: dict) -> None:
+    """Record each layer's rank-local predictor loss and profiled head sparsity, before any averaging."""
+    for layer in model.controller.layers:
+        update = layer.predictor.update
+
+        def recording_update(*args, update=update):
+            loss = update(*args)
+            measured["loss"].append(loss.clone())
+            return loss
+
+        layer.predictor.update = recording_update
+    head_sparsity = attention_module.head_sparsity
+
+    def recording_head_sparsity(*args, **kwargs):
+        sparsity = head_sparsity(*args, **kwargs)
+        measured["sparsity"].append(sparsity.clone())
+        return sparsity
+
+    # This process is a spawned rank of its own: the patch does not leak into other tests.
+    attention_module.head_sparsity = recording_head_sparsity
+
+
+def assert_close_dicts(actual: dict, expected: dict, **tol) -> None:
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], **tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_fsdp_same_data_matches_single_process(tmp_path):
+    batches = make_batches(seed=0)
+    reference = train(build_model(), batches)
+    per_rank = run_distributed(fsdp_worker, WORLD, [batches] * WORLD, out_dir=tmp_path)
+
+    # Stage 2 ran sparse (through the checkpointed blocks) on every rank, as in one process.
+    assert reference["paths"][-1] == ["sparse:reference"] * 2
+    assert reference["states"][-1]["stage"] == 2
+    for result in per_rank:
+        assert result["paths"] == reference["paths"]
+        kinds = result["kinds"]
+        sharded = {n for n, (kind, placements) in kinds.items() if kind == "DTensor" and placements == (Shard(0),)}
+        plain = {n for n, (kind, _) in kinds.items() if kind == "Parameter"}
+        assert plain == set(reference["predictors"]) and sharded == kinds.keys() - plain
+        assert result["same_objects"]
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), **TOL)
+        assert_close_dicts(result["params"], reference["params"], **TOL)
+        assert_close_dicts(result["predictors"], reference["predictors"], **TOL)
+        assert_close_dicts(result["states"][-1], reference["states"][-1], **TOL, equal_nan=True)
+    # The predictors trained and are bitwise identical replicas on both ranks.
+    assert any(not torch.equal(p, build_model().state_dict()[n]) for n, p in reference["predictors"].items())
+    assert_close_dicts(per_rank[1]["predictors"], per_rank[0]["predictors"], rtol=0, atol=0)
+
+
+def test_fsdp_data_parallel_keeps_dsv_state_identical(tmp_path):
+    batches_per_rank = [make_batches(seed=rank + 1) for rank in range(WORLD)]
+    rank0, rank1 = run_distributed(fsdp_worker, WORLD, batches_per_rank, out_dir=tmp_path)
+
+    # The problem: each rank measures its own predictor loss and sparsity on its own data ...
+    layers = 2
+    for kind in ("loss", "sparsity"):
+        assert len(rank0["measured"][kind]) == STEPS * layers
+        assert not torch.allclose(torch.stack(rank0["measured"][kind]), torch.stack(rank1["measured"][kind]))
+    assert rank0["losses"] != rank1["losses"]
+    # ... the solution: every EMA is the EMA of the rank average (first step: exactly the average) ...
+    first = rank0["states"][0]
+    for i in range(layers):
+        for kind, buffer in (("loss", "loss_ema"), ("sparsity", "sparsity_ema")):
+            mean = (rank0["measured"][kind][i] + rank1["measured"][kind][i]) / 2
+            torch.testing.assert_close(first[f"{i}.{buffer}"], mean, rtol=1e-6, atol=1e-7)
+    # ... so every rank holds the same EMAs, dispatch, budgets and stage after every step.
+    for state0, state1 in zip(rank0["states"], rank1["states"]):
+        assert_close_dicts(state1, state0, rtol=0, atol=0, equal_nan=True)
+    assert rank0["states"][-1]["sparse_layers"] == [0, 1]
+    assert rank0["paths"][-1] == rank1["paths"][-1] == ["sparse:reference"] * 2
+    # Predictor gradients are averaged, so the replicas stay bitwise identical despite different data.
+    assert_close_dicts(rank1["predictors"], rank0["predictors"], rtol=0, atol=0)
+
+
+def test_shard_model_errors():
+    with pytest.raises(ValueError, match="no DSV attention layers"):
+        shard_model(nn.Sequential(nn.Linear(4, 4)))
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
+        shard_model(build_model())
