@@ -64,7 +64,10 @@ class DSVAttentionCore(nn.Module):
         self.register_buffer("use_sparse", torch.tensor(self.cfg.mode == "window"))
         self.register_buffer("keep_fraction", torch.ones(heads))
         self.register_load_state_dict_post_hook(lambda module, _keys: module._refresh_host_state())
-        self._refresh_host_state()
+        # Host mirrors from the initial values, not read back from the buffers: the model can then be
+        # built on the meta device (large-model init under FSDP).
+        self._use_sparse_host = self.cfg.mode == "window"
+        self._keep_fraction_host = [1.0] * heads
         self.controller = None
         self.layer_index = 0
         self.last_path = "none"

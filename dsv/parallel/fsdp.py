@@ -36,9 +36,9 @@ def _block_units(model: nn.Module) -> list[nn.Module]:
 
 
 @torch.no_grad()
-def sync_dsv_state(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+def sync_dsv_state(model: nn.Module) -> None:
     """Average every DSV layer's EMA buffers (`sparsity_ema [H]`, `recall_ema [H]`, `loss_ema []`)
-    over `group` (default: all ranks), in one all-reduce.
+    over all ranks (every rank that runs the model must dispatch alike), in one all-reduce.
 
     Called after each training forward (that is when the EMAs change), this equals an EMA of the
     rank-averaged measurements: with identical old values on every rank,
@@ -48,8 +48,9 @@ def sync_dsv_state(model: nn.Module, group: dist.ProcessGroup | None = None) -> 
     everywhere) and stay NaN.
     """
     buffers = [getattr(layer, name) for layer in _dsv_layers(model) for name in EMA_BUFFERS]
+    # One flat fp32 message instead of three per layer; the buffers may have been cast with the model.
     flat = torch.cat([b.reshape(-1).float() for b in buffers])
-    dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=group)
+    dist.all_reduce(flat, op=dist.ReduceOp.AVG)
     for buffer, value in zip(buffers, flat.split([b.numel() for b in buffers])):
         buffer.copy_(value.view_as(buffer))
 
@@ -68,13 +69,13 @@ def shard_model(
     its own local batch.
 
     Why the predictors stay out of FSDP: a `LowRankPredictor` is detached from the model graph and
-    steps its own AdamW *inside* the forward pass, on gradients it all-reduces (AVG) itself. Under FSDP
-    its parameters would be 1-D shards that are only materialised around the block's forward, its
-    optimizer (built on the original tensors) would step storage FSDP no longer uses, and FSDP would
-    reduce-scatter gradients that the model's backward never produces. So every predictor parameter is
-    passed as `ignored_params`: it stays a plain, full tensor on every rank, and the predictor's own
-    all-reduce keeps the replicas identical. They are tiny (2·C·H·rank per layer), so replicating them
-    costs little memory.
+    steps its own AdamW *inside* the forward pass, on gradients it all-reduces (AVG) itself. FSDP would
+    replace its parameters with new sharded `DTensor` parameters, while the predictor's optimizer still
+    holds the original tensors: it would step tensors the model no longer uses, and the live predictor
+    would never learn (the test checks the optimizer holds the live parameters). So every predictor
+    parameter is passed as `ignored_params`: it stays a plain, full tensor on every rank, and the
+    predictor's own all-reduce keeps the replicas identical. They are small (2·C·H·rank per layer), so
+    replicating them costs little memory and no extra collective beyond that all-reduce.
 
     DSV's buffers (EMAs, dispatch, kept fractions, the controller's stage) are never sharded: FSDP
     leaves buffers as plain tensors. With data parallelism each rank measures sparsity, recall and
@@ -98,21 +99,22 @@ def shard_model(
     """
     if not _dsv_layers(model):
         raise ValueError("shard_model: the model has no DSV attention layers (DSVAttention or an integration)")
+    blocks = _block_units(model)
+    if not blocks:
+        raise ValueError("shard_model: found no nn.ModuleList of blocks holding DSV layers to shard")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "shard_model: torch.distributed is not initialised; call "
             "torch.distributed.init_process_group (e.g. under torchrun) before sharding"
         )
-    blocks = _block_units(model)
-    if not blocks:
-        raise ValueError("shard_model: found no nn.ModuleList of blocks holding DSV layers to shard")
     if mesh is None:
         device_type = next(model.parameters()).device.type
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     ignored = {p for m in model.modules() if isinstance(m, LowRankPredictor) for p in m.parameters()}
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if mixed_precision else MixedPrecisionPolicy())
-    options = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy, ignored_params=ignored)
+    options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward, "mp_policy": policy,
+               "ignored_params": ignored}
     for block in blocks:
         fully_shard(block, **options)
     fully_shard(model, **options)

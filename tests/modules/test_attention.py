@@ -146,3 +146,13 @@ def test_bad_inputs_raise_clear_errors():
         lonely(torch.randn(1, 64, DIM), GRID)
     with pytest.raises(ValueError, match="attention.mode"):
         dataclasses.replace(AttentionConfig(), mode="sparse")
+
+
+def test_model_builds_on_the_meta_device():
+    """Large models are built on meta and materialised by FSDP: construction must not read buffers."""
+    from dsv.modules.dit import ModelConfig, VideoDiT
+
+    with torch.device("meta"):
+        model = VideoDiT(ModelConfig(hidden=64, depth=2, heads=2), AttentionConfig(cube=(2, 2, 2)))
+    assert all(p.is_meta for p in model.parameters())
+    assert model.controller.current_stage == 1 and not model.controller.layers[0].runs_sparse()

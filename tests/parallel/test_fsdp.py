@@ -8,7 +8,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 import dsv.modules.attention as attention_module
-from dsv.modules.attention import model_parameters
+from dsv.modules.attention import DSVAttention, model_parameters
 from dsv.modules.config import AttentionConfig
 from dsv.modules.dit import ModelConfig, VideoDiT, flow_matching_loss
 from dsv.parallel.fsdp import EMA_BUFFERS, shard_model
@@ -17,10 +17,12 @@ from tests.parallel import run_distributed
 WORLD, STEPS, BATCH = 2, 4, 2
 VIDEO = (3, 4, 16, 16)  # C, T, H, W: with 1×2×2 patches a 4×8×8 grid of 256 tokens
 # Same batch on both ranks: FSDP's gradient average and the predictors' AVG all-reduce of two equal
-# values are exact, so the only differences from one process are summation orders (sharded grad-norm
-# for clipping, gloo's reduction, SDPA/GEMM blocking on other shapes): a few float32 ulps per step,
-# grown through 4 AdamW steps; 1e-5 absolute/relative leaves ~100x headroom over what we measure.
+# values are exact, so only summation orders differ from one process (sharded grad norm for clipping,
+# GEMMs on other shapes): we measure <= 1.2e-7 after 4 AdamW steps; 1e-5 leaves ~100x headroom.
 TOL = {"rtol": 1e-5, "atol": 1e-5}
+# bf16 compute: the loss is an fp32 mean of outputs computed in bf16, so one bf16 rounding (2^-8
+# relative) bounds its gap to the fp32 run; we measure 2e-4 relative.
+BF16_LOSS_TOL = {"rtol": 2**-8, "atol": 0.0}
 
 
 def build_model() -> VideoDiT:
@@ -59,6 +61,19 @@ def predictor_params(model: VideoDiT) -> dict[str, torch.Tensor]:
 
 def train(model: VideoDiT, batches) -> dict:
     """The trainer's step (dsv.train.trainer.Trainer.train_step) on the given batches."""
+    block_calls = [0] * len(model.blocks)
+
+    def count_call(block_index: int):
+        def hook(_module, _args) -> None:
+            block_calls[block_index] += 1
+        return hook
+
+    for i, block in enumerate(model.blocks):
+        # Counts the block's forward and its activation-checkpointing recompute in backward.
+        block.register_forward_pre_hook(count_call(i))
+    compute_dtypes = set()
+    for layer in model.controller.layers:
+        layer.observer = lambda _layer, _hidden, q, _k, _grid: compute_dtypes.add(q.dtype)
     optimizer = torch.optim.AdamW(model_parameters(model), lr=2e-3)
     losses, paths, states = [], [], []
     for step, (x0, t, noise) in enumerate(batches):
@@ -79,12 +94,25 @@ def train(model: VideoDiT, batches) -> dict:
         "states": states,
         "params": {name: full(p) for name, p in model.named_parameters()},
         "predictors": predictor_params(model),
+        "block_calls": block_calls,
+        "compute_dtypes": compute_dtypes,
+        "param_dtypes": {p.dtype for p in model.parameters()},
     }
 
 
-def fsdp_worker(rank, world, batches_per_rank):
-    torch.manual_seed(1234)  # the predictors' row sampling is deterministic; this pins anything else
-    model = shard_model(build_model())
+def single_process_reference(batches) -> dict:
+    """`train` in this process, on one thread like each rank (run_distributed sets that): two OpenMP
+    threads on the two shared cores were ~60x slower here than one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train(build_model(), batches)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def fsdp_worker(rank, world, batches_per_rank, reshard_after_forward=True, mixed_precision=False):
+    model = shard_model(build_model(), reshard_after_forward=reshard_after_forward, mixed_precision=mixed_precision)
     # The predictors stay plain full tensors that their own optimizers step; the rest is sharded.
     kinds = {name: (type(p).__name__, getattr(p, "placements", None)) for name, p in model.named_parameters()}
     same_objects = all(
@@ -122,31 +150,46 @@ def record_measurements(model: VideoDiT, measured: dict) -> None:
 
 def assert_close_dicts(actual: dict, expected: dict, **tol) -> None:
     assert actual.keys() == expected.keys()
-    for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], **tol, msg=lambda m, n=name: f"{n}: {m}")
+    for name, value in expected.items():
+        torch.testing.assert_close(actual[name], value, **tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_fsdp_same_data_matches_single_process(tmp_path):
+@pytest.mark.parametrize("reshard_after_forward,mixed_precision", [(True, False), (False, False), (True, True)],
+                         ids=["fp32", "fp32-no-reshard", "bf16"])
+def test_fsdp_same_data_matches_single_process(tmp_path, reshard_after_forward, mixed_precision):
     batches = make_batches(seed=0)
-    reference = train(build_model(), batches)
-    per_rank = run_distributed(fsdp_worker, WORLD, [batches] * WORLD, out_dir=tmp_path)
+    reference = single_process_reference(batches)
+    per_rank = run_distributed(fsdp_worker, WORLD, [batches] * WORLD, reshard_after_forward, mixed_precision,
+                               out_dir=tmp_path)
 
     # Stage 2 ran sparse (through the checkpointed blocks) on every rank, as in one process.
     assert reference["paths"][-1] == ["sparse:reference"] * 2
     assert reference["states"][-1]["stage"] == 2
     for result in per_rank:
         assert result["paths"] == reference["paths"]
+        # Activation checkpointing recomputed every block in backward, under FSDP as in one process.
+        assert result["block_calls"] == reference["block_calls"] == [2 * STEPS] * 2
         kinds = result["kinds"]
         sharded = {n for n, (kind, placements) in kinds.items() if kind == "DTensor" and placements == (Shard(0),)}
         plain = {n for n, (kind, _) in kinds.items() if kind == "Parameter"}
         assert plain == set(reference["predictors"]) and sharded == kinds.keys() - plain
         assert result["same_objects"]
-        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), **TOL)
+        # fp32 master weights (and fp32 predictors) either way; bf16 only in the computation.
+        assert result["param_dtypes"] == {torch.float32}
+        assert result["compute_dtypes"] == {torch.bfloat16 if mixed_precision else torch.float32}
+        losses, expected = torch.tensor(result["losses"]), torch.tensor(reference["losses"])
+        if mixed_precision:
+            # Parameters are not compared: AdamW moves each coordinate by ~lr per step whatever the
+            # gradient's size, so bf16 noise in small gradients shows up at ~lr in the weights.
+            torch.testing.assert_close(losses, expected, **BF16_LOSS_TOL)
+            continue
+        torch.testing.assert_close(losses, expected, **TOL)
         assert_close_dicts(result["params"], reference["params"], **TOL)
         assert_close_dicts(result["predictors"], reference["predictors"], **TOL)
         assert_close_dicts(result["states"][-1], reference["states"][-1], **TOL, equal_nan=True)
     # The predictors trained and are bitwise identical replicas on both ranks.
-    assert any(not torch.equal(p, build_model().state_dict()[n]) for n, p in reference["predictors"].items())
+    initial = build_model().state_dict()
+    assert all(not torch.equal(p, initial[n]) for n, p in per_rank[0]["predictors"].items())
     assert_close_dicts(per_rank[1]["predictors"], per_rank[0]["predictors"], rtol=0, atol=0)
 
 
@@ -178,6 +221,8 @@ def test_fsdp_data_parallel_keeps_dsv_state_identical(tmp_path):
 def test_shard_model_errors():
     with pytest.raises(ValueError, match="no DSV attention layers"):
         shard_model(nn.Sequential(nn.Linear(4, 4)))
+    with pytest.raises(ValueError, match="no nn.ModuleList of blocks"):
+        shard_model(nn.Sequential(DSVAttention(8, 2)))
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
         shard_model(build_model())
