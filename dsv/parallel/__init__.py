@@ -4,8 +4,10 @@
 - ``hcp``: head-wise CP (Ulysses-like all-to-all) with uneven, cost-balanced head counts.
 - ``scp``: sequence-wise CP that fetches only the remote critical key/value blocks.
 - ``planner``: cost model and per-block HCP x SCP planner; ``plan_cli`` is ``dsv plan``.
+- ``fsdp``: FSDP2 sharding of a DSV model; predictors replicated, DSV EMAs averaged over ranks.
 """
 
+from dsv.parallel.fsdp import shard_model, sync_dsv_state
 from dsv.parallel.hcp import all_to_all, dense_attention_fn, hcp_attention, sparse_attention_fn
 from dsv.parallel.placement import check_placement, makespan, place_heads, rank_loads
 from dsv.parallel.planner import AttentionShape, Cluster, hybrid_plan, paper_profile, plan_model
@@ -27,5 +29,7 @@ __all__ = [
     "plan_model",
     "rank_loads",
     "scp_attention",
+    "shard_model",
     "sparse_attention_fn",
+    "sync_dsv_state",
 ]
