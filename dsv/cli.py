@@ -32,7 +32,8 @@ def _sample(args) -> int:
 def _profile(args) -> int:
     from dsv.analysis.profile import profile_checkpoint
 
-    result = profile_checkpoint(args.checkpoint, args.out, device=args.device, clips=args.clips, theta=args.theta)
+    result = profile_checkpoint(args.checkpoint, args.out, device=args.device, clips=args.clips, theta=args.theta,
+                                granularity_keep=tuple(args.granularity))
     print(result["table"])
     print("wrote: " + ", ".join(result["files"]))
     return 0
@@ -76,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--clips", type=int, default=8, help="held-out clips to measure on")
     profile.add_argument("--theta", type=float, default=None, help="critical mass (default: the run's)")
     profile.add_argument("--device", default="auto")
+    profile.add_argument("--granularity", type=float, nargs="*", default=[], metavar="KEPT",
+                         help="also compare token-level vs key-cube selection recall at these kept fractions")
     profile.set_defaults(func=_profile)
 
     plan = sub.add_parser("plan", help="context-parallel plan per block (HCP, SCP, hybrid) from a sparsity profile")

@@ -12,19 +12,29 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from dsv.analysis.checkpointed_model import load_model  # noqa: E402
+from dsv.bench.kernels import recall_at_equal_keep  # noqa: E402
 from dsv.ops import head_sparsity, index_recall, keep_blocks_from_sparsity, sample_query_rows  # noqa: E402
 from dsv.train.data import build_dataset  # noqa: E402
 
 
 class _Recorder:
-    """Observer for every DSVAttention: exact sparsity and the recall of the layer's own selection."""
+    """Observer for every DSVAttention: exact sparsity and the recall of the layer's own selection; with
+    `granularity_keep`, also the oracle recall of token-level vs block-level selection at equal kept
+    fractions."""
 
-    def __init__(self, theta: float, stride: int):
+    def __init__(self, theta: float, stride: int, granularity_keep: tuple[float, ...] = ()):
         self.theta, self.stride = theta, stride
+        self.granularity_keep = granularity_keep
         self.sparsity: dict[int, list[torch.Tensor]] = {}
         self.recall: dict[int, list[torch.Tensor]] = {}
+        self.granularity: dict[tuple[float, int], list[float]] = {}
 
     def __call__(self, layer, hidden, q, k, grid) -> None:
+        for keep in self.granularity_keep:
+            kv_blocks = (1, layer.cfg.group_size)
+            by_block = recall_at_equal_keep(q, k, keep, layer.cfg.group_size, kv_blocks, self.stride, layer.scale)
+            for kv_block, recall in by_block.items():
+                self.granularity.setdefault((keep, kv_block), []).append(float(recall.mean()))
         rows = sample_query_rows(q.shape[2], self.stride).to(q.device)
         sparsity = head_sparsity(q, k, rows, self.theta, scale=layer.scale)
         self.sparsity.setdefault(layer.layer_index, []).append(sparsity.float().cpu())
@@ -57,11 +67,12 @@ def _heatmap(matrix: torch.Tensor, title: str, path: Path, vmin: float, vmax: fl
 
 @torch.no_grad()
 def profile_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clips: int = 8,
-                       theta: float | None = None, stride: int = 4) -> dict:
+                       theta: float | None = None, stride: int = 4,
+                       granularity_keep: tuple[float, ...] = ()) -> dict:
     model, cfg, step = load_model(checkpoint, device)
     dev = next(model.parameters()).device
     theta = theta or cfg.attention.theta
-    recorder = _Recorder(theta, stride)
+    recorder = _Recorder(theta, stride, granularity_keep)
     for layer in model.controller.layers:
         layer.observer = recorder
     data = build_dataset(cfg.data)
@@ -94,6 +105,15 @@ def profile_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clip
         mean_recall = "-" if recall is None else f"{recall[i].mean():.3f}"
         lines.append(f"| {i} | {layer.last_path} | {layer.runs_sparse()} | {sparsity[i].mean():.3f} | {heads} | "
                      f"{mean_recall} |")
+    if recorder.granularity:
+        lines += ["", "Oracle recall (exact per-group top mass) at equal kept fraction, mean over blocks and heads: "
+                  "token-level selection vs whole key cubes.", "",
+                  "| kept fraction | token-level (kv_block 1) | key cubes (kv_block = cube) |", "|---|---|---|"]
+        group = cfg.attention.group_size
+        for keep in granularity_keep:
+            token = sum(recorder.granularity[(keep, 1)]) / len(recorder.granularity[(keep, 1)])
+            cube = sum(recorder.granularity[(keep, group)]) / len(recorder.granularity[(keep, group)])
+            lines.append(f"| {keep:.2f} | {token:.3f} | {cube:.3f} |")
     (out / "profile.md").write_text("\n".join(lines) + "\n")
     result = {"step": step, "theta": theta, "sparsity": sparsity.tolist(),
               "recall": None if recall is None else recall.tolist()}

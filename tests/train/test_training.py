@@ -132,7 +132,12 @@ def test_cli_sample_and_profile_write_their_files(tmp_path, capsys):
     assert main(["sample", "--checkpoint", str(run), "--out", str(tmp_path / "s.gif"), "--num", "2",
                  "--steps", "2"]) == 0
     assert (tmp_path / "s.gif").stat().st_size > 0
-    assert main(["profile", "--checkpoint", str(run), "--out", str(tmp_path / "prof"), "--clips", "2"]) == 0
+    assert main(["profile", "--checkpoint", str(run), "--out", str(tmp_path / "prof"), "--clips", "2",
+                 "--granularity", "0.5"]) == 0
+    table = (tmp_path / "prof" / "profile.md").read_text()
+    row = next(line for line in table.splitlines() if line.startswith("| 0.50 |"))
+    token_recall, cube_recall = (float(x) for x in row.strip("|").split("|")[1:])
+    assert 0.0 < cube_recall <= 1.0 and 0.0 < token_recall <= 1.0
     for name in ("sparsity.png", "recall.png", "profile.md", "profile.json"):
         assert (tmp_path / "prof" / name).stat().st_size > 0
     profile = json.loads((tmp_path / "prof" / "profile.json").read_text())
