@@ -303,12 +303,19 @@ class DSVAttention(DSVAttentionCore):
         self.to_out = nn.Linear(inner, dim, bias=bias)
         self.q_norm = nn.RMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
         self.k_norm = nn.RMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self._permutation_cache: tuple | None = None
+
+    def _permutation(self, grid: tuple[int, int, int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        # Cached on the device: a host-to-device copy per layer and forward would stall the GPU stream.
+        if self._permutation_cache is None or self._permutation_cache[0] != (grid, device):
+            perm, inv = cube_permutation(grid, self.cfg.cube)
+            self._permutation_cache = ((grid, device), perm.to(device), inv.to(device))
+        return self._permutation_cache[1], self._permutation_cache[2]
 
     def forward(self, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
         self.check_input(x, grid)
         batch, seq_len, _ = x.shape
-        perm, inv = cube_permutation(tuple(grid), self.cfg.cube)
-        perm, inv = perm.to(x.device), inv.to(x.device)
+        perm, inv = self._permutation(tuple(grid), x.device)
         hidden = x.index_select(1, perm)
         qkv = self.to_qkv(hidden).view(batch, seq_len, 3, self.heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, S, D]
