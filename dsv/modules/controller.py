@@ -22,6 +22,7 @@ class StepEvents:
 
     switched: bool = False
     redispatched: bool = False
+    switch_reason: str = ""
 
 
 class DSVController(nn.Module):
@@ -81,7 +82,9 @@ class DSVController(nn.Module):
         if self._stage_host == 1:
             forced = self.cfg.max_stage1_steps and self.step + 1 >= self.cfg.max_stage1_steps
             # The loss check reads every layer's EMA (a device sync), so it runs on profiling steps only.
-            if (profiled or forced) and self._switch_due():
+            reason = self._switch_reason() if (profiled or forced) else None
+            if reason is not None:
+                events.switch_reason = reason
                 self.stage.fill_(2)
                 self.switch_step.fill_(self.step + 1)
                 self._stage_host = 2
@@ -94,17 +97,20 @@ class DSVController(nn.Module):
             events.redispatched = True
         return events
 
-    def _switch_due(self) -> bool:
+    def _switch_reason(self) -> str | None:
+        """Why stage 1 ends now, or None while it goes on."""
         cfg = self.cfg
         done = self.step + 1
         if done < cfg.min_stage1_steps:
-            return False
-        if cfg.max_stage1_steps and done >= cfg.max_stage1_steps:
-            return True
-        if cfg.mode == "oracle":  # exact selection needs no predictor training
-            return True
+            return None
         mean_loss = self.mean_predictor_loss()
-        return mean_loss is not None and mean_loss < cfg.switch_loss_threshold
+        if mean_loss is not None and mean_loss < cfg.switch_loss_threshold:
+            return f"mean predictor loss {mean_loss:.4f} < {cfg.switch_loss_threshold}"
+        if cfg.mode == "oracle":  # exact selection needs no predictor training
+            return "oracle selection needs no predictor"
+        if cfg.max_stage1_steps and done >= cfg.max_stage1_steps:
+            return f"max_stage1_steps={cfg.max_stage1_steps} reached"
+        return None
 
     # ----- readouts -----
     def mean_predictor_loss(self) -> float | None:

@@ -227,8 +227,7 @@ class Trainer:
             events = out["events"]
             if events.switched:
                 summary = self.controller.summary()
-                pl = summary["predictor_loss"]
-                self._print(f"step {self.step}: predictor loss {'-' if pl is None else f'{pl:.4f}'} → stage 2; "
+                self._print(f"step {self.step}: stage 2 ({events.switch_reason}); "
                             f"sparse blocks: {self.controller.sparse_layers()}\n" + self._describe_layers(summary))
             if self.step % cfg.log_every == 0 or self.step == cfg.steps:
                 summary = self.controller.summary()

@@ -30,6 +30,7 @@ def test_switches_when_mean_predictor_loss_falls_below_threshold():
     ctrl.begin_step(1)
     events = ctrl.end_step()
     assert events.switched and ctrl.current_stage == 2 and int(ctrl.switch_step) == 2
+    assert events.switch_reason == "mean predictor loss 0.0833 < 0.1"
     # Dispatch: block 0 (mean 0.925) and block 2 (0.845) go sparse; block 1 (0.55) stays dense.
     assert ctrl.sparse_layers() == [0, 2]
     torch.testing.assert_close(model.controller.layers[0].keep_fraction, torch.tensor([0.1, 0.05]))
@@ -55,7 +56,8 @@ def test_min_and_max_stage1_steps_bound_the_switch():
         ctrl.begin_step(step)
         assert not ctrl.end_step().switched
     ctrl.begin_step(7)
-    assert ctrl.end_step().switched and int(ctrl.switch_step) == 8
+    events = ctrl.end_step()
+    assert events.switched and int(ctrl.switch_step) == 8 and events.switch_reason == "max_stage1_steps=8 reached"
 
 
 def test_switch_is_checked_on_profiling_steps_only_and_dense_never_switches():
