@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+import torch
+
 
 def _train(args) -> int:
     from dsv.train.config import apply_overrides
@@ -13,10 +15,14 @@ def _train(args) -> int:
     from dsv.train.trainer import Trainer
 
     cfg = apply_overrides(get_recipe(args.recipe), args.set or [])
-    result = Trainer(cfg, resume=args.resume).run()
-    print(f"done: step {cfg.train.steps}, final loss {result.get('loss', float('nan')):.4f}, "
-          f"held-out loss {result.get('heldout_loss', float('nan')):.4f}, switch step {result['switch_step']}, "
-          f"sparse blocks {result['sparse_blocks_list']}")
+    trainer = Trainer(cfg, resume=args.resume)
+    result = trainer.run()
+    if trainer.rank == 0:
+        print(f"done: step {cfg.train.steps}, final loss {result.get('loss', float('nan')):.4f}, "
+              f"held-out loss {result.get('heldout_loss', float('nan')):.4f}, switch step {result['switch_step']}, "
+              f"sparse blocks {result['sparse_blocks_list']}")
+    if torch.distributed.is_initialized():  # started by the trainer under torchrun
+        torch.distributed.destroy_process_group()
     return 0
 
 

@@ -57,9 +57,10 @@ def checkpoint_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, train_state: dict, config: dict,
-                    keep: int) -> Path:
-    """Write checkpoint `step` atomically, point `latest` at it, and prune all but the newest `keep`."""
+def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Tensor], train_state: dict,
+                    config: dict, keep: int) -> Path:
+    """Write checkpoint `step` (full, unsharded `weights` and the training state) atomically, point
+    `latest` at it, and prune all but the newest `keep`."""
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:08d}"
@@ -68,7 +69,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, train_stat
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    weights = {k: v.detach().contiguous().cpu() for k, v in weights.items()}
     save_file(weights, tmp / WEIGHTS, metadata={"format": "dsv", "step": str(step)})
     torch.save(train_state, tmp / STATE)
     manifest = {
@@ -137,8 +138,9 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, di
     return weights, state, manifest
 
 
-def load_weights_into(model: nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
-    """Strict load with an error that lists the mismatches instead of a wall of text."""
+def check_weights_match(model: nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
+    """Raise a `CheckpointError` listing missing, unexpected and mis-shaped tensors (shapes are global
+    shapes, also for a model sharded with FSDP)."""
     expected = model.state_dict()
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
@@ -153,4 +155,9 @@ def load_weights_into(model: nn.Module, weights: dict[str, torch.Tensor], source
         if shape_diff:
             lines.append(f"  {len(shape_diff)} shape mismatches, e.g. {shape_diff[:3]}")
         raise CheckpointError("\n".join(lines))
+
+
+def load_weights_into(model: nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
+    """Strict load with an error that lists the mismatches instead of a wall of text."""
+    check_weights_match(model, weights, source)
     model.load_state_dict(weights)

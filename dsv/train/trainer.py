@@ -3,16 +3,29 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from dsv.modules.attention import model_parameters
 from dsv.modules.dit import VideoDiT, flow_matching_loss
+from dsv.parallel.fsdp import shard_model
 from dsv.train.checkpoint import (
     CheckpointError,
+    check_weights_match,
+    checkpoint_root,
     list_checkpoints,
     load_checkpoint,
     load_weights_into,
@@ -23,6 +36,22 @@ from dsv.train.data import build_dataset
 
 # Sections that change the model's function or its saved state: a resumed run must match them.
 _SHAPE_SECTIONS = ("model", "attention")
+
+
+def init_distributed(device_name: str) -> tuple[int, int, torch.device]:
+    """`(rank, world_size, device)`. Under `torchrun` (WORLD_SIZE > 1) the process group is created here
+    (NCCL on CUDA, gloo on CPU) unless the caller already did; a single process gets rank 0 of 1."""
+    if not dist.is_initialized():
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            return 0, 1, resolve_device(device_name)
+        use_cuda = torch.cuda.is_available() and device_name != "cpu"
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = resolve_device(device_name)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+        torch.cuda.set_device(device)
+    return rank, world, device
 
 
 def resolve_device(name: str) -> torch.device:
@@ -60,11 +89,11 @@ def heldout_targets(n: int, shape: tuple[int, ...], seed: int) -> tuple[torch.Te
 class Trainer:
     def __init__(self, cfg: Config, resume: bool = False, quiet: bool = False):
         self.cfg = cfg
-        self.quiet = quiet
         self.run_dir = Path(cfg.train.out_dir)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
-        self.device = resolve_device(cfg.train.device)
+        self.rank, self.world, self.device = init_distributed(cfg.train.device)
+        self.quiet = quiet or self.rank != 0  # rank 0 alone logs and writes
         existing = list_checkpoints(self.run_dir)
         if existing and not resume:
             raise FileExistsError(
@@ -76,25 +105,33 @@ class Trainer:
 
         self.model = build_model(cfg, self.device)
         self.controller = self.model.controller
+        # Data parallel with FSDP2: blocks sharded, predictors replicated, DSV state averaged over ranks.
+        # bf16 then comes from FSDP's mixed precision instead of autocast.
+        mixed = self.device.type == "cuda" and cfg.train.bf16
+        if self.world > 1:
+            shard_model(self.model, mixed_precision=mixed)
         self.optimizer = torch.optim.AdamW(model_parameters(self.model), lr=cfg.optim.lr, betas=cfg.optim.betas,
                                            weight_decay=cfg.optim.weight_decay)
         warmup = cfg.optim.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
         self.data = build_dataset(cfg.data)
-        self.data_gen = torch.Generator().manual_seed(cfg.train.seed + 1)
-        self.noise_gen = torch.Generator().manual_seed(cfg.train.seed + 2)
+        # Each rank draws its own clips and noise (data parallelism); rank 0 draws what a single process would.
+        self.data_gen = torch.Generator().manual_seed(cfg.train.seed + 1 + 1000 * self.rank)
+        self.noise_gen = torch.Generator().manual_seed(cfg.train.seed + 2 + 1000 * self.rank)
         self.heldout = self.data.heldout_batch()
         self.heldout_t, self.heldout_noise = heldout_targets(
             self.heldout.shape[0], tuple(self.heldout.shape[1:]), cfg.data.heldout_seed + 1)
         self.step = 0
-        self.autocast = self.device.type == "cuda" and cfg.train.bf16
+        self.autocast = mixed and self.world == 1
         if resume:
             self._restore(existing[-1])
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics_file = open(self.run_dir / "metrics.jsonl", "a")
+        self.metrics_file = None
         self.writer = None
-        if cfg.train.tensorboard:
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.metrics_file = open(self.run_dir / "metrics.jsonl", "a")
+        if cfg.train.tensorboard and self.rank == 0:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
@@ -103,21 +140,44 @@ class Trainer:
     def _predictors(self):
         return [layer.predictor for layer in self.controller.layers if layer.predictor is not None]
 
-    def train_state(self) -> dict:
+    def _rank_rng_state(self) -> dict:
         return {
-            "step": self.step,
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "predictor_optimizers": [p.optimizer.state_dict() for p in self._predictors()],
             "data_generator": self.data_gen.get_state(),
             "noise_generator": self.noise_gen.get_state(),
             "torch_rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
+        }
+
+    def full_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """`(full model weights, training state)`; with several ranks a collective (every rank calls it)
+        that gathers the sharded weights and optimizer state and every rank's random state."""
+        if self.world == 1:
+            weights, optimizer = self.model.state_dict(), self.optimizer.state_dict()
+            rng = [self._rank_rng_state()]
+        else:
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            weights = get_model_state_dict(self.model, options=options)
+            optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=options)
+            rng = [None] * self.world
+            dist.all_gather_object(rng, self._rank_rng_state())
+        return weights, {
+            "step": self.step,
+            "world_size": self.world,
+            "optimizer": optimizer,
+            "scheduler": self.scheduler.state_dict(),
+            "predictor_optimizers": [p.optimizer.state_dict() for p in self._predictors()],
+            "rng_per_rank": rng,
         }
 
     def save(self) -> Path:
-        return save_checkpoint(self.run_dir, self.step, self.model, self.train_state(),
-                               config_to_dict(self.cfg), keep=self.cfg.train.keep_checkpoints)
+        weights, state = self.full_state()
+        path = checkpoint_root(self.run_dir) / f"step_{self.step:08d}"
+        if self.rank == 0:
+            path = save_checkpoint(self.run_dir, self.step, weights, state, config_to_dict(self.cfg),
+                                   keep=self.cfg.train.keep_checkpoints)
+        if self.world > 1:
+            dist.barrier()  # no rank goes on (or resumes) before the checkpoint is complete
+        return path
 
     def _restore(self, ckpt: Path) -> None:
         weights, state, manifest = load_checkpoint(ckpt)
@@ -128,8 +188,17 @@ class Trainer:
                 diff = [f"{section}.{k}: checkpoint {v!r}, run {getattr(mine, k)!r}"
                         for k, v in vars(theirs).items() if getattr(mine, k) != v]
                 raise CheckpointError(f"checkpoint {ckpt} was made with another configuration: " + "; ".join(diff))
-        load_weights_into(self.model, weights, str(ckpt))
-        self.optimizer.load_state_dict(state["optimizer"])
+        if state["world_size"] != self.world:
+            raise CheckpointError(f"checkpoint {ckpt} was saved by {state['world_size']} ranks; this run has "
+                                  f"{self.world} (resume with the same number of processes)")
+        if self.world == 1:
+            load_weights_into(self.model, weights, str(ckpt))
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            check_weights_match(self.model, weights, str(ckpt))
+            options = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(self.model, weights, options=options)
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
         self.scheduler.load_state_dict(state["scheduler"])
         predictors = self._predictors()
         if len(predictors) != len(state["predictor_optimizers"]):
@@ -137,11 +206,12 @@ class Trainer:
                                   f"optimizers, the model has {len(predictors)}")
         for predictor, opt_state in zip(predictors, state["predictor_optimizers"]):
             predictor.optimizer.load_state_dict(opt_state)
-        self.data_gen.set_state(state["data_generator"])
-        self.noise_gen.set_state(state["noise_generator"])
-        torch.set_rng_state(state["torch_rng"])
-        if state["cuda_rng"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        rng = state["rng_per_rank"][self.rank]
+        self.data_gen.set_state(rng["data_generator"])
+        self.noise_gen.set_state(rng["noise_generator"])
+        torch.set_rng_state(rng["torch_rng"])
+        if rng["cuda_rng"] is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda_rng"], self.device)
         self.step = state["step"]
         self.controller.step = self.step
 
@@ -186,8 +256,16 @@ class Trainer:
             total += float(loss) * x0.shape[0]
         return total / n
 
+    def _mean_over_ranks(self, value: torch.Tensor) -> float:
+        if self.world > 1:
+            value = value.detach().clone()
+            dist.all_reduce(value, op=dist.ReduceOp.AVG)
+        return float(value)
+
     # ----- logging -----
     def _log(self, record: dict) -> None:
+        if self.metrics_file is None:
+            return
         self.metrics_file.write(json.dumps(record) + "\n")
         self.metrics_file.flush()
         if self.writer is not None:
@@ -234,9 +312,10 @@ class Trainer:
                 elapsed = time.perf_counter() - t_start
                 record = {
                     "step": self.step,
-                    "loss": float(window_loss) / window_n,
+                    "loss": self._mean_over_ranks(window_loss) / window_n,
                     "lr": self.scheduler.get_last_lr()[0],
-                    "grad_norm": float(out["grad_norm"]),
+                    "grad_norm": float(out["grad_norm"].full_tensor() if isinstance(out["grad_norm"], DTensor)
+                                       else out["grad_norm"]),
                     "stage": summary["stage"],
                     "predictor_loss": summary["predictor_loss"],
                     "sparse_blocks": len(self.controller.sparse_layers()),
@@ -271,7 +350,8 @@ class Trainer:
         return last
 
     def close(self) -> None:
-        self.metrics_file.close()
+        if self.metrics_file is not None:
+            self.metrics_file.close()
         if self.writer is not None:
             self.writer.close()
 
