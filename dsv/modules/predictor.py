@@ -65,8 +65,12 @@ class LowRankPredictor(nn.Module):
     ) -> torch.Tensor:
         """Loss on sampled query rows: `hidden [B,S,C]`, `q, k [B,H,S,D]`, `rows` LongTensor `[R]`."""
         dtype = self.q_proj.weight.dtype  # the predictor keeps its own (fp32) precision under autocast
-        q_lr, k_lr = self.project(hidden.to(dtype))
-        pred = q_lr[:, :, rows] @ k_lr.transpose(-1, -2)  # [B, H, R, S]
+        hidden = hidden.to(dtype)
+        b, s, _ = hidden.shape
+        # Only the sampled rows need low-rank queries; every key needs its low-rank key.
+        q_lr = self.q_proj(hidden[:, rows]).view(b, len(rows), self.heads, self.rank).transpose(1, 2)
+        k_lr = self.k_proj(hidden).view(b, s, self.heads, self.rank).transpose(1, 2)
+        pred = q_lr @ k_lr.transpose(-1, -2)  # [B, H, R, S]
         with torch.no_grad():
             true = (q[:, :, rows].to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale
         return predictor_loss(pred, true, self.cosine_weight, self.mse_weight)
