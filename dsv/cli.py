@@ -87,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
                          help="also compare token-level vs key-cube selection recall at these kept fractions")
     profile.set_defaults(func=_profile)
 
+    from dsv.analysis import observations
+
+    observe = sub.add_parser("observe", help="the paper's attention observations on a checkpoint, as plots")
+    observations.add_arguments(observe)
+    observe.set_defaults(func=observations.run)
+
     plan = sub.add_parser("plan", help="context-parallel plan per block (HCP, SCP, hybrid) from a sparsity profile")
     from dsv.parallel import plan_cli
 

@@ -48,7 +48,7 @@ class _Recorder:
         self.recall.setdefault(layer.layer_index, []).append(recall.float().cpu())
 
 
-def _heatmap(matrix: torch.Tensor, title: str, path: Path, vmin: float, vmax: float) -> None:
+def heatmap(matrix: torch.Tensor, title: str, path: Path, vmin: float, vmax: float) -> None:
     fig, ax = plt.subplots(figsize=(1.0 + 0.5 * matrix.shape[1], 1.0 + 0.4 * matrix.shape[0]))
     image = ax.imshow(matrix.numpy(), cmap="viridis", vmin=vmin, vmax=vmax, aspect="auto")
     ax.set_xlabel("head")
@@ -92,10 +92,10 @@ def profile_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clip
               if recorder.recall else None)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _heatmap(sparsity, f"sparsity at θ={theta} (step {step})", out / "sparsity.png", 0.0, 1.0)
+    heatmap(sparsity, f"sparsity at θ={theta} (step {step})", out / "sparsity.png", 0.0, 1.0)
     files = ["sparsity.png"]
     if recall is not None:
-        _heatmap(recall, f"recall of the {cfg.attention.mode} selection (step {step})", out / "recall.png", 0.0, 1.0)
+        heatmap(recall, f"recall of the {cfg.attention.mode} selection (step {step})", out / "recall.png", 0.0, 1.0)
         files.append("recall.png")
     lines = [f"# Attention profile, checkpoint step {step}, mode {cfg.attention.mode}, θ = {theta}", "",
              "| block | path | sparse | mean sparsity | per-head sparsity | mean recall |",

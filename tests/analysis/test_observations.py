@@ -1,0 +1,178 @@
+"""The observation statistics on inputs with known answers, and one end-to-end run on a freshly trained tiny model."""
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+
+import dsv.ops.index
+from dsv.analysis.observations import (
+    add_arguments,
+    critical_distances,
+    cube_overlap,
+    grid_coords,
+    observe_checkpoint,
+    power_law_slope,
+    recommend_cube,
+    run,
+    to_raster,
+    top_mass,
+    uniform_distances,
+)
+from dsv.ops.grouping import cube_permutation
+from dsv.train.trainer import Trainer
+from tests.train.test_training import tiny_config
+
+
+def from_logits(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k ``[1, 1, S, S]`` whose scores at scale 1 are ``logits [S, S]`` (q one-hot, so q_i·k_j = k_j[i])."""
+    seq_len = logits.shape[0]
+    q = torch.eye(seq_len, dtype=torch.float64)
+    return q.view(1, 1, seq_len, seq_len), logits.T.contiguous().view(1, 1, seq_len, seq_len)
+
+
+def chebyshev(grid):
+    coords = grid_coords(grid)
+    return (coords[:, None] - coords[None]).abs().amax(-1)
+
+
+def test_grid_coords_and_to_raster_invert_the_grouping():
+    grid, cube = (2, 4, 6), (1, 2, 3)
+    coords = grid_coords(grid)
+    assert coords[(1 * 4 + 2) * 6 + 5].tolist() == [1, 2, 5]
+    raster = torch.randn(2, 3, 48, 5)
+    perm, _ = cube_permutation(grid, cube)
+    assert torch.equal(to_raster(raster.index_select(2, perm), grid, cube), raster)
+
+
+def test_power_law_row_mass_curve_and_slope():
+    seq_len, alpha = 200, 1.5
+    weights = torch.arange(1, seq_len + 1, dtype=torch.float64) ** -alpha
+    weights /= weights.sum()
+    # Every row is the same power law, its ranks scattered over the keys.
+    order = torch.stack([torch.randperm(seq_len) for _ in range(seq_len)])
+    logits = torch.log(weights)[order]
+    q, k = from_logits(logits)
+    rows = torch.tensor([0, 17, 199])
+    mass, curve = top_mass(q, k, rows, top_fraction=0.1, scale=1.0)
+    assert mass.shape == (1, 1, 3)
+    torch.testing.assert_close(mass, torch.full_like(mass, float(weights[:20].sum())))
+    torch.testing.assert_close(curve[0].double(), weights, rtol=1e-5, atol=1e-9)
+    assert power_law_slope(curve[0]) == pytest.approx(-alpha, abs=1e-4)
+    flat_mass, _ = top_mass(q, torch.zeros_like(k), rows, top_fraction=0.1, scale=1.0)
+    torch.testing.assert_close(flat_mass, torch.full_like(flat_mass, 0.1))
+
+
+def test_local_keys_lie_near_and_antipodes_far():
+    grid = (4, 4, 4)
+    dist = chebyshev(grid)
+    rows = torch.arange(64)
+    q, k = from_logits(20.0 * (dist <= 1).double())
+    hist = critical_distances(q, k, rows, grid, theta=0.9, scale=1.0)
+    assert hist.shape == (1, 1, 64, 4)
+    torch.testing.assert_close(hist.sum(-1), torch.ones(1, 1, 64))
+    assert torch.all(hist[..., 2:] == 0)  # every critical key is a neighbour
+    coords = grid_coords(grid)
+    antipode = ((3 - coords[:, 0]) * 4 + (3 - coords[:, 1])) * 4 + (3 - coords[:, 2])
+    q, k = from_logits(20.0 * torch.nn.functional.one_hot(antipode, 64).double())
+    hist = critical_distances(q, k, rows, grid, theta=0.9, scale=1.0)
+    far = dist[rows, antipode]  # one critical key each, at this distance
+    assert torch.equal(hist[0, 0], torch.nn.functional.one_hot(far, 4).float())
+    assert far.max() == 3
+
+
+def test_uniform_baseline_on_a_line():
+    # Row 0 of a 1×1×3 grid is 0, 1, 2 from the keys; row 1 is 1, 0, 1.
+    baseline = uniform_distances(torch.tensor([0, 1]), (1, 1, 3))
+    torch.testing.assert_close(baseline, torch.tensor([1 / 3, 1 / 2, 1 / 6]))
+
+
+def test_identical_queries_in_a_cube_share_everything():
+    grid, cube = (4, 4, 4), (2, 2, 2)
+    base = torch.randn(2, 3, 8, 16) * 3.0
+    q = to_raster(base.repeat_interleave(8, dim=2), grid, cube)  # one query per cube, copied to its tokens
+    k = torch.randn(2, 3, 64, 16)
+    overlap, jaccard = cube_overlap(q, k, grid, cube, theta=0.9)
+    torch.testing.assert_close(overlap, torch.ones(2, 3))
+    torch.testing.assert_close(jaccard, torch.ones(2, 3))
+    # A larger cube mixes different queries, so it shares less.
+    wider, _ = cube_overlap(q, k, grid, (4, 4, 4), theta=0.9)
+    assert bool((wider < 0.99).all())
+
+
+def test_overlap_of_self_attending_and_of_nested_sets():
+    grid = (4, 4, 4)
+    q, k = from_logits(20.0 * torch.eye(64, dtype=torch.float64))
+    overlap, jaccard = cube_overlap(q, k, grid, (2, 2, 2), theta=0.9, scale=1.0)
+    assert float(overlap) == 0.0 and float(jaccard) == 0.0
+    # Query 0 needs keys {0, 1}, query 1 only {1}: overlaps 1/2 and 1/1, Jaccard 1/2 both ways.
+    q, k = from_logits(torch.tensor([[0.0, 0.0], [0.0, 20.0]], dtype=torch.float64))
+    overlap, jaccard = cube_overlap(q, k, (1, 1, 2), (1, 1, 2), theta=0.9, scale=1.0)
+    assert float(overlap) == pytest.approx(0.75)
+    assert float(jaccard) == pytest.approx(0.5)
+
+
+def test_chunked_results_equal_one_chunk(monkeypatch):
+    grid = (2, 4, 4)
+    q, k = torch.randn(2, 2, 32, 8) * 2, torch.randn(2, 2, 32, 8)
+    rows = torch.arange(0, 32, 3)
+    whole = critical_distances(q, k, rows, grid), cube_overlap(q, k, grid, (2, 2, 2)), top_mass(q, k, rows)
+    # A budget of about one row per chunk (cube_overlap still takes whole cubes).
+    monkeypatch.setattr(dsv.ops.index, "DEFAULT_CHUNK_BYTES", 2 * 2 * 32 * 48)
+    chunked = critical_distances(q, k, rows, grid), cube_overlap(q, k, grid, (2, 2, 2)), top_mass(q, k, rows)
+    torch.testing.assert_close(chunked[0], whole[0])
+    torch.testing.assert_close(chunked[1], whole[1])
+    torch.testing.assert_close(chunked[2], whole[2])
+
+
+def test_recommend_cube_and_argument_errors():
+    overlaps = {(1, 2, 2): 0.95, (2, 2, 2): 0.85, (2, 4, 4): 0.7}
+    assert recommend_cube(overlaps, 0.8) == (2, 2, 2)
+    assert recommend_cube(overlaps, 0.6) == (2, 4, 4)
+    assert recommend_cube(overlaps, 0.99) is None
+    q = torch.randn(1, 1, 8, 4)
+    with pytest.raises(ValueError, match="theta"):
+        critical_distances(q, q, torch.arange(8), (2, 2, 2), theta=1.5)
+    with pytest.raises(ValueError, match="one token"):
+        cube_overlap(q, q, (2, 2, 2), (1, 1, 1))
+    with pytest.raises(ValueError, match="divisible"):
+        cube_overlap(q, q, (2, 2, 2), (1, 1, 3))
+    with pytest.raises(ValueError, match="max_cubes"):
+        cube_overlap(q, q, (2, 2, 2), (2, 2, 2), max_cubes=0)
+
+
+def test_observe_a_freshly_trained_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    Trainer(tiny_config(run_dir, "train.steps=4", "train.ckpt_every=4"), quiet=True).run()
+    checkpoint = next((run_dir / "checkpoints").glob("step_*"))  # a checkpoint folder: metrics are 2 levels up
+    cubes = ((1, 2, 2), (2, 2, 2), (2, 4, 4), (4, 4, 4), (3, 1, 1))
+    result = observe_checkpoint(str(checkpoint), str(tmp_path / "obs"), clips=2, cube_shapes=cubes, rows=64)
+    names = {p.split("/")[-1] for p in result["files"]}
+    assert names == {"power_law.png", "locality.png", "heterogeneity.png", "neighbours.png", "dynamics.png",
+                     "observations.md", "observations.json"}
+    assert all((tmp_path / "obs" / name).stat().st_size > 0 for name in names)
+    assert result["grid"] == [4, 8, 8] and result["rows"] == 64
+    nb = result["neighbours"]
+    assert nb["skipped"] == [[3, 1, 1]]
+    assert len(nb["overlap"]) == 2 and all(len(row) == 4 for row in nb["overlap"])
+    assert all(0.0 < value <= 1.0 for row in nb["overlap"] for value in row)
+    passing = [c for c, v in zip(nb["cubes"], nb["mean_overlap"]) if v >= 0.8]
+    assert nb["recommended"] == (max(passing, key=math.prod) if passing else None)
+    loc = result["locality"]
+    assert all(0.0 <= f <= 1.0 for f in loc["near_fraction"])
+    assert loc["far_fraction"] == [0.0, 0.0]  # no two tokens of a 4×8×8 grid are more than 7 apart
+    assert len(result["dynamics"]["steps"]) == 2  # log_every=2 over 4 steps
+    assert "Recommendation" in result["summary"]
+
+    # The CLI helpers: a run folder, a single cube, an explicit θ.
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--checkpoint", str(run_dir), "--out", str(tmp_path / "cli"), "--clips", "1",
+                              "--cubes", "2,2,2", "--theta", "0.5", "--rows", "16"])
+    assert run(args) == 0
+    written = json.loads((tmp_path / "cli" / "observations.json").read_text())
+    assert written["theta"] == 0.5 and written["neighbours"]["cubes"] == [[2, 2, 2]]
+    with pytest.raises(ValueError, match="--cubes"):
+        run(parser.parse_args(["--checkpoint", str(run_dir), "--cubes", "2,2"]))
