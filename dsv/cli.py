@@ -30,7 +30,7 @@ def _sample(args) -> int:
     from dsv.analysis.sample import sample_videos
 
     result = sample_videos(args.checkpoint, args.out, num=args.num, steps=args.steps, seed=args.seed,
-                           device=args.device, attention_mode=args.attention_mode)
+                           device=args.device, attention_mode=args.attention_mode, compare_dense=args.compare_dense)
     print(json.dumps(result, indent=1))
     return 0
 
@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--seed", type=int, default=0)
     sample.add_argument("--device", default="auto")
     sample.add_argument("--attention-mode", default=None, help="override the attention mode (e.g. dense)")
+    sample.add_argument("--compare-dense", action="store_true",
+                        help="also sample the same noise densely: times and PSNR/SSIM against dense")
     sample.set_defaults(func=_sample)
 
     profile = sub.add_parser("profile", help="per-layer × per-head sparsity and recall heatmaps from a checkpoint")

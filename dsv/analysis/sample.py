@@ -23,8 +23,9 @@ def to_uint8_grid(videos: torch.Tensor, columns: int) -> torch.Tensor:
     return ((grid.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
 
 
-def sample_videos(checkpoint: str, out: str, num: int = 4, steps: int = 25, seed: int = 0,
-                  device: str = "auto", attention_mode: str | None = None, fps: int = 8) -> dict:
+def _generate(checkpoint: str, num: int, steps: int, seed: int, device: str,
+              attention_mode: str | None) -> tuple[torch.Tensor, float, dict]:
+    """`(videos [N, C, T, H, W] float32 on the CPU, sampling seconds, facts)` from one checkpoint."""
     model, cfg, step = load_model(checkpoint, device, attention_mode)
     dev = next(model.parameters()).device
     shape = (num, cfg.model.in_channels, cfg.data.frames, cfg.data.size, cfg.data.size)
@@ -37,8 +38,33 @@ def sample_videos(checkpoint: str, out: str, num: int = 4, steps: int = 25, seed
     if dev.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    frames = to_uint8_grid(videos.float().cpu(), columns=min(num, 4))
-    write_video(frames, Path(out), fps=fps)
-    paths = sorted({layer.last_path for layer in model.controller.layers})
-    return {"out": out, "checkpoint_step": step, "seconds": seconds, "attention_paths": paths,
-            "mode": cfg.attention.mode}
+    facts = {"checkpoint_step": step, "mode": cfg.attention.mode,
+             "attention_paths": sorted({layer.last_path for layer in model.controller.layers})}
+    return videos.float().cpu(), seconds, facts
+
+
+def similarity(videos: torch.Tensor, reference: torch.Tensor) -> dict:
+    """Mean PSNR (dB) and SSIM over the frames of `videos` against `reference`, both `[N, 3, T, H, W]` in
+    [-1, 1] (data range 2)."""
+    from skimage.metrics import peak_signal_noise_ratio, structural_similarity
+
+    a = videos.clamp(-1, 1).permute(0, 2, 3, 4, 1).reshape(-1, *videos.shape[-2:], videos.shape[1]).numpy()
+    b = reference.clamp(-1, 1).permute(0, 2, 3, 4, 1).reshape(-1, *reference.shape[-2:], reference.shape[1]).numpy()
+    psnr = [peak_signal_noise_ratio(y, x, data_range=2.0) for x, y in zip(a, b)]
+    ssim = [structural_similarity(y, x, data_range=2.0, channel_axis=-1) for x, y in zip(a, b)]
+    return {"psnr_db": float(sum(psnr) / len(psnr)), "ssim": float(sum(ssim) / len(ssim))}
+
+
+def sample_videos(checkpoint: str, out: str, num: int = 4, steps: int = 25, seed: int = 0,
+                  device: str = "auto", attention_mode: str | None = None, fps: int = 8,
+                  compare_dense: bool = False) -> dict:
+    """Write `num` samples as one video grid. With `compare_dense`, also sample the same noise with dense
+    attention and report both sampling times and the PSNR/SSIM of these samples against the dense ones."""
+    videos, seconds, facts = _generate(checkpoint, num, steps, seed, device, attention_mode)
+    write_video(to_uint8_grid(videos, columns=min(num, 4)), Path(out), fps=fps)
+    result = {"out": out, "seconds": seconds, **facts}
+    if compare_dense:
+        dense, dense_seconds, _ = _generate(checkpoint, num, steps, seed, device, "dense")
+        result.update({"dense_seconds": dense_seconds, "speedup_vs_dense": dense_seconds / seconds,
+                       **similarity(videos, dense)})
+    return result

@@ -128,9 +128,14 @@ def test_cli_sample_and_profile_write_their_files(tmp_path, capsys):
     overrides = [item for o in TINY + [f"train.out_dir={run}", "train.steps=6", "train.ckpt_every=6",
                                        "attention.max_stage1_steps=2"] for item in ("--set", o)]
     assert main(["train", "--recipe", "debug_cpu", *overrides]) == 0
+    capsys.readouterr()  # drop the training log
     assert main(["sample", "--checkpoint", str(run), "--out", str(tmp_path / "s.gif"), "--num", "2",
-                 "--steps", "2"]) == 0
+                 "--steps", "2", "--compare-dense"]) == 0
     assert (tmp_path / "s.gif").stat().st_size > 0
+    sampled = json.loads(capsys.readouterr().out)
+    assert sampled["attention_paths"] == ["sparse:reference"] and sampled["dense_seconds"] > 0
+    # Sparse and dense sampling from the same noise differ, but not beyond recognition.
+    assert 0.0 < sampled["ssim"] < 1.0 and sampled["psnr_db"] > 5.0
     assert main(["profile", "--checkpoint", str(run), "--out", str(tmp_path / "prof"), "--clips", "2",
                  "--granularity", "0.5"]) == 0
     table = (tmp_path / "prof" / "profile.md").read_text()
