@@ -215,14 +215,20 @@ class DSVAttentionCore(nn.Module):
         return self._window_cache[1]
 
     def _select(self, hidden, q, k, grid):
-        cache_key = self.controller.forward_id if self.controller is not None else None
-        reuse = self.training and torch.is_grad_enabled() and cache_key is not None
-        if reuse and self._selection_cache is not None and self._selection_cache[0] == cache_key:
+        # An activation-checkpointing recompute runs inside the backward pass: it must reuse the keys of
+        # the original forward (the predictor has stepped since). Every other forward selects afresh, so
+        # gradient-accumulation micro-batches each get their own keys.
+        in_backward = torch._C._current_graph_task_id() != -1
+        if in_backward and self._selection_cache is not None and self._selection_cache[0] == self._forward_key(q):
             return self._selection_cache[1]
         index = self.compute_index(hidden, q, k, grid)
-        if reuse:
-            self._selection_cache = (cache_key, index)
+        if self.training and torch.is_grad_enabled() and not in_backward:
+            self._selection_cache = (self._forward_key(q), index)
         return index
+
+    def _forward_key(self, q: torch.Tensor) -> tuple:
+        forward_id = self.controller.forward_id if self.controller is not None else None
+        return forward_id, tuple(q.shape), q.device
 
     def compute_index(self, hidden, q, k, grid, keep_blocks: torch.Tensor | None = None):
         cfg = self.cfg
@@ -242,19 +248,26 @@ class DSVAttentionCore(nn.Module):
         """Once per training step (a checkpointing recompute skips it): one predictor step, and on
         profiling steps the exact per-head sparsity and the recall of this layer's selection."""
         cfg, controller = self.cfg, self.controller
-        if self._learned_id == controller.forward_id:
-            return
+        if self._learned_id == controller.forward_id or torch._C._current_graph_task_id() != -1:
+            return  # once per step, and never in a checkpointing recompute (inside the backward)
         self._learned_id = controller.forward_id
         seq_len = q.shape[2]
-        stride = max(cfg.sample_stride, -(-seq_len // cfg.max_sample_rows))
-        # Rotate the sampled rows with the step so that, over steps, every row is seen.
-        rows = sample_query_rows(seq_len, stride, offset=controller.step).to(q.device)
-        learn_due = controller.current_stage == 1 or controller.step % cfg.learn_every_stage2 == 0
-        if self.predictor is not None and learn_due:
+        stride = min(seq_len, max(cfg.sample_stride, -(-seq_len // cfg.max_sample_rows)))
+        learn_period = 1 if controller.current_stage == 1 else cfg.learn_every_stage2
+        profile_period = cfg.profile_every_stage1 if controller.current_stage == 1 else cfg.profile_every_stage2
+        if self.predictor is not None and controller.step % learn_period == 0:
+            # Rotate the sampled rows by the number of updates so far, so that over time every row (and
+            # every position inside a cube) is seen, whatever the period.
+            rows = sample_query_rows(seq_len, stride, offset=controller.step // learn_period).to(q.device)
             loss = self.predictor.update(hidden, q, k, rows, self.scale)
             self.loss_ema.copy_(_ema(self.loss_ema, loss, cfg.ema_momentum))
         if not controller.profile_due():
             return
+        if self.predictor is not None and not torch.isfinite(self.loss_ema):
+            # Checked on profiling steps only (a device sync): a diverged predictor must not pass as
+            # "never measured" and let the stage switch go ahead on the other layers.
+            raise FloatingPointError(f"DSVAttention layer {self.layer_index}: the predictor loss is not finite")
+        rows = sample_query_rows(seq_len, stride, offset=controller.step // profile_period).to(q.device)
         with torch.no_grad():
             sparsity = head_sparsity(q, k, rows, cfg.theta, scale=self.scale)
             self.sparsity_ema.copy_(_ema(self.sparsity_ema, sparsity, cfg.ema_momentum))

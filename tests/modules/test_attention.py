@@ -38,7 +38,7 @@ def manual_dense(layer: DSVAttention, x: torch.Tensor) -> torch.Tensor:
 
 def make(mode: str, **overrides) -> Wrapper:
     torch.manual_seed(0)
-    cfg = AttentionConfig(mode=mode, cube=(2, 2, 2), sample_stride=4, **overrides)
+    cfg = AttentionConfig(**{"mode": mode, "cube": (2, 2, 2), "sample_stride": 4, **overrides})
     model = Wrapper(cfg).double()
     # Non-zero output projection (DiT blocks zero-init it) so that outputs and gradients are informative.
     torch.nn.init.normal_(model.attn.to_out.weight)
@@ -156,3 +156,29 @@ def test_model_builds_on_the_meta_device():
         model = VideoDiT(ModelConfig(hidden=64, depth=2, heads=2), AttentionConfig(cube=(2, 2, 2)))
     assert all(p.is_meta for p in model.parameters())
     assert model.controller.current_stage == 1 and not model.controller.layers[0].runs_sparse()
+
+
+def test_each_forward_of_a_step_selects_its_own_keys():
+    """Gradient accumulation: a second training forward in the same step must not reuse the first's keys."""
+    model = make("dsv", max_stage1_steps=1, sparse_threshold=0.0, profile_every_stage1=1, keep_floor_blocks=2)
+    x1, x2 = torch.randn(1, 64, DIM, dtype=torch.float64), torch.randn(1, 64, DIM, dtype=torch.float64)
+    model.controller.begin_step(0)
+    model(x1).sum().backward()
+    model.controller.end_step()
+    model.controller.begin_step(1)
+    model(x1).sum().backward()
+    second = model(x2)  # same step, other input
+    assert model.attn.last_path == "sparse:reference"
+    with torch.no_grad():
+        own_keys = model(x2)  # selects for x2 with the same predictor state
+    torch.testing.assert_close(second.detach(), own_keys, **TOL64)
+
+
+def test_sequences_shorter_than_the_sample_stride_train():
+    model = make("dsv", sample_stride=64, profile_every_stage1=1)  # 32 tokens < stride 64
+    x = torch.randn(1, 32, DIM, dtype=torch.float64)
+    for step in range(40):
+        model.controller.begin_step(step)
+        model.attn(x, (2, 4, 4)).sum().backward()
+        model.controller.end_step()
+    assert not torch.isnan(model.attn.sparsity_ema).any()
