@@ -133,6 +133,8 @@ class VideoDiT(nn.Module):
         if t.shape != (x.shape[0],):
             raise ValueError(f"t must be [B]={x.shape[0]} timesteps in [0, 1], got {tuple(t.shape)}")
         grid = self.token_grid(x.shape)
+        # Under FSDP mixed precision the weights arrive in bf16 and the inputs are not cast for us.
+        x = x.to(self.patch_embed.weight.dtype) if not torch.is_autocast_enabled(x.device.type) else x
         tokens = self.patch_embed(x).flatten(2).transpose(1, 2)  # [B, S, hidden], raster order
         tokens = tokens + sincos_position_3d(grid, self.cfg.hidden, x.device).to(tokens.dtype)
         cond = self.t_embed(timestep_embedding(t, 256).to(tokens.dtype))

@@ -6,6 +6,8 @@ excluding the predictors' parameters, and keeps DSV's per-layer state identical 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -113,11 +115,13 @@ def shard_model(
     ignored = {p for m in model.modules() if isinstance(m, LowRankPredictor) for p in m.parameters()}
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if mixed_precision else MixedPrecisionPolicy())
-    options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward, "mp_policy": policy,
-               "ignored_params": ignored}
+    options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward, "ignored_params": ignored}
     for block in blocks:
-        fully_shard(block, **options)
-    fully_shard(model, **options)
+        fully_shard(block, mp_policy=policy, **options)
+    # The root does not cast its inputs: the timesteps `t` must stay fp32 (bf16 rounds 0.9987 to 1.0), as
+    # under autocast on one GPU; the model casts the video to its patch embedding's dtype itself.
+    root_policy = dataclasses.replace(policy, cast_forward_inputs=False)
+    fully_shard(model, mp_policy=root_policy, **options)
 
     def after_forward(module: nn.Module, _args, _output) -> None:
         # The EMAs change only in a training forward with grad enabled (attention.prepare_index).

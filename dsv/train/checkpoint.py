@@ -97,10 +97,16 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Ten
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first. A step whose re-save was interrupted between moving the old
+    copy aside and moving the new one in is restored from the old copy first."""
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_"))
+    for stale in root.glob(".stale_step_*"):
+        final = root / stale.name[len(".stale_"):].rsplit("_", 1)[0]
+        if not final.exists():
+            os.replace(stale, final)
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and (p / MANIFEST).is_file())
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -109,6 +115,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if (path / MANIFEST).is_file():
         return path
     latest = checkpoint_root(path) / "latest"
+    list_checkpoints(path)  # restores an interrupted re-save before `latest` is followed
     if latest.is_file():
         candidate = checkpoint_root(path) / latest.read_text().strip()
         if (candidate / MANIFEST).is_file():

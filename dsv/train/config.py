@@ -16,12 +16,14 @@ class OptimConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     warmup_steps: int = 0
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
 
     def __post_init__(self) -> None:
         self.betas = tuple(float(b) for b in self.betas)
         if self.lr <= 0:
             raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+        if self.grad_clip < 0:
+            raise ValueError(f"optim.grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip}")
 
 
 @dataclass

@@ -34,8 +34,10 @@ from dsv.train.checkpoint import (
 from dsv.train.config import Config, config_from_dict, config_to_dict
 from dsv.train.data import build_dataset
 
-# Sections that change the model's function or its saved state: a resumed run must match them.
-_SHAPE_SECTIONS = ("model", "attention")
+# A resumed run must match the checkpoint's configuration except in these fields, which change neither
+# the model nor the sequence of batches and updates (so the continuation stays exact).
+RESUMABLE_CHANGES = {"train": {"steps", "log_every", "eval_every", "ckpt_every", "keep_checkpoints", "tensorboard",
+                               "threads", "out_dir", "device"}}
 
 
 def init_distributed(device_name: str) -> tuple[int, int, torch.device]:
@@ -172,22 +174,32 @@ class Trainer:
     def save(self) -> Path:
         weights, state = self.full_state()
         path = checkpoint_root(self.run_dir) / f"step_{self.step:08d}"
+        error = None
         if self.rank == 0:
-            path = save_checkpoint(self.run_dir, self.step, weights, state, config_to_dict(self.cfg),
-                                   keep=self.cfg.train.keep_checkpoints)
+            try:
+                path = save_checkpoint(self.run_dir, self.step, weights, state, config_to_dict(self.cfg),
+                                       keep=self.cfg.train.keep_checkpoints)
+            except Exception as err:  # told to every rank below, then raised everywhere
+                error = f"{type(err).__name__}: {err}"
         if self.world > 1:
-            dist.barrier()  # no rank goes on (or resumes) before the checkpoint is complete
+            # Every rank learns whether rank 0's write succeeded: none goes on, or waits, alone.
+            status = [error]
+            dist.broadcast_object_list(status, src=0)
+            error = status[0]
+        if error is not None:
+            raise CheckpointError(f"saving step {self.step} failed on rank 0: {error} (older checkpoints are intact)")
         return path
 
     def _restore(self, ckpt: Path) -> None:
         weights, state, manifest = load_checkpoint(ckpt)
         saved = config_from_dict(manifest["config"])
-        for section in _SHAPE_SECTIONS:
-            mine, theirs = getattr(self.cfg, section), getattr(saved, section)
-            if mine != theirs:
-                diff = [f"{section}.{k}: checkpoint {v!r}, run {getattr(mine, k)!r}"
-                        for k, v in vars(theirs).items() if getattr(mine, k) != v]
-                raise CheckpointError(f"checkpoint {ckpt} was made with another configuration: " + "; ".join(diff))
+        diff = [f"{section}.{k}: checkpoint {v!r}, run {getattr(getattr(self.cfg, section), k)!r}"
+                for section in vars(saved) for k, v in vars(getattr(saved, section)).items()
+                if getattr(getattr(self.cfg, section), k) != v and k not in RESUMABLE_CHANGES.get(section, ())]
+        if diff:
+            raise CheckpointError(f"checkpoint {ckpt} was made with another configuration (only "
+                                  f"train.{{{', '.join(sorted(RESUMABLE_CHANGES['train']))}}} may change on resume): "
+                                  + "; ".join(diff))
         if state["world_size"] != self.world:
             raise CheckpointError(f"checkpoint {ckpt} was saved by {state['world_size']} ranks; this run has "
                                   f"{self.world} (resume with the same number of processes)")
@@ -229,13 +241,17 @@ class Trainer:
         x0, t, noise = self._batch()
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             loss = flow_matching_loss(self.model, x0, t, noise)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"step {self.step}: training loss is {float(loss)}; stopping before the "
-                                     "optimizer applies it (the last checkpoint is intact)")
+        bad = (~torch.isfinite(loss.detach())).float()
+        if self.world > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank stops together instead of hanging
+        if bad:
+            raise FloatingPointError(f"step {self.step}: training loss is not finite on some rank; stopping "
+                                     "before the optimizer applies it (the last checkpoint is intact)")
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        # grad_clip = 0 disables clipping (the norm is still computed for the log).
         grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for g in self.optimizer.param_groups for p in g["params"]], self.cfg.optim.grad_clip)
+            [p for g in self.optimizer.param_groups for p in g["params"]], self.cfg.optim.grad_clip or float("inf"))
         self.optimizer.step()
         self.scheduler.step()
         events = self.controller.end_step()

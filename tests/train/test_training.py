@@ -97,6 +97,11 @@ def test_checkpoint_errors_are_clear_and_keep_saved_files(tmp_path):
         Trainer(cfg, quiet=True)
     with pytest.raises(CheckpointError, match="model.hidden"):
         Trainer(tiny_config(tmp_path, "train.steps=6", "model.hidden=48"), resume=True, quiet=True)
+    # Only schedule fields of `train` may change on resume; anything else would break exactness silently.
+    with pytest.raises(CheckpointError, match="optim.lr: checkpoint 0.002, run 0.05"):
+        Trainer(tiny_config(tmp_path, "train.steps=6", "optim.lr=5e-2"), resume=True, quiet=True)
+    with pytest.raises(CheckpointError, match="train.batch_size"):
+        Trainer(tiny_config(tmp_path, "train.steps=6", "train.batch_size=3"), resume=True, quiet=True)
     weights = checkpoints[-1] / "model.safetensors"
     weights.write_bytes(snapshot[weights][: len(snapshot[weights]) // 2])  # a truncated file
     with pytest.raises(CheckpointError, match="corrupt or truncated"):
@@ -118,6 +123,8 @@ def test_config_overrides_reject_bad_input():
         apply_overrides(base, ["attention.mode=sparse"])
     with pytest.raises(ValueError, match="boolean"):
         apply_overrides(base, ["train.bf16=maybe"])
+    with pytest.raises(ValueError, match="optim.grad_clip must be >= 0"):
+        apply_overrides(base, ["optim.grad_clip=-1"])
     with pytest.raises(ValueError, match="unknown recipe"):
         get_recipe("nope")
     assert apply_overrides(base, ["attention.cube=4x4x4"]).attention.cube == (4, 4, 4)
@@ -148,3 +155,15 @@ def test_cli_sample_and_profile_write_their_files(tmp_path, capsys):
     assert len(profile["sparsity"]) == 2 and len(profile["sparsity"][0]) == 2
     assert main(["train", "--recipe", "debug_cpu", "--set", "model.hiden=3"]) == 2
     assert "unknown field" in capsys.readouterr().err
+
+
+def test_an_interrupted_resave_is_recovered(tmp_path):
+    """A crash between moving a step's old copy aside and moving the new one in loses nothing."""
+    from dsv.train.checkpoint import load_checkpoint
+
+    cfg = tiny_config(tmp_path, "train.steps=2", "train.ckpt_every=2")
+    Trainer(cfg, quiet=True).run()
+    root = tmp_path / "checkpoints"
+    (root / "step_00000002").rename(root / ".stale_step_00000002_1234")  # the state right after the crash
+    weights, state, _ = load_checkpoint(tmp_path)
+    assert state["step"] == 2 and (root / "step_00000002" / "manifest.json").is_file()
