@@ -8,6 +8,8 @@ import sys
 
 import torch
 
+from dsv.train.checkpoint import CheckpointError
+
 
 def _train(args) -> int:
     from dsv.train.config import apply_overrides
@@ -121,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileExistsError, FileNotFoundError, RuntimeError) as err:
+    except (ValueError, FileExistsError, FileNotFoundError, CheckpointError, FloatingPointError) as err:
+        # Errors about the user's input, config or files: one clear line. Anything else keeps its traceback.
         print(f"dsv {args.command}: error: {err}", file=sys.stderr)
         return 2
 
