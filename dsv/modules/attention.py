@@ -25,6 +25,7 @@ from dsv.ops import (
     sparse_attention,
     window_index,
 )
+from dsv.ops.estimate import triton_estimation_unsupported
 from dsv.ops.grouping import check_sequence_matches_grid
 from dsv.ops.sparse_attention import resolve_backend
 
@@ -178,6 +179,10 @@ class DSVAttentionCore(nn.Module):
             self._backend_key = (q.device, q.dtype)
             self._last_backend, self.backend_reason = resolve_backend(
                 self.cfg.backend, q, self.cfg.group_size, self.cfg.key_block)
+            estimation_reason = triton_estimation_unsupported(q, self.cfg.key_block)
+            if q.is_cuda and self.cfg.mode == "dsv" and estimation_reason is not None:
+                warnings.warn(f"DSVAttention layer {self.layer_index}: critical-KV estimation runs the PyTorch "
+                              f"reference: {estimation_reason}", stacklevel=3)
         if self.observer is not None:
             self.observer(self, hidden, q, k, grid)
         learning = self.training and torch.is_grad_enabled() and self.controller is not None
