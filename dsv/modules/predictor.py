@@ -72,7 +72,9 @@ class LowRankPredictor(nn.Module):
         k_lr = self.k_proj(hidden).view(b, s, self.heads, self.rank).transpose(1, 2)
         pred = q_lr @ k_lr.transpose(-1, -2)  # [B, H, R, S]
         with torch.no_grad():
-            true = (q[:, :, rows].to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale
+            # In q/k's own precision (bf16 under autocast: tensor cores, fp32 accumulation), so that k is
+            # not copied to fp32 each step; the target's rounding is far below what the loss resolves.
+            true = (q[:, :, rows] @ k.transpose(-1, -2)).to(dtype) * scale
         return predictor_loss(pred, true, self.cosine_weight, self.mse_weight)
 
     def update(
