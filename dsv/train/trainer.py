@@ -132,6 +132,8 @@ class Trainer:
         self.writer = None
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            if resume:
+                self._drop_metrics_after(self.step)
             self.metrics_file = open(self.run_dir / "metrics.jsonl", "a")
         if cfg.train.tensorboard and self.rank == 0:
             from torch.utils.tensorboard import SummaryWriter
@@ -226,6 +228,17 @@ class Trainer:
             torch.cuda.set_rng_state(rng["cuda_rng"], self.device)
         self.step = state["step"]
         self.controller.step = self.step
+
+    def _drop_metrics_after(self, step: int) -> None:
+        """Resuming re-runs the steps after the checkpoint: drop their old records so the log has each
+        step once (rewritten atomically)."""
+        path = self.run_dir / "metrics.jsonl"
+        if not path.is_file():
+            return
+        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
 
     # ----- steps -----
     def _batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

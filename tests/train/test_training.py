@@ -74,6 +74,9 @@ def test_resume_continues_the_run_exactly(tmp_path):
     Trainer(tiny_config(tmp_path / "straight", "train.steps=12", *schedule), quiet=True).run()
     Trainer(tiny_config(tmp_path / "resumed", "train.steps=6", *schedule), quiet=True).run()
     Trainer(tiny_config(tmp_path / "resumed", "train.steps=12", *schedule), resume=True, quiet=True).run()
+    # The resumed run's log holds each step once, as the straight run's does.
+    assert [r["step"] for r in read_metrics(tmp_path / "resumed") if "loss" in r] == \
+        [r["step"] for r in read_metrics(tmp_path / "straight") if "loss" in r]
     straight_w, straight_s = final_state(tmp_path / "straight", *schedule)
     resumed_w, resumed_s = final_state(tmp_path / "resumed", *schedule)
     assert straight_s["step"] == resumed_s["step"] == 12
@@ -167,3 +170,13 @@ def test_an_interrupted_resave_is_recovered(tmp_path):
     (root / "step_00000002").rename(root / ".stale_step_00000002_1234")  # the state right after the crash
     weights, state, _ = load_checkpoint(tmp_path)
     assert state["step"] == 2 and (root / "step_00000002" / "manifest.json").is_file()
+
+
+def test_resume_from_an_older_checkpoint_logs_each_step_once(tmp_path):
+    import shutil
+
+    Trainer(tiny_config(tmp_path, "train.steps=6", "train.ckpt_every=4", "train.keep_checkpoints=3"), quiet=True).run()
+    shutil.rmtree(tmp_path / "checkpoints" / "step_00000006")  # as if the run died after logging step 6
+    Trainer(tiny_config(tmp_path, "train.steps=6", "train.ckpt_every=4", "train.keep_checkpoints=3"),
+            resume=True, quiet=True).run()
+    assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [2, 4, 6]
