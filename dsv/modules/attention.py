@@ -14,10 +14,10 @@ from dsv.modules.config import AttentionConfig
 from dsv.modules.dispatch import SPEED_MODELS
 from dsv.modules.predictor import LowRankPredictor
 from dsv.ops import (
+    SparseIndex,
     cube_permutation,
     estimate_index,
     head_sparsity,
-    SparseIndex,
     index_recall,
     keep_blocks_from_sparsity,
     oracle_index,
@@ -72,7 +72,7 @@ class DSVAttentionCore(nn.Module):
         self.controller = None
         self.layer_index = 0
         self.last_path = "none"
-        self._selection_cache: tuple[int, object] | None = None
+        self._selection_cache: tuple[tuple, SparseIndex] | None = None
         self._warned_backend = False
         self._window_cache: tuple[tuple, SparseIndex] | None = None
         self._last_shape: tuple[int, int] | None = None

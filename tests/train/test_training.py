@@ -144,8 +144,9 @@ def test_cli_sample_and_profile_write_their_files(tmp_path, capsys):
     assert (tmp_path / "s.gif").stat().st_size > 0
     sampled = json.loads(capsys.readouterr().out)
     assert sampled["attention_paths"] == ["sparse:reference"] and sampled["dense_seconds"] > 0
-    # Sparse and dense sampling from the same noise differ, but not beyond recognition.
-    assert 0.0 < sampled["ssim"] < 1.0 and sampled["psnr_db"] > 5.0
+    # Sparse and dense sampling from the same noise agree closely (after 6 steps the zero-initialised
+    # attention outputs still contribute little, so they may agree exactly).
+    assert 0.5 < sampled["ssim"] <= 1.0 and sampled["psnr_db"] > 20.0
     assert main(["profile", "--checkpoint", str(run), "--out", str(tmp_path / "prof"), "--clips", "2",
                  "--granularity", "0.5"]) == 0
     table = (tmp_path / "prof" / "profile.md").read_text()
