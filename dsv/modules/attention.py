@@ -146,10 +146,15 @@ class DSVAttentionCore(nn.Module):
     def check_input(self, x: torch.Tensor, grid: tuple[int, int, int]) -> None:
         """Reject `x` unless it is `[B, T*H*W, C]` for `grid`, finite (when `cfg.check_finite`), and the
         layer has the controller its mode needs."""
-        name = f"{type(self).__name__} layer {self.layer_index}"
         if x.dim() != 3:
-            raise ValueError(f"{name}: expects x of shape [B, S, C], got {tuple(x.shape)}")
+            raise ValueError(f"{type(self).__name__} layer {self.layer_index}: expects x of shape [B, S, C], "
+                             f"got {tuple(x.shape)}")
         check_sequence_matches_grid(x.shape[1], grid)
+        self.check_input_values(x)
+
+    def check_input_values(self, x: torch.Tensor) -> None:
+        """The checks of `check_input` that do not depend on the shape: finite values, a controller."""
+        name = f"{type(self).__name__} layer {self.layer_index}"
         if self.cfg.check_finite and not torch.isfinite(x).all():
             raise FloatingPointError(
                 f"{name}: NaN or Inf in the attention input x; the run is diverging or its input data is corrupt"
@@ -173,16 +178,7 @@ class DSVAttentionCore(nn.Module):
         Returns:
             The `SparseIndex` when this layer runs sparse now, else None (dense).
         """
-        self._last_shape = (q.shape[0], q.shape[2])
-        if self.cfg.mode != "dense" and self._backend_key != (q.device, q.dtype):
-            # Which sparse backend these inputs get (and why not Triton), decided once per device/dtype.
-            self._backend_key = (q.device, q.dtype)
-            self._last_backend, self.backend_reason = resolve_backend(
-                self.cfg.backend, q, self.cfg.group_size, self.cfg.key_block)
-            estimation_reason = triton_estimation_unsupported(q, self.cfg.key_block)
-            if q.is_cuda and self.cfg.mode == "dsv" and estimation_reason is not None:
-                warnings.warn(f"DSVAttention layer {self.layer_index}: critical-KV estimation runs the PyTorch "
-                              f"reference: {estimation_reason}", stacklevel=3)
+        self.resolve_backends(q, q.shape[2])
         if self.observer is not None:
             self.observer(self, hidden, q, k, grid)
         learning = self.training and torch.is_grad_enabled() and self.controller is not None
@@ -194,6 +190,26 @@ class DSVAttentionCore(nn.Module):
             with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
                 self._learn_and_profile(hidden, q, k, grid)
         return index
+
+    @property
+    def sparse_backend(self) -> str:
+        """The sparse-attention backend these inputs get ("triton" or "reference"; `backend_reason` says
+        why not Triton)."""
+        return self._last_backend
+
+    def resolve_backends(self, q: torch.Tensor, seq_len: int) -> None:
+        """Record the problem size for the dispatch, and decide once per device/dtype which sparse
+        backend these inputs get (and warn when the estimation cannot use Triton on CUDA)."""
+        self._last_shape = (q.shape[0], seq_len)
+        if self.cfg.mode != "dense" and self._backend_key != (q.device, q.dtype):
+            # Which sparse backend these inputs get (and why not Triton), decided once per device/dtype.
+            self._backend_key = (q.device, q.dtype)
+            self._last_backend, self.backend_reason = resolve_backend(
+                self.cfg.backend, q, self.cfg.group_size, self.cfg.key_block)
+            estimation_reason = triton_estimation_unsupported(q, self.cfg.key_block)
+            if q.is_cuda and self.cfg.mode == "dsv" and estimation_reason is not None:
+                warnings.warn(f"DSVAttention layer {self.layer_index}: critical-KV estimation runs the PyTorch "
+                              f"reference: {estimation_reason}", stacklevel=4)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: SparseIndex | None) -> torch.Tensor:
         """`q, k, v [B, H, S, D]` (grouped order) → `[B, H, S, D]`: dense SDPA when `index` is None,
@@ -322,6 +338,8 @@ class DSVAttention(DSVAttentionCore):
         self.q_norm = nn.RMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
         self.k_norm = nn.RMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
         self._permutation_cache: tuple | None = None
+        # Set by `VideoDiT.enable_context_parallel`: the layer then sees this rank's chunk of the sequence.
+        self.context_parallel = None
 
     def _permutation(self, grid: tuple[int, int, int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         # Cached on the device: a host-to-device copy per layer and forward would stall the GPU stream.
@@ -331,6 +349,8 @@ class DSVAttention(DSVAttentionCore):
         return self._permutation_cache[1], self._permutation_cache[2]
 
     def forward(self, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        if self.context_parallel is not None:
+            return self.context_parallel.attention(self, x, grid)
         self.check_input(x, grid)
         batch, seq_len, _ = x.shape
         perm, inv = self._permutation(tuple(grid), x.device)

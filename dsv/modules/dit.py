@@ -108,6 +108,14 @@ class VideoDiT(nn.Module):
         self.final_linear = nn.Linear(hidden, cfg.in_channels * math.prod(cfg.patch))
         self._init_weights()
         self.controller = DSVController(attn_cfg).attach(self)
+        self.context_parallel = None
+
+    def enable_context_parallel(self, context_parallel) -> None:
+        """Split each sample's sequence over a CP group (`dsv.parallel.context.ContextParallel`): the
+        blocks see this rank's chunk in grouped order; the output is gathered back on every rank."""
+        self.context_parallel = context_parallel
+        for block in self.blocks:
+            block.attn.context_parallel = context_parallel
 
     def _init_weights(self) -> None:
         # DiT's zero-init of the output paths: every block starts as the identity.
@@ -143,6 +151,9 @@ class VideoDiT(nn.Module):
                 y = torch.full_like(t, self.cfg.num_classes, dtype=torch.long)  # the null class
             cond = cond + self.y_embed(y)
         t_mod = self.t_block(cond).view(-1, 6, self.cfg.hidden)
+        cp, attn_cfg = self.context_parallel, self.blocks[0].attn.cfg
+        if cp is not None:
+            tokens = cp.shard_tokens(tokens, grid, attn_cfg.cube, attn_cfg.group_size, attn_cfg.key_block)
         for block in self.blocks:
             if self.cfg.activation_checkpointing and self.training:
                 tokens = checkpoint(block, tokens, t_mod, grid, use_reentrant=False)
@@ -150,6 +161,8 @@ class VideoDiT(nn.Module):
                 tokens = block(tokens, t_mod, grid)
         shift, scale = (self.final_table[None] + cond[:, None]).unbind(1)
         out = self.final_linear(modulate(self.final_norm(tokens), shift, scale))
+        if cp is not None:
+            out = cp.gather_tokens(out, grid, attn_cfg.cube)
         return self.unpatchify(out, grid)
 
     def unpatchify(self, tokens: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:

@@ -75,15 +75,25 @@ class LowRankPredictor(nn.Module):
             # In q/k's own precision (bf16 under autocast: tensor cores, fp32 accumulation), so that k is
             # not copied to fp32 each step; the target's rounding is far below what the loss resolves.
             true = (q[:, :, rows] @ k.transpose(-1, -2)).to(dtype) * scale
-        return predictor_loss(pred, true, self.cosine_weight, self.mse_weight)
+        return self.scores_loss(pred, true)
 
     def update(
         self, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, scale: float
     ) -> torch.Tensor:
         """One optimizer step on detached inputs; returns the loss before the step (a 0-d tensor, so
         no device synchronisation is forced)."""
-        with torch.enable_grad(), torch.autocast(hidden.device.type, enabled=False):
-            loss = self.loss(hidden.detach(), q.detach(), k.detach(), rows, scale)
+        return self.step(lambda: self.loss(hidden.detach(), q.detach(), k.detach(), rows, scale),
+                         hidden.device.type)
+
+    def scores_loss(self, pred_scores: torch.Tensor, true_scores: torch.Tensor) -> torch.Tensor:
+        """`predictor_loss` with this predictor's weights (callers that build the scores themselves)."""
+        return predictor_loss(pred_scores, true_scores, self.cosine_weight, self.mse_weight)
+
+    def step(self, compute_loss, device_type: str) -> torch.Tensor:
+        """One optimizer step on the 0-d loss that `compute_loss()` builds from this predictor's
+        parameters (fp32: autocast is off inside); returns the loss, detached."""
+        with torch.enable_grad(), torch.autocast(device_type, enabled=False):
+            loss = compute_loss()
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

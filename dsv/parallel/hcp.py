@@ -109,30 +109,53 @@ def hcp_attention(
             "use sequence-wise CP (dsv.parallel.scp) for the extra ranks"
         )
     check_placement(placement, heads, world)
-    order = torch.tensor([h for members in placement for h in members], device=q.device)
-    counts = [len(members) for members in placement]
-    mine = counts[rank]
-
-    # [3, B, H, S_local, D] -> heads first in placement order: [H, 3, B, S_local, D], split along dim 0.
-    qkv = torch.stack((q, k, v)).index_select(2, order).permute(2, 0, 1, 3, 4)
-    received = all_to_all(qkv, [mine] * world, counts, group)
-    # Rows arrive from rank 0 first, so the source rank index is the sequence chunk index.
-    full = received.view(world, mine, 3, batch, local_len, dim).permute(2, 3, 1, 0, 4, 5)
-    q_full, k_full, v_full = full.reshape(3, batch, mine, world * local_len, dim).unbind(0)
-
-    head_ids = [int(h) for h in placement[rank]]
-    out_full = attention_fn(q_full, k_full, v_full, head_ids)
-    expected = (batch, mine, world * local_len, dim)
+    rank_heads = [int(h) for h in placement[rank]]
+    qkv = torch.cat((q, k, v), dim=-1)  # one exchange for the three tensors
+    q_full, k_full, v_full = heads_to_sequence(qkv, placement, group).split(dim, dim=-1)
+    out_full = attention_fn(q_full, k_full, v_full, rank_heads)
+    expected = (batch, len(rank_heads), world * local_len, dim)
     if tuple(out_full.shape) != expected:
         raise ValueError(f"attention_fn returned shape {tuple(out_full.shape)}, expected {expected}")
+    return sequence_to_heads(out_full, placement, group)
 
-    # [B, H_r, N * S_local, D] -> [N, H_r, B, S_local, D]: chunk j goes back to rank j.
-    chunks = out_full.reshape(batch, mine, world, local_len, dim).permute(2, 1, 0, 3, 4)
-    returned = all_to_all(chunks.reshape(world * mine, batch, local_len, dim), counts, [mine] * world, group)
-    out_permuted = returned.permute(1, 0, 2, 3)  # [B, H, S_local, D], heads in placement order
+
+def heads_to_sequence(x: torch.Tensor, placement: Sequence[Sequence[int]], group=None) -> torch.Tensor:
+    """``[B, H, S_local, E]`` (this rank's sequence chunk, every head) -> ``[B, H_r, N * S_local, E]`` (the
+    whole sequence of this rank's heads ``placement[rank]``, in that order). Differentiable; collective."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    batch, _, local_len, width = x.shape
+    order = torch.tensor([h for members in placement for h in members], device=x.device)
+    counts = [len(members) for members in placement]
+    mine = counts[rank]
+    # Heads first, in placement order, so that each rank's heads are one contiguous split of dim 0.
+    received = all_to_all(x.index_select(1, order).transpose(0, 1), [mine] * world, counts, group)
+    # Rows arrive from rank 0 first, so the source rank index is the sequence chunk index.
+    full = received.view(world, mine, batch, local_len, width).permute(2, 1, 0, 3, 4)
+    return full.reshape(batch, mine, world * local_len, width)
+
+
+def sequence_to_heads(x: torch.Tensor, placement: Sequence[Sequence[int]], group=None) -> torch.Tensor:
+    """Inverse of ``heads_to_sequence``: ``[B, H_r, N * S_local, E]`` -> ``[B, H, S_local, E]`` in the
+    global head order. Differentiable; collective."""
+    world = dist.get_world_size(group)
+    batch, mine, seq_len, width = x.shape
+    local_len = seq_len // world
+    order = torch.tensor([h for members in placement for h in members], device=x.device)
+    counts = [len(members) for members in placement]
+    # [B, H_r, N * S_local, E] -> [N, H_r, B, S_local, E]: chunk j goes back to rank j.
+    chunks = x.reshape(batch, mine, world, local_len, width).permute(2, 1, 0, 3, 4)
+    returned = all_to_all(chunks.reshape(world * mine, batch, local_len, width), counts, [mine] * world, group)
+    out_permuted = returned.transpose(0, 1)  # [B, H, S_local, E], heads in placement order
     inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(heads, device=q.device)
+    inverse[order] = torch.arange(len(order), device=x.device)
     return out_permuted.index_select(1, inverse)
+
+
+def select_heads(index: SparseIndex, heads: Sequence[int]) -> SparseIndex:
+    """The rows of ``index`` for the global head ids ``heads``, in that order."""
+    ids = torch.tensor(list(heads), device=index.indices.device)
+    return SparseIndex(index.indices.index_select(1, ids), index.counts.index_select(1, ids), index.group_size,
+                       index.kv_block, index.seq_len)
 
 
 def dense_attention_fn(scale: float | None = None) -> AttentionFn:
@@ -153,14 +176,6 @@ def sparse_attention_fn(index: SparseIndex, scale: float | None = None) -> Atten
     """
 
     def attention(q, k, v, head_ids):
-        heads = torch.tensor(head_ids, device=index.indices.device)
-        rows = SparseIndex(
-            index.indices.index_select(1, heads),
-            index.counts.index_select(1, heads),
-            index.group_size,
-            index.kv_block,
-            index.seq_len,
-        )
-        return sparse_attention_reference(q, k, v, rows, scale)
+        return sparse_attention_reference(q, k, v, select_heads(index, head_ids), scale)
 
     return attention

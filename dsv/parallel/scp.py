@@ -10,9 +10,9 @@ Forward, per rank:
 2. Exchange the request counts, then the requests (``all_to_all_single`` with uneven splits).
 3. Owners send the requested K/V blocks back; the requester appends them after its local K/V, per
    ``(batch, head)`` in ascending block order ("slots"), zero-padded to the largest slot count ``M``.
-4. Run ``sparse_attention_reference`` on ``[local K/V + fetched blocks]`` (``S_local + M * kv_block``
+4. Run ``sparse_attention`` on ``[local K/V + fetched blocks]`` (``S_local + M * kv_block``
    rows) with the index remapped to that layout. The queries are zero-padded to the same length because
-   the reference takes equal q/k/v shapes; the padding query groups attend to block 0 and are dropped.
+   the kernels take equal q/k/v shapes; the padding query groups attend to block 0 and are dropped.
 
 Backward: the K/V exchange is ``dsv.parallel.hcp.all_to_all``, whose gradient is the reverse exchange,
 and the owner's block gather is an ``index_select``, whose gradient sums the dK/dV of every requester of
@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dsv.ops.index import PAD, SparseIndex, check_bhsd
-from dsv.ops.sparse_attention import sparse_attention_reference
+from dsv.ops.sparse_attention import sparse_attention
 from dsv.parallel.hcp import all_to_all
 
 
@@ -142,6 +142,7 @@ def scp_attention(
     index: LocalIndex,
     scale: float | None = None,
     group=None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, ScpCommStats]:
     """Block-sparse attention over a sequence-sharded input, fetching only the remote key blocks used.
 
@@ -152,6 +153,7 @@ def scp_attention(
         index: this rank's rows of the global index (``LocalIndex.from_global``), global key-block ids.
         scale: softmax scale, default ``D ** -0.5``.
         group: process group, default the world.
+        backend: the local attention's backend (``dsv.ops.sparse_attention``): Triton where it can run.
 
     Returns:
         ``(out [B, H, S_local, D], stats)``: this rank's rows of the attention output, equal to
@@ -207,7 +209,7 @@ def scp_attention(
 
     with torch.no_grad():
         ext_index = _remap_index(index, ids, valid, remote, keys, wanted, slot, rank, local_blocks, ext_len)
-    out = sparse_attention_reference(q_ext, k_ext, v_ext, ext_index, scale)[:, :, :local_len]
+    out = sparse_attention(q_ext, k_ext, v_ext, ext_index, scale, backend)[:, :, :local_len]
 
     element = q.element_size()
     block_bytes = 2 * kv_block * dim * element

@@ -1,0 +1,358 @@
+"""Context parallelism for a whole DSV model: the sequence sharded over ranks, attention under HCP x SCP.
+
+`ContextParallel(size, mode)` splits every sample's token sequence over `size` ranks (a CP group; the
+world may hold several CP groups side by side for data parallelism). `VideoDiT.enable_context_parallel`
+hands it to the model: the model puts its tokens in grouped (cube) order, keeps this rank's contiguous
+chunk through every block — norms, MLPs and projections are per token — and gathers the output back.
+`DSVAttention` then runs each block under the layout its plan names:
+
+- ``(hcp, scp)`` with ``hcp * scp = size``: ranks ``[s * hcp, (s + 1) * hcp)`` form HCP group ``s``. An
+  all-to-all inside it turns the rank's ``S / size`` tokens of every head into the group's ``S / scp``
+  tokens of the rank's heads (placed by cost, the same in every group; `dsv.parallel.hcp`); across the
+  ``scp`` groups the rank then attends with sequence-wise CP: sparse blocks fetch only the critical
+  remote K/V blocks (`dsv.parallel.scp`), dense blocks gather K/V. The planner's layout convention
+  (`dsv.parallel.planner`).
+- mode ``hcp``: pure HCP with heads placed by LPT on their kept keys; ``naive_hcp``: equal contiguous
+  head counts (Ulysses); ``scp``: pure SCP; ``hybrid``: per block the factorisation and placement that
+  `hybrid_plan` predicts fastest. A block re-plans when its dispatch (dense/sparse, kept fractions)
+  changes, which happens only on profiling steps; plans are cached.
+
+What stays exact: every rank of a CP group selects the same keys as one process would (selection and
+profiling run on the whole sequence of the rank's heads), and the predictor's loss is weighted so that
+its rank-averaged gradient is the single-process gradient. The DSV state is identical on every rank of
+a CP group (per-head measurements are summed over the HCP group, each head measured by one rank).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from functools import lru_cache
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+from dsv.modules.attention import DSVAttention, _ema
+from dsv.ops import (
+    SparseIndex,
+    cube_permutation,
+    estimate_index,
+    head_sparsity,
+    index_recall,
+    keep_blocks_from_sparsity,
+    oracle_index,
+    sample_query_rows,
+    sparse_attention,
+)
+from dsv.parallel.hcp import heads_to_sequence, select_heads, sequence_to_heads
+from dsv.parallel.placement import place_heads
+from dsv.parallel.planner import AttentionShape, Cluster, hybrid_plan
+from dsv.parallel.scp import LocalIndex, check_sequence_split, scp_attention
+
+CP_MODES = ("hcp", "naive_hcp", "scp", "hybrid")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One block's CP layout on this rank: ``hcp * scp`` ranks, this rank's heads and its groups."""
+
+    hcp: int
+    scp: int
+    placement: tuple[tuple[int, ...], ...]  # heads of each HCP rank, the same in every SCP group
+    hcp_rank: int
+    scp_rank: int
+    hcp_group: object
+    scp_group: object
+
+    @property
+    def heads(self) -> list[int]:
+        return list(self.placement[self.hcp_rank])
+
+    def describe(self) -> str:
+        return f"cp {self.hcp}x{self.scp} (hcp x scp), heads/rank {[len(p) for p in self.placement]}"
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along `dim`; the backward hands each rank the sum of every rank's gradient of its chunk."""
+
+    @staticmethod
+    def forward(ctx, x, dim: int, group):
+        world = dist.get_world_size(group)
+        chunks = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(chunks, x.contiguous(), group=group)
+        ctx.dim, ctx.group = dim, group
+        return torch.cat(chunks, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        world = dist.get_world_size(ctx.group)
+        # Contiguous chunks, rank j's first: a reduce-scatter (as an all-to-all and a sum on gloo, which
+        # has no reduce-scatter).
+        stacked = torch.stack(grad.chunk(world, dim=ctx.dim))
+        if dist.get_backend(ctx.group) == dist.Backend.NCCL:
+            out = stacked.new_empty(stacked.shape[1:])
+            dist.reduce_scatter_tensor(out, stacked, group=ctx.group)
+            return out, None, None
+        received = torch.empty_like(stacked)
+        dist.all_to_all_single(received, stacked, group=ctx.group)
+        return received.sum(0), None, None
+
+
+def gather_sequence(x: torch.Tensor, group, dim: int = 2) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` in rank order; differentiable (the gradient of a rank's
+    chunk is the sum of every rank's gradient for it). Identity on one rank."""
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    return _GatherSequence.apply(x, dim, group)
+
+
+class ContextParallel:
+    """The sequence of each sample split over `size` consecutive ranks, and DSV attention across them.
+
+    Collective: every rank constructs it with the same arguments, after `init_process_group`. The world
+    is `dp x size` ranks; CP group `d` holds ranks `[d * size, (d + 1) * size)`.
+
+    Args:
+        size: ranks per CP group; must divide the world size.
+        mode: one of `CP_MODES`.
+        device_type: "cuda" or "cpu" (the device meshes' type).
+        cluster: links and speeds for the planner (mode "hybrid"); default one node of `size` GPUs at the
+            H200 anchors (`default_cluster`).
+        hcp_size: mode "hybrid" only: fix every block's HCP group size (a divisor of `size`, at most the
+            heads) and place heads by LPT, instead of the planner's choice; 0 lets the planner choose.
+    """
+
+    def __init__(self, size: int, mode: str = "hybrid", device_type: str = "cpu", cluster: Cluster | None = None,
+                 hcp_size: int = 0):
+        if mode not in CP_MODES:
+            raise ValueError(f"parallel.cp_mode must be one of {CP_MODES}, got {mode!r}")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("context parallelism needs torch.distributed: launch with torchrun")
+        world = dist.get_world_size()
+        if not isinstance(size, int) or size < 2 or world % size:
+            raise ValueError(f"parallel.cp={size} must be an int >= 2 that divides the world size {world}")
+        if hcp_size and (mode != "hybrid" or size % hcp_size):
+            raise ValueError(f"parallel.cp_hcp={hcp_size} needs cp_mode 'hybrid' and must divide parallel.cp={size}")
+        self.size, self.mode, self.hcp_size = size, mode, hcp_size
+        self.cluster = cluster or default_cluster(size)
+        if self.cluster.gpus != size:
+            raise ValueError(f"cluster.gpus={self.cluster.gpus} must equal the CP size {size}")
+        dp = world // size
+        self.rank = dist.get_rank() % size
+        self.group = init_device_mesh(device_type, (dp, size), mesh_dim_names=("dp", "cp")).get_group("cp")
+        # One mesh per factorisation, built up front: creating groups is collective, while which layout a
+        # block takes is decided later, per block.
+        self._groups = {}
+        for hcp in range(1, size + 1):
+            if size % hcp == 0:
+                mesh = init_device_mesh(device_type, (dp, size // hcp, hcp), mesh_dim_names=("dp", "scp", "hcp"))
+                self._groups[hcp] = (mesh.get_group("hcp"), mesh.get_group("scp"))
+
+    # ----- model-level sharding -----
+    def shard_tokens(self, tokens: torch.Tensor, grid: tuple[int, int, int], cube, group_size: int,
+                     kv_block: int) -> torch.Tensor:
+        """`tokens [B, S, C]` in raster order -> this rank's `[B, S / size, C]` chunk in grouped order."""
+        seq_len = tokens.shape[1]
+        local_len = check_sequence_split(seq_len, self.size, group_size, kv_block)
+        perm, _ = self._permutation(tuple(grid), tuple(cube), tokens.device)
+        return tokens.index_select(1, perm[self.rank * local_len:(self.rank + 1) * local_len])
+
+    def gather_tokens(self, tokens: torch.Tensor, grid: tuple[int, int, int], cube) -> torch.Tensor:
+        """Inverse of `shard_tokens`: every rank gets the whole `[B, S, C]` in raster order. Its backward
+        sums the ranks' gradients, so with the same loss on every rank of a CP group each rank's parameter
+        gradients are `size` x its tokens' share; FSDP's average over all ranks then yields the gradient
+        of one process (`dsv.train.trainer`)."""
+        _, inv = self._permutation(tuple(grid), tuple(cube), tokens.device)
+        return gather_sequence(tokens, self.group, dim=1).index_select(1, inv)
+
+    @staticmethod
+    @lru_cache(maxsize=8)
+    def _permutation(grid, cube, device):
+        perm, inv = cube_permutation(grid, cube)
+        return perm.to(device), inv.to(device)
+
+    # ----- per-block layout -----
+    def layout(self, layer: DSVAttention, seq_len: int, batch: int) -> Layout:
+        """This block's layout from its current dispatch; cached until the dispatch changes."""
+        sparse = layer.runs_sparse()
+        kept = tuple(layer._keep_fraction_host) if sparse else (1.0,) * layer.heads
+        key = (sparse, kept, seq_len, batch)
+        cached = getattr(layer, "_cp_layout", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        heads = layer.heads
+        if self.mode in ("hcp", "naive_hcp") or self.hcp_size:
+            hcp = self.hcp_size or self.size
+            if hcp > heads:
+                raise ValueError(f"head-wise CP over {hcp} ranks needs at least {hcp} heads, the model has {heads}; "
+                                 "use parallel.cp_mode 'scp' or 'hybrid' (or a smaller parallel.cp_hcp)")
+            placement = place_heads(list(kept), hcp, "naive" if self.mode == "naive_hcp" else "lpt")
+        elif self.mode == "scp":
+            hcp, placement = 1, [list(range(heads))]
+        else:
+            shape = AttentionShape(seq_len, heads, layer.head_dim, batch)
+            plan = hybrid_plan([1.0 - k for k in kept], shape, self.cluster, sparse)
+            hcp, placement = plan.hcp, plan.placement
+        hcp_group, scp_group = self._groups[hcp]
+        layout = Layout(hcp, self.size // hcp, tuple(tuple(int(h) for h in p) for p in placement),
+                        self.rank % hcp, self.rank // hcp, hcp_group, scp_group)
+        object.__setattr__(layer, "_cp_layout", (key, layout))
+        return layout
+
+    # ----- attention -----
+    def attention(self, layer: DSVAttention, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """`DSVAttention.forward` under CP: `x [B, S / size, C]`, this rank's chunk of the grouped-order
+        sequence of `grid` -> `[B, S / size, C]`. Collective (forward and backward)."""
+        cfg = layer.cfg
+        batch, local_len, _ = x.shape
+        seq_len = local_len * self.size
+        if math.prod(grid) != seq_len:
+            raise ValueError(f"DSVAttention layer {layer.layer_index}: grid {tuple(grid)} has {math.prod(grid)} "
+                             f"tokens, but {self.size} ranks x {local_len} local tokens = {seq_len}")
+        layer.check_input_values(x)
+        check_sequence_split(seq_len, self.size, cfg.group_size, cfg.key_block)
+        qkv = layer.to_qkv(x).view(batch, local_len, 3, layer.heads, layer.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        q, k = layer.q_norm(q).to(v.dtype), layer.k_norm(k).to(v.dtype)
+        layer.resolve_backends(q, seq_len)
+        layout = self.layout(layer, seq_len, batch)
+        # This rank's heads over its HCP group's S / scp tokens.
+        q, k, v = (t.contiguous() for t in self._to_heads(torch.cat((q, k, v), -1), layout).chunk(3, dim=-1))
+        learning = layer.training and torch.is_grad_enabled() and layer.controller is not None
+        index = self._select(layer, x, q, k, layout, grid) if layer.runs_sparse() else None
+        if learning:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                self._learn_and_profile(layer, x, q, k, layout, grid)
+        out = self._attend(layer, q, k, v, index, layout)
+        layer.last_path = f"{layer.last_path} {layout.describe()}"
+        out = sequence_to_heads(out, layout.placement, layout.hcp_group) if layout.hcp > 1 else out
+        return layer.to_out(out.transpose(1, 2).reshape(batch, local_len, layer.heads * layer.head_dim))
+
+    def _to_heads(self, x: torch.Tensor, layout: Layout) -> torch.Tensor:
+        return heads_to_sequence(x, layout.placement, layout.hcp_group) if layout.hcp > 1 else x
+
+    def _whole(self, x: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """`[B, H_r, S / scp, E]` -> the whole sequence `[B, H_r, S, E]` of this rank's heads."""
+        return gather_sequence(x, layout.scp_group) if layout.scp > 1 else x
+
+    def _low_rank(self, layer: DSVAttention, x: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """The predictor's `[q_lr | k_lr]` of this rank's heads over the whole sequence, `[B, H_r, S, 2r]`;
+        differentiable in the predictor's parameters."""
+        q_lr, k_lr = layer.predictor.project(x.detach().to(layer.predictor.q_proj.weight.dtype))
+        return self._whole(self._to_heads(torch.cat((q_lr, k_lr), -1), layout), layout)
+
+    def _index(self, layer, x, q, k, layout, grid, keep_blocks: torch.Tensor) -> SparseIndex:
+        """The whole-sequence index of this rank's heads (what one process selects for them)."""
+        cfg, heads = layer.cfg, layout.heads
+        if cfg.mode == "window":
+            return select_heads(layer._window(grid, q.shape[0], q.device), heads)
+        keep = keep_blocks[heads]
+        with torch.no_grad():
+            if cfg.mode == "oracle":
+                return oracle_index(self._whole(q, layout), self._whole(k, layout), keep, cfg.group_size,
+                                    cfg.key_block, scale=layer.scale)
+            q_lr, k_lr = self._low_rank(layer, x, layout).chunk(2, dim=-1)
+            return estimate_index(q_lr, k_lr, keep, cfg.group_size, cfg.key_block, backend=cfg.backend)
+
+    def _select(self, layer, x, q, k, layout, grid) -> SparseIndex | LocalIndex:
+        # As `DSVAttentionCore._select`: a checkpointing recompute (inside backward) reuses the forward's keys.
+        in_backward = torch._C._current_graph_task_id() != -1
+        key = (layer._forward_key(q), layout)
+        if in_backward and layer._selection_cache is not None and layer._selection_cache[0] == key:
+            return layer._selection_cache[1]
+        seq_len = q.shape[2] * layout.scp
+        index = self._index(layer, x, q, k, layout, grid, layer._keep_blocks(-(-seq_len // layer.cfg.key_block)))
+        if layout.scp > 1:
+            index = LocalIndex.from_global(index, layout.scp_rank, layout.scp)
+        if layer.training and torch.is_grad_enabled() and not in_backward:
+            layer._selection_cache = (key, index)
+        return index
+
+    def _attend(self, layer, q, k, v, index, layout: Layout) -> torch.Tensor:
+        if index is None:
+            layer.last_path = "dense:sdpa"
+            # Dense under SCP: every query needs every key, so K and V are gathered (ring attention's volume).
+            return F.scaled_dot_product_attention(q, self._whole(k, layout), self._whole(v, layout), scale=layer.scale)
+        layer.last_path = f"sparse:{layer.sparse_backend}"
+        if layout.scp == 1:
+            return sparse_attention(q, k, v, index, scale=layer.scale, backend=layer.sparse_backend)
+        out, _ = scp_attention(q, k, v, index, scale=layer.scale, group=layout.scp_group,
+                               backend=layer.sparse_backend)
+        return out
+
+    def _sum_heads(self, values: torch.Tensor, heads: Sequence[int], total_heads: int, layout: Layout):
+        """This rank's per-head values `[H_r]` -> `[H]` for all heads: each head is measured by one rank
+        of the HCP group (and identically by every SCP group)."""
+        full = values.new_zeros(total_heads).index_copy(0, torch.tensor(heads, device=values.device), values)
+        if layout.hcp > 1:
+            dist.all_reduce(full, group=layout.hcp_group)
+        return full
+
+    def _learn_and_profile(self, layer, x, q, k, layout: Layout, grid) -> None:
+        """`DSVAttentionCore._learn_and_profile` on this rank's heads over the whole sequence."""
+        cfg, controller = layer.cfg, layer.controller
+        if layer._learned_id == controller.forward_id or torch._C._current_graph_task_id() != -1:
+            return
+        layer._learned_id = controller.forward_id
+        learn_period = 1 if controller.current_stage == 1 else cfg.learn_every_stage2
+        profile_period = cfg.profile_every_stage1 if controller.current_stage == 1 else cfg.profile_every_stage2
+        learn = layer.predictor is not None and controller.step % learn_period == 0
+        profile = controller.profile_due()
+        if not (learn or profile):
+            return
+        heads = layout.heads
+        with torch.no_grad():
+            q_all, k_all = self._whole(q, layout), self._whole(k, layout)
+        seq_len = q_all.shape[2]
+        stride = min(seq_len, max(cfg.sample_stride, -(-seq_len // cfg.max_sample_rows)))
+        if learn:
+            rows = sample_query_rows(seq_len, stride, offset=controller.step // learn_period).to(q.device)
+            # The loss averages over heads; weighting by this rank's share of them makes the sum over the
+            # HCP group — and the rank-averaged gradient — that of one process over all heads.
+            weight = len(heads) * layout.hcp / layer.heads
+            rank = layer.predictor.rank
+
+            def weighted_loss():
+                low_rank = self._low_rank(layer, x, layout)
+                pred = low_rank[:, :, rows, :rank] @ low_rank[..., rank:].transpose(-1, -2)
+                with torch.no_grad():
+                    true = (q_all[:, :, rows] @ k_all.transpose(-1, -2)).to(pred.dtype) * layer.scale
+                return layer.predictor.scores_loss(pred, true) * weight
+
+            loss = layer.predictor.step(weighted_loss, x.device.type)
+            if layout.hcp > 1:
+                dist.all_reduce(loss, group=layout.hcp_group)
+            layer.loss_ema.copy_(_ema(layer.loss_ema, loss, cfg.ema_momentum))
+        if not profile:
+            return
+        if layer.predictor is not None and not torch.isfinite(layer.loss_ema):
+            raise FloatingPointError(f"DSVAttention layer {layer.layer_index}: the predictor loss is not finite")
+        rows = sample_query_rows(seq_len, stride, offset=controller.step // profile_period).to(q.device)
+        with torch.no_grad():
+            sparsity = self._sum_heads(head_sparsity(q_all, k_all, rows, cfg.theta, scale=layer.scale), heads,
+                                       layer.heads, layout)
+            layer.sparsity_ema.copy_(_ema(layer.sparsity_ema, sparsity, cfg.ema_momentum))
+            if cfg.mode == "dense":
+                return
+            keep_blocks = keep_blocks_from_sparsity(layer.sparsity_ema, -(-seq_len // cfg.key_block),
+                                                    cfg.keep_floor_blocks, cfg.keep_margin)
+            index = self._index(layer, x, q, k, layout, grid, keep_blocks.cpu())
+            recall = index_recall(q_all, k_all, index, rows, scale=layer.scale).mean(0)
+            layer.recall_ema.copy_(_ema(layer.recall_ema, self._sum_heads(recall, heads, layer.heads, layout),
+                                        cfg.ema_momentum))
+
+
+def default_cluster(gpus: int, gpus_per_node: int | None = None, intra_node_gbps: float = 300.0,
+                    inter_node_gbps: float = 25.0) -> Cluster:
+    """Links and kernel speeds for the planner: the H200 kernel-speed model's dense rate and sparse
+    efficiency (`dsv.modules.dispatch`), NVLink inside a node, a 200 Gb/s NIC per GPU between nodes."""
+    from dsv.modules.dispatch import SPEED_MODELS
+
+    speed = SPEED_MODELS["triton"]
+    return Cluster(gpus=gpus, gpus_per_node=gpus_per_node or gpus, intra_node_gbps=intra_node_gbps,
+                   inter_node_gbps=inter_node_gbps, dense_tflops=speed.dense_tflops,
+                   sparse_efficiency=1.0 / speed.relative_cost)
+

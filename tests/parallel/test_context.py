@@ -1,0 +1,92 @@
+"""Context parallelism inside the model: every CP mode equals one process, forward and gradients."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dsv.modules.config import AttentionConfig
+from dsv.modules.dit import ModelConfig, VideoDiT, flow_matching_loss
+from dsv.parallel.context import ContextParallel
+from tests.parallel import run_distributed
+
+# fp32 on CPU; the CP result sums the same products in another order (all-to-all, gathered K/V, per-rank
+# partial gradients summed over ranks): a few ulps of the O(1) values, far above float32's 1.2e-7.
+TOL = dict(rtol=2e-4, atol=2e-5)
+
+
+def _model(mode: str) -> VideoDiT:
+    torch.manual_seed(0)
+    attn = AttentionConfig(mode=mode, cube=(2, 2, 2), min_stage1_steps=0, max_stage1_steps=1,
+                           profile_every_stage1=1, profile_every_stage2=1, sparse_threshold=0.0,
+                           keep_floor_blocks=2, sample_stride=4, window_frac=0.5)
+    model = VideoDiT(ModelConfig(in_channels=3, patch=(1, 2, 2), hidden=32, depth=2, heads=4), attn)
+    # Non-zero output paths, so that every block's attention reaches the loss and its gradients.
+    for p in model.parameters():
+        if p.abs().sum() == 0:
+            torch.nn.init.normal_(p, std=0.02)
+    return model
+
+
+def _steps(model: VideoDiT, steps: int = 3) -> list[tuple[float, dict[str, torch.Tensor]]]:
+    """Forward + backward of `steps` training steps (predictor updates, profiling, the switch at step 1);
+    the model's weights stay fixed so that every step compares like with like."""
+    torch.manual_seed(1)
+    x0, noise = torch.randn(2, 3, 4, 16, 16), torch.randn(2, 3, 4, 16, 16)
+    t = torch.tensor([0.3, 0.8])
+    results = []
+    for step in range(steps):
+        model.controller.begin_step(step)
+        model.zero_grad(set_to_none=True)
+        loss = flow_matching_loss(model, x0, t, noise)
+        loss.backward()
+        model.controller.end_step()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()
+                 if p.grad is not None and ".predictor." not in name}
+        results.append((float(loss.detach()), grads))
+    return results
+
+
+def _worker(rank, world, mode, cp_mode, hcp_size):
+    single_model = _model(mode)
+    single = _steps(single_model)
+    model = _model(mode)
+    cp = ContextParallel(world, cp_mode, "cpu", hcp_size=hcp_size)
+    model.enable_context_parallel(cp)
+    parallel = _steps(model)
+    for (loss_1, grads_1), (loss_n, grads_n) in zip(single, parallel):
+        torch.testing.assert_close(torch.tensor(loss_n), torch.tensor(loss_1), **TOL)
+        for name, grad in grads_n.items():
+            # Each rank holds `world` x its tokens' share (the gathered output's backward sums over ranks).
+            dist.all_reduce(grad)
+            torch.testing.assert_close(grad / world, grads_1[name], **TOL, msg=lambda m: f"{name}: {m}")
+    layers = model.controller.layers
+    # The predictors stepped on the whole-sequence loss of their heads: the same updates as one process.
+    for layer, single_layer in zip(layers, single_model.controller.layers):
+        if layer.predictor is not None:
+            for p, p_single in zip(layer.predictor.parameters(), single_layer.predictor.parameters()):
+                torch.testing.assert_close(p, p_single, **TOL)
+        torch.testing.assert_close(layer.sparsity_ema, single_layer.sparsity_ema, **TOL)
+        torch.testing.assert_close(layer.recall_ema, single_layer.recall_ema, **TOL)
+    return {
+        "paths": [layer.last_path for layer in layers],
+        "stage": model.controller.current_stage,
+        "sparsity": torch.stack([layer.sparsity_ema for layer in layers]),
+        "predictor": [p.detach().clone() for layer in layers if layer.predictor is not None
+                      for p in layer.predictor.parameters()],
+    }
+
+
+@pytest.mark.parametrize("world,cp_mode,hcp_size,mode", [
+    (2, "hcp", 0, "dsv"), (2, "scp", 0, "dsv"), (4, "hybrid", 2, "dsv"),  # 4 ranks as 2 x 2: HCP inside SCP
+    (4, "naive_hcp", 0, "window"), (2, "hybrid", 0, "window"),
+])
+def test_cp_training_steps_equal_one_process(tmp_path, world, cp_mode, hcp_size, mode):
+    ranks = run_distributed(_worker, world, mode, cp_mode, hcp_size, out_dir=tmp_path, timeout_s=120)
+    for result in ranks:
+        assert result["stage"] == (2 if mode == "dsv" else 1)  # window mode is sparse from the start
+        assert all(path.startswith("sparse:") for path in result["paths"]), result["paths"]
+        torch.testing.assert_close(result["sparsity"], ranks[0]["sparsity"])
+        for a, b in zip(result["predictor"], ranks[0]["predictor"]):
+            torch.testing.assert_close(a, b)
+    if hcp_size:
+        assert all(f"cp {hcp_size}x{world // hcp_size}" in path for path in ranks[0]["paths"])
