@@ -47,6 +47,31 @@ class TrainConfig:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
 
 
+CP_MODES = ("hcp", "naive_hcp", "scp", "hybrid")  # dsv.parallel.context
+
+
+@dataclass
+class ParallelConfig:
+    """Context parallelism under torchrun: `cp` ranks share each sample's sequence; the world is
+    `world / cp` data-parallel groups of them (FSDP2 shards the model over all ranks)."""
+
+    cp: int = 1  # ranks per context-parallel group; 1 = off
+    cp_mode: str = "hybrid"  # hcp (heads placed by cost), naive_hcp (Ulysses), scp (critical K/V), hybrid (planner)
+    cp_hcp: int = 0  # hybrid only: fix the HCP group size of every block (0 = the planner chooses per block)
+    gpus_per_node: int = 8  # for the planner's link model
+    intra_node_gbps: float = 300.0  # GB/s per GPU and direction inside a node (NVLink)
+    inter_node_gbps: float = 25.0  # between nodes (a 200 Gb/s NIC per GPU)
+
+    def __post_init__(self) -> None:
+        if self.cp < 1:
+            raise ValueError(f"parallel.cp must be >= 1, got {self.cp}")
+        if self.cp_mode not in CP_MODES:
+            raise ValueError(f"parallel.cp_mode must be one of {CP_MODES}, got {self.cp_mode!r}")
+        if self.cp_hcp < 0 or (self.cp_hcp and (self.cp_mode != "hybrid" or self.cp % self.cp_hcp)):
+            raise ValueError(f"parallel.cp_hcp={self.cp_hcp} must be 0, or divide parallel.cp={self.cp} "
+                             f"with cp_mode 'hybrid'")
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -54,6 +79,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 def _parse_value(text: str, current):

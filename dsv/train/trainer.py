@@ -107,6 +107,9 @@ class Trainer:
 
         self.model = build_model(cfg, self.device)
         self.controller = self.model.controller
+        cp = self._enable_context_parallel()
+        # Ranks of one CP group train on the same samples; data parallelism is across CP groups.
+        self.dp_rank = self.rank // cp
         # Data parallel with FSDP2: blocks sharded, predictors replicated, DSV state averaged over ranks.
         # bf16 then comes from FSDP's mixed precision instead of autocast.
         mixed = self.device.type == "cuda" and cfg.train.bf16
@@ -118,9 +121,9 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
         self.data = build_dataset(cfg.data)
-        # Each rank draws its own clips and noise (data parallelism); rank 0 draws what a single process would.
-        self.data_gen = torch.Generator().manual_seed(cfg.train.seed + 1 + 1000 * self.rank)
-        self.noise_gen = torch.Generator().manual_seed(cfg.train.seed + 2 + 1000 * self.rank)
+        # Each data-parallel rank draws its own clips and noise; rank 0 draws what a single process would.
+        self.data_gen = torch.Generator().manual_seed(cfg.train.seed + 1 + 1000 * self.dp_rank)
+        self.noise_gen = torch.Generator().manual_seed(cfg.train.seed + 2 + 1000 * self.dp_rank)
         self.heldout = self.data.heldout_batch()
         self.heldout_t, self.heldout_noise = heldout_targets(
             self.heldout.shape[0], tuple(self.heldout.shape[1:]), cfg.data.heldout_seed + 1)
@@ -139,6 +142,25 @@ class Trainer:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+
+    def _enable_context_parallel(self) -> int:
+        """Split each sample's sequence over `parallel.cp` ranks; returns the CP size (1: off)."""
+        par = self.cfg.parallel
+        if par.cp == 1:
+            return 1
+        if self.cfg.model.arch != "dit":
+            raise ValueError(f"parallel.cp={par.cp}: context parallelism runs on model.arch='dit', "
+                             f"not {self.cfg.model.arch!r}")
+        if self.world % par.cp:
+            raise ValueError(f"parallel.cp={par.cp} must divide the number of processes ({self.world}); "
+                             f"launch with torchrun --nproc-per-node a multiple of {par.cp}")
+        from dsv.parallel.context import ContextParallel, default_cluster
+
+        cluster = default_cluster(par.cp, par.gpus_per_node if par.cp > par.gpus_per_node else None,
+                                  par.intra_node_gbps, par.inter_node_gbps)
+        self.model.enable_context_parallel(
+            ContextParallel(par.cp, par.cp_mode, self.device.type, cluster, hcp_size=par.cp_hcp))
+        return par.cp
 
     # ----- state -----
     def _predictors(self):

@@ -90,3 +90,35 @@ def test_cp_training_steps_equal_one_process(tmp_path, world, cp_mode, hcp_size,
             torch.testing.assert_close(a, b)
     if hcp_size:
         assert all(f"cp {hcp_size}x{world // hcp_size}" in path for path in ranks[0]["paths"])
+
+
+def _bad_configurations(rank, world):
+    errors = {}
+
+    def expect(name, fn):
+        try:
+            fn()
+        except ValueError as err:
+            errors[name] = str(err)
+
+    expect("size", lambda: ContextParallel(3, "hcp", "cpu"))
+    expect("mode", lambda: ContextParallel(world, "ring", "cpu"))
+    x0 = torch.randn(1, 3, 4, 16, 16)
+    t = torch.tensor([0.5])
+    few_heads = VideoDiT(ModelConfig(in_channels=3, patch=(1, 2, 2), hidden=32, depth=1, heads=2),
+                         AttentionConfig(mode="dense", cube=(2, 2, 2)))
+    few_heads.enable_context_parallel(ContextParallel(world, "hcp", "cpu"))
+    expect("heads", lambda: few_heads(x0, t))
+    model = _model("dense")
+    model.enable_context_parallel(ContextParallel(world, "scp", "cpu"))
+    # A 4 x 6 x 6 grid: 144 tokens, 36 per rank, not a whole number of 8-token cubes.
+    expect("split", lambda: model(torch.randn(1, 3, 4, 12, 12), t))
+    return errors
+
+
+def test_bad_configurations_raise_clear_errors(tmp_path):
+    errors = run_distributed(_bad_configurations, 4, out_dir=tmp_path, timeout_s=60)[0]
+    assert "divides the world size 4" in errors["size"]
+    assert "cp_mode must be one of" in errors["mode"]
+    assert "needs at least 4 heads, the model has 2" in errors["heads"]
+    assert "whole number of" in errors["split"]
