@@ -183,24 +183,28 @@ class ContextParallel:
         cached = getattr(layer, "_cp_layout", None)
         if cached is not None and cached[0] == key:
             return cached[1]
-        heads = layer.heads
+        layout = self.plan_layout(list(kept), sparse, layer.heads, layer.head_dim, seq_len, batch)
+        object.__setattr__(layer, "_cp_layout", (key, layout))
+        return layout
+
+    def plan_layout(self, kept: Sequence[float], sparse: bool, heads: int, head_dim: int, seq_len: int,
+                    batch: int) -> Layout:
+        """The layout of a block whose heads keep the fractions `kept` of their keys (all 1 when dense)."""
         if self.mode in ("hcp", "naive_hcp") or self.hcp_size:
             hcp = self.hcp_size or self.size
             if hcp > heads:
                 raise ValueError(f"head-wise CP over {hcp} ranks needs at least {hcp} heads, the model has {heads}; "
                                  "use parallel.cp_mode 'scp' or 'hybrid' (or a smaller parallel.cp_hcp)")
-            placement = place_heads(list(kept), hcp, "naive" if self.mode == "naive_hcp" else "lpt")
+            placement = place_heads(kept, hcp, "naive" if self.mode == "naive_hcp" else "lpt")
         elif self.mode == "scp":
             hcp, placement = 1, [list(range(heads))]
         else:
-            shape = AttentionShape(seq_len, heads, layer.head_dim, batch)
+            shape = AttentionShape(seq_len, heads, head_dim, batch)
             plan = hybrid_plan([1.0 - k for k in kept], shape, self.cluster, sparse)
             hcp, placement = plan.hcp, plan.placement
         hcp_group, scp_group = self._groups[hcp]
-        layout = Layout(hcp, self.size // hcp, tuple(tuple(int(h) for h in p) for p in placement),
-                        self.rank % hcp, self.rank // hcp, hcp_group, scp_group)
-        object.__setattr__(layer, "_cp_layout", (key, layout))
-        return layout
+        return Layout(hcp, self.size // hcp, tuple(tuple(int(h) for h in p) for p in placement),
+                      self.rank % hcp, self.rank // hcp, hcp_group, scp_group)
 
     # ----- attention -----
     def attention(self, layer: DSVAttention, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
@@ -220,19 +224,25 @@ class ContextParallel:
         layer.resolve_backends(q, seq_len)
         layout = self.layout(layer, seq_len, batch)
         # This rank's heads over its HCP group's S / scp tokens.
-        q, k, v = (t.contiguous() for t in self._to_heads(torch.cat((q, k, v), -1), layout).chunk(3, dim=-1))
+        q, k, v = (t.contiguous() for t in self.to_heads(torch.cat((q, k, v), -1), layout).chunk(3, dim=-1))
         learning = layer.training and torch.is_grad_enabled() and layer.controller is not None
         index = self._select(layer, x, q, k, layout, grid) if layer.runs_sparse() else None
         if learning:
             with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
                 self._learn_and_profile(layer, x, q, k, layout, grid)
-        out = self._attend(layer, q, k, v, index, layout)
-        layer.last_path = f"{layer.last_path} {layout.describe()}"
-        out = sequence_to_heads(out, layout.placement, layout.hcp_group) if layout.hcp > 1 else out
+        out = self.attend(q, k, v, index, layout, layer.scale, layer.sparse_backend)
+        kind = "dense:sdpa" if index is None else f"sparse:{layer.sparse_backend}"
+        layer.last_path = f"{kind} {layout.describe()}"
+        out = self.from_heads(out, layout)
         return layer.to_out(out.transpose(1, 2).reshape(batch, local_len, layer.heads * layer.head_dim))
 
-    def _to_heads(self, x: torch.Tensor, layout: Layout) -> torch.Tensor:
+    def to_heads(self, x: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """This rank's `[B, H, S / size, E]` -> `[B, H_r, S / scp, E]`: its heads over its HCP group's tokens."""
         return heads_to_sequence(x, layout.placement, layout.hcp_group) if layout.hcp > 1 else x
+
+    def from_heads(self, x: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """Inverse of `to_heads`: `[B, H_r, S / scp, E]` -> this rank's `[B, H, S / size, E]`."""
+        return sequence_to_heads(x, layout.placement, layout.hcp_group) if layout.hcp > 1 else x
 
     def _whole(self, x: torch.Tensor, layout: Layout) -> torch.Tensor:
         """`[B, H_r, S / scp, E]` -> the whole sequence `[B, H_r, S, E]` of this rank's heads."""
@@ -242,7 +252,7 @@ class ContextParallel:
         """The predictor's `[q_lr | k_lr]` of this rank's heads over the whole sequence, `[B, H_r, S, 2r]`;
         differentiable in the predictor's parameters."""
         q_lr, k_lr = layer.predictor.project(x.detach().to(layer.predictor.q_proj.weight.dtype))
-        return self._whole(self._to_heads(torch.cat((q_lr, k_lr), -1), layout), layout)
+        return self._whole(self.to_heads(torch.cat((q_lr, k_lr), -1), layout), layout)
 
     def _index(self, layer, x, q, k, layout, grid, keep_blocks: torch.Tensor) -> SparseIndex:
         """The whole-sequence index of this rank's heads (what one process selects for them)."""
@@ -271,16 +281,16 @@ class ContextParallel:
             layer._selection_cache = (key, index)
         return index
 
-    def _attend(self, layer, q, k, v, index, layout: Layout) -> torch.Tensor:
+    def attend(self, q, k, v, index: SparseIndex | LocalIndex | None, layout: Layout, scale: float,
+               backend: str) -> torch.Tensor:
+        """Attention of this rank's heads over its HCP group's tokens, `q, k, v [B, H_r, S / scp, D]`:
+        dense when `index` is None, else over `index` (a `LocalIndex` of this rank's rows when `scp > 1`)."""
         if index is None:
-            layer.last_path = "dense:sdpa"
             # Dense under SCP: every query needs every key, so K and V are gathered (ring attention's volume).
-            return F.scaled_dot_product_attention(q, self._whole(k, layout), self._whole(v, layout), scale=layer.scale)
-        layer.last_path = f"sparse:{layer.sparse_backend}"
+            return F.scaled_dot_product_attention(q, self._whole(k, layout), self._whole(v, layout), scale=scale)
         if layout.scp == 1:
-            return sparse_attention(q, k, v, index, scale=layer.scale, backend=layer.sparse_backend)
-        out, _ = scp_attention(q, k, v, index, scale=layer.scale, group=layout.scp_group,
-                               backend=layer.sparse_backend)
+            return sparse_attention(q, k, v, index, scale=scale, backend=backend)
+        out, _ = scp_attention(q, k, v, index, scale=scale, group=layout.scp_group, backend=backend)
         return out
 
     def _sum_heads(self, values: torch.Tensor, heads: Sequence[int], total_heads: int, layout: Layout):
