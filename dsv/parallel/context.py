@@ -50,7 +50,7 @@ from dsv.ops import (
 from dsv.parallel.hcp import heads_to_sequence, select_heads, sequence_to_heads
 from dsv.parallel.placement import place_heads
 from dsv.parallel.planner import AttentionShape, Cluster, hybrid_plan
-from dsv.parallel.scp import LocalIndex, check_sequence_split, scp_attention
+from dsv.parallel.scp import LocalIndex, check_sequence_split, fetched_fraction, scp_attention
 
 CP_MODES = ("hcp", "naive_hcp", "scp", "hybrid")
 
@@ -179,17 +179,21 @@ class ContextParallel:
         """This block's layout from its current dispatch; cached until the dispatch changes."""
         sparse = layer.runs_sparse()
         kept = tuple(layer._keep_fraction_host) if sparse else (1.0,) * layer.heads
-        key = (sparse, kept, seq_len, batch)
+        fetched = getattr(layer, "_cp_fetched", None) if sparse else None
+        key = (sparse, kept, seq_len, batch, fetched)
         cached = getattr(layer, "_cp_layout", None)
         if cached is not None and cached[0] == key:
             return cached[1]
-        layout = self.plan_layout(list(kept), sparse, layer.heads, layer.head_dim, seq_len, batch)
+        layout = self.plan_layout(list(kept), sparse, layer.heads, layer.head_dim, seq_len, batch,
+                                  dict(fetched) if fetched else None)
         object.__setattr__(layer, "_cp_layout", (key, layout))
         return layout
 
     def plan_layout(self, kept: Sequence[float], sparse: bool, heads: int, head_dim: int, seq_len: int,
-                    batch: int) -> Layout:
-        """The layout of a block whose heads keep the fractions `kept` of their keys (all 1 when dense)."""
+                    batch: int, fetched: dict[int, Sequence[float]] | None = None) -> Layout:
+        """The layout of a block whose heads keep the fractions `kept` of their keys (all 1 when dense);
+        `fetched` maps an SCP degree to the per-head fraction of remote keys SCP would move (measured on
+        profiling steps; `dsv.parallel.planner.hybrid_plan`)."""
         if self.mode in ("hcp", "naive_hcp") or self.hcp_size:
             hcp = self.hcp_size or self.size
             if hcp > heads:
@@ -200,7 +204,7 @@ class ContextParallel:
             hcp, placement = 1, [list(range(heads))]
         else:
             shape = AttentionShape(seq_len, heads, head_dim, batch)
-            plan = hybrid_plan([1.0 - k for k in kept], shape, self.cluster, sparse)
+            plan = hybrid_plan([1.0 - k for k in kept], shape, self.cluster, sparse, fetched=fetched)
             hcp, placement = plan.hcp, plan.placement
         hcp_group, scp_group = self._groups[hcp]
         return Layout(hcp, self.size // hcp, tuple(tuple(int(h) for h in p) for p in placement),
@@ -353,6 +357,14 @@ class ContextParallel:
             recall = index_recall(q_all, k_all, index, rows, scale=layer.scale).mean(0)
             layer.recall_ema.copy_(_ema(layer.recall_ema, self._sum_heads(recall, heads, layer.heads, layout),
                                         cfg.ema_momentum))
+            if self.mode == "hybrid":
+                # What SCP would move at each degree with this selection: the planner's SCP volume.
+                fetched = {}
+                for scp in (c for c in range(2, self.size + 1) if self.size % c == 0):
+                    per_head = torch.tensor(fetched_fraction(index, scp), device=q.device)
+                    fetched[scp] = tuple(round(x, 3) for x in
+                                         self._sum_heads(per_head, heads, layer.heads, layout).tolist())
+                object.__setattr__(layer, "_cp_fetched", tuple(sorted(fetched.items())))
 
 
 def default_cluster(gpus: int, gpus_per_node: int | None = None, intra_node_gbps: float = 300.0,

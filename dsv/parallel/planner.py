@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,7 +188,8 @@ def _peers(cluster: Cluster, hcp: int) -> tuple[tuple[int, int], tuple[int, int]
 
 
 def head_costs(
-    kept: Sequence[float], shape: AttentionShape, cluster: Cluster, hcp: int, sparse: bool, fetch_all: bool
+    kept: Sequence[float], shape: AttentionShape, cluster: Cluster, hcp: int, sparse: bool,
+    fetched: Sequence[float] | None = None,
 ) -> tuple[list[float], list[float], list[int]]:
     """Per head: ``(compute seconds, communication seconds, working-set bytes)`` on its GPU, fwd+bwd.
 
@@ -196,7 +197,10 @@ def head_costs(
         kept: ``[H]`` kept fraction of keys per head (``1 - sparsity``, or 1 in a dense block).
         hcp: ``|G_hcp|``; ``|G_scp| = N / hcp``.
         sparse: whether the block runs the sparse kernel (its throughput is ``sparse_efficiency`` x dense).
-        fetch_all: SCP moves every remote K/V row (ring attention) instead of the kept ones.
+        fetched: ``[H]`` fraction of the remote keys SCP moves per head: the union of the critical keys of
+            the GPU's query groups, which exceeds one group's kept fraction unless the groups agree
+            (measured by ``dsv.parallel.scp.fetched_fraction``); default ``kept`` (DESIGN's formula,
+            the lower bound); all ones is ring attention.
     """
     scp = cluster.gpus // hcp
     tokens, dim, batch, size = shape.tokens, shape.head_dim, shape.batch, shape.bytes_per_element
@@ -208,8 +212,8 @@ def head_costs(
     scp_rate = _link_seconds_per_byte(cluster, scp_intra, scp_inter)
     hcp_bytes = 2 * 4 * batch * queries * dim * (hcp - 1) / hcp * size
     compute, comm, memory = [], [], []
-    for fraction in kept:
-        moved = 1.0 if fetch_all else fraction
+    for head, fraction in enumerate(kept):
+        moved = fraction if fetched is None else fetched[head]
         scp_bytes = 2 * 2 * batch * moved * tokens * sigma * dim * size
         compute.append(ATTENTION_FLOPS_PER_QK_DIM * batch * queries * tokens * dim * fraction / (tflops * 1e12))
         comm.append(hcp_bytes * hcp_rate + scp_bytes * scp_rate)
@@ -224,11 +228,11 @@ def evaluate(
     hcp: int,
     placement: list[list[int]],
     sparse: bool,
-    fetch_all: bool = False,
+    fetched: Sequence[float] | None = None,
 ) -> BlockPlan:
     """Predicted cost of one block under a given factorisation and head placement."""
     kept = [1.0 - s if sparse else 1.0 for s in sparsity]
-    compute, comm, memory = head_costs(kept, shape, cluster, hcp, sparse, fetch_all)
+    compute, comm, memory = head_costs(kept, shape, cluster, hcp, sparse, fetched)
     return BlockPlan(
         hcp=hcp,
         scp=cluster.gpus // hcp,
@@ -250,7 +254,7 @@ def naive_hcp_plan(sparsity: Sequence[float], shape: AttentionShape, cluster: Cl
 
 def naive_scp_plan(sparsity: Sequence[float], shape: AttentionShape, cluster: Cluster, sparse: bool):
     """Sequence parallelism over all GPUs that moves every remote K/V row, as ring attention does."""
-    return evaluate(sparsity, shape, cluster, 1, [list(range(shape.heads))], sparse, fetch_all=True)
+    return evaluate(sparsity, shape, cluster, 1, [list(range(shape.heads))], sparse, fetched=[1.0] * shape.heads)
 
 
 def hybrid_plan(
@@ -260,6 +264,7 @@ def hybrid_plan(
     sparse: bool,
     memory_cap_bytes: int | None = None,
     methods: Sequence[str] = ("naive", "lpt"),
+    fetched: Mapping[int, Sequence[float]] | None = None,
 ) -> BlockPlan:
     """The factorisation and head placement with the fastest slowest GPU whose working set fits the cap.
 
@@ -267,18 +272,20 @@ def hybrid_plan(
     ``methods`` (``dsv.parallel.placement``; ``"exact"`` is optimal but can take seconds per call, or
     raise RuntimeError, on many near-equal heads). With no cap and ``"naive"`` in ``methods`` the result
     is never slower than naive HCP or naive SCP: both lie inside the search (SCP here moves only the
-    kept rows).
+    critical rows). ``fetched`` maps an SCP degree ``c`` to the per-head fraction of remote keys that SCP
+    moves at that degree (``head_costs``); degrees it lacks use the kept fraction.
     """
     kept = [1.0 - s if sparse else 1.0 for s in sparsity]
     if not methods:
         raise ValueError("methods must name at least one placement method")
     best, smallest_memory = None, None
     for hcp, _ in factorisations(cluster, shape.heads):
-        compute, comm, _ = head_costs(kept, shape, cluster, hcp, sparse, fetch_all=False)
+        scp_fetched = (fetched or {}).get(cluster.gpus // hcp)
+        compute, comm, _ = head_costs(kept, shape, cluster, hcp, sparse, scp_fetched)
         cost = [a + b for a, b in zip(compute, comm)]
         for method in methods:
             placement = place_heads(cost, hcp, method)
-            plan = evaluate(sparsity, shape, cluster, hcp, placement, sparse)
+            plan = evaluate(sparsity, shape, cluster, hcp, placement, sparse, scp_fetched)
             if smallest_memory is None or plan.memory_bytes < smallest_memory:
                 smallest_memory = plan.memory_bytes
             if memory_cap_bytes is not None and plan.memory_bytes > memory_cap_bytes:

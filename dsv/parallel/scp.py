@@ -250,3 +250,23 @@ def _remap_index(index, ids, valid, remote, keys, wanted, slot, rank, local_bloc
         kv_block,
         ext_len,
     )
+
+
+def fetched_fraction(index: SparseIndex, world: int) -> list[float]:
+    """Per head, the fraction of remote key blocks SCP over ``world`` ranks fetches for ``index`` (the
+    whole-sequence index): the union over each rank's query groups of their remote blocks, averaged over
+    ranks and batch. The planner's SCP volume (``dsv.parallel.planner.head_costs``)."""
+    local_len = check_sequence_split(index.seq_len, world, index.group_size, index.kv_block)
+    groups, local_blocks = local_len // index.group_size, local_len // index.kv_block
+    batch, heads = index.indices.shape[:2]
+    valid = index.valid_mask()
+    wanted = torch.zeros(batch, heads, world, world * local_blocks, dtype=torch.bool, device=index.indices.device)
+    owner_of_row = (torch.arange(index.indices.shape[2], device=index.indices.device) // groups).view(1, 1, -1, 1)
+    rows = owner_of_row.expand_as(index.indices)
+    b, h = (torch.arange(n, device=index.indices.device) for n in (batch, heads))
+    b, h = b.view(-1, 1, 1, 1).expand_as(index.indices), h.view(1, -1, 1, 1).expand_as(index.indices)
+    wanted[b[valid], h[valid], rows[valid], index.indices[valid].long()] = True
+    owner_of_block = torch.arange(world * local_blocks, device=wanted.device) // local_blocks
+    remote = owner_of_block.view(1, -1) != torch.arange(world, device=wanted.device).view(-1, 1)  # [rank, block]
+    fraction = (wanted & remote).sum(-1).double() / ((world - 1) * local_blocks)
+    return fraction.mean(dim=(0, 2)).tolist()
