@@ -193,3 +193,15 @@ def test_cli_builtin_profile_and_errors(capsys):
     assert "built-in paper 2.7B profile" in capsys.readouterr().out
     with pytest.raises(ValueError, match="not in --gpus"):
         plan_cli.run(parse(["--gpus", "4", "--per-block", "8"]))
+
+
+def test_scp_cost_grows_with_the_fetched_union():
+    from dsv.parallel.planner import evaluate
+
+    shape = AttentionShape(tokens=32768, heads=4, head_dim=128)
+    cluster = Cluster(gpus=2, gpus_per_node=2, intra_node_gbps=200, inter_node_gbps=200, dense_tflops=560)
+    sparsity = [0.9] * 4
+    per_group = evaluate(sparsity, shape, cluster, 1, [[0, 1, 2, 3]], True)
+    union = evaluate(sparsity, shape, cluster, 1, [[0, 1, 2, 3]], True, fetched=[0.5] * 4)
+    assert union.comm_s[0] == pytest.approx(per_group.comm_s[0] * 5)  # 0.5 of the remote keys instead of 0.1
+    assert union.compute_s == per_group.compute_s

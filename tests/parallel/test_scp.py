@@ -188,3 +188,20 @@ def test_hcp_and_scp_run_on_subgroups(tmp_path):
             for name, got, want in zip(("out", "dq", "dk", "dv"), results[kind], expected):
                 torch.testing.assert_close(got, shard(want, local_rank, 2), **TOLERANCES[torch.float64],
                                            msg=lambda m: f"{kind} {name}: {m}")
+
+
+def test_fetched_fraction_counts_each_ranks_distinct_remote_blocks():
+    from dsv.ops import estimate_index
+    from dsv.parallel.scp import fetched_fraction
+
+    q, k = torch.randn(2, 3, 256, 8), torch.randn(2, 3, 256, 8)
+    index = estimate_index(q, k, torch.tensor([8, 3, 1]), 16, 16)
+    world, blocks_per_rank, groups_per_rank = 4, 4, 4
+    expected = torch.zeros(3, dtype=torch.float64)
+    for b in range(2):
+        for h in range(3):
+            for rank in range(world):
+                rows = index.indices[b, h, rank * groups_per_rank:(rank + 1) * groups_per_rank]
+                ids = {int(x) for x in rows.flatten() if x >= 0 and int(x) // blocks_per_rank != rank}
+                expected[h] += len(ids) / ((world - 1) * blocks_per_rank) / (2 * world)
+    torch.testing.assert_close(torch.tensor(fetched_fraction(index, world), dtype=torch.float64), expected)
