@@ -40,33 +40,41 @@ def _check_divisible(grid: tuple[int, int, int], cube: tuple[int, int, int]) -> 
             )
 
 
+def _build_permutation(
+    grid: tuple[int, int, int], cube: tuple[int, int, int], device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    (t, h, w), (ct, ch, cw) = grid, cube
+    raster_ids = torch.arange(t * h * w, device=device).view(t // ct, ct, h // ch, ch, w // cw, cw)
+    # Cube coordinates (axes 0, 2, 4) outermost, in-cube offsets (axes 1, 3, 5) innermost.
+    perm = raster_ids.permute(0, 2, 4, 1, 3, 5).reshape(-1)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=device)
+    return perm, inv
+
+
 @functools.lru_cache(maxsize=64)
 def _cached_permutation(
     grid: tuple[int, int, int], cube: tuple[int, int, int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    (t, h, w), (ct, ch, cw) = grid, cube
-    raster_ids = torch.arange(t * h * w).view(t // ct, ct, h // ch, ch, w // cw, cw)
-    # Cube coordinates (axes 0, 2, 4) outermost, in-cube offsets (axes 1, 3, 5) innermost.
-    perm = raster_ids.permute(0, 2, 4, 1, 3, 5).reshape(-1)
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel())
-    return perm, inv
+    return _build_permutation(grid, cube, "cpu")
 
 
 def cube_permutation(
-    grid: tuple[int, int, int], cube: tuple[int, int, int]
+    grid: tuple[int, int, int], cube: tuple[int, int, int], device: torch.device | str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Permutation from raster order to grouped (cube-contiguous) order.
 
     Args:
         grid: ``(T, H, W)`` latent grid; ``S = T * H * W``.
         cube: ``(t, h, w)`` query-cube extents; each must divide the matching grid size.
+        device: None for CPU tensors copied from a cached result; a device to build them there, uncached
+            (what a compiled graph does: the permutation becomes a few index kernels of the graph).
 
     Returns:
-        ``(perm, inv)``, both int64 ``[S]`` on the CPU: ``perm[i]`` is the raster index of the i-th token
-        in grouped order. ``x_grouped = x.index_select(dim, perm)`` and
-        ``x = x_grouped.index_select(dim, inv)``. The tensors are fresh copies of a cached result, so the
-        caller may move or modify them.
+        ``(perm, inv)``, both int64 ``[S]``: ``perm[i]`` is the raster index of the i-th token in grouped
+        order. ``x_grouped = x.index_select(dim, perm)`` and ``x = x_grouped.index_select(dim, inv)``. The
+        tensors are fresh (copies of the cached result for ``device=None``), so the caller may move or
+        modify them.
 
     Raises:
         ValueError: a size is not positive, or a grid size is not divisible by the cube extent (the
@@ -75,6 +83,8 @@ def cube_permutation(
     grid = _as_shape(grid, "grid")
     cube = _as_shape(cube, "cube")
     _check_divisible(grid, cube)
+    if device is not None:
+        return _build_permutation(grid, cube, device)
     perm, inv = _cached_permutation(grid, cube)
     return perm.clone(), inv.clone()
 

@@ -137,6 +137,23 @@ def test_lse_matches_dense_and_every_output_is_written():
         assert torch.isfinite(grad).all(), name
 
 
+def test_reference_ops_pass_opcheck():
+    """The reference is the custom ops `dsv::sparse_attention_reference_fwd/bwd` (what torch.compile sees):
+    schema, fake (meta) implementation, autograd registration; q in a transposed layout too."""
+    B, H, S, D = 2, 2, 37, 8
+    index = random_index(B, H, S, 8, 4, [2, 5])
+    q, k, v = make_inputs(B, H, S, D, torch.float64)
+    q_transposed = torch.randn(B, S, H, D, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    for query, chunk_groups in ((q, 2), (q_transposed, None)):
+        args = (query, k, v, index.indices, index.counts, 8, 4, 0.3, chunk_groups)
+        torch.library.opcheck(torch.ops.dsv.sparse_attention_reference_fwd.default, args)
+    out, lse = torch.ops.dsv.sparse_attention_reference_fwd(q.detach(), k.detach(), v.detach(), index.indices,
+                                                            index.counts, 8, 4, 0.3, 2)
+    torch.library.opcheck(torch.ops.dsv.sparse_attention_reference_bwd.default,
+                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, index.indices,
+                           index.counts, 8, 4, 0.3, 2))
+
+
 def test_keys_no_group_selects_get_zero_gradient():
     S, group_size, kv_block = 16, 4, 4
     # Every group keeps blocks 0 and 2 only.

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 from dsv.ops.estimate.naive import estimate_index as estimate_index_reference
 from dsv.ops.index import SparseIndex
+from dsv.ops.sparse_attention import TRITON_INSTALLED
 
 BACKENDS = ("auto", "reference", "triton")
 
@@ -16,7 +15,7 @@ def triton_estimation_unsupported(q_lr: torch.Tensor, kv_block: int) -> str | No
     """Why the fused Triton estimation cannot run on these inputs, or None when it can."""
     if not q_lr.is_cuda:
         return f"inputs are on {q_lr.device}; the Triton kernels need a CUDA device"
-    if importlib.util.find_spec("triton") is None:
+    if not TRITON_INSTALLED:
         return "triton is not installed (pip install 'dsv[triton]')"
     from dsv.ops.estimate.triton_kernels import MAX_KV_BLOCKS
 

@@ -13,6 +13,8 @@ from dsv.ops.sparse_attention.naive import (
 )
 
 BACKENDS = ("auto", "reference", "triton")
+# Looked up once, at import: torch.compile does not trace importlib, and the backend is chosen each forward.
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 
 def triton_unsupported(q: torch.Tensor, group_size: int, kv_block: int) -> str | None:
@@ -26,7 +28,7 @@ def triton_unsupported(q: torch.Tensor, group_size: int, kv_block: int) -> str |
     for name, value in (("group size (cube volume)", group_size), ("kv_block", kv_block)):
         if value < 16 or value & (value - 1):
             return f"{name} {value} is not a power of two >= 16"
-    if importlib.util.find_spec("triton") is None:
+    if not TRITON_INSTALLED:
         return "triton is not installed (pip install 'dsv[triton]')"
     return None
 

@@ -89,54 +89,111 @@ def _chunk_scores(
     return scores.masked_fill(~geometry.key_mask, float("-inf")), q_rows, keys
 
 
-class _SparseAttentionReference(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, index: SparseIndex, scale: float, chunk_groups: int | None):
-        batch, heads, seq_len, dim = q.shape
-        dtype = compute_dtype(q.dtype)
-        # NaN-filled so a row that no chunk writes shows up in every test instead of passing as zero.
-        out = torch.full_like(q, float("nan"))
-        lse = torch.full((batch, heads, seq_len), float("nan"), dtype=dtype, device=q.device)
-        chunk = _chunk_groups(index, batch, heads, dim, chunk_groups)
-        for start in range(0, index.num_groups, chunk):
-            geometry = _ChunkGeometry(index, start, min(start + chunk, index.num_groups))
-            scores, _, _ = _chunk_scores(q, k, geometry, scale, dtype)
-            # Every row keeps >= 1 block and every block >= 1 token, so no real row is all -inf; the
-            # zero padding rows of a ragged tail see finite scores too.
-            row_lse = torch.logsumexp(scores, dim=-1)
-            probs = torch.exp(scores - row_lse.unsqueeze(-1))
-            geometry.scatter_rows(out, probs @ geometry.gather(v, dtype))
-            geometry.scatter_rows(lse, row_lse)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.index, ctx.scale, ctx.chunk = index, scale, chunk
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+# Custom ops rather than an autograd.Function: torch.compile keeps each one as a single opaque node
+# (the chunk loops and the index checks read values, which a graph cannot branch on), and activation
+# checkpointing recomputes them like any op.
 
-    @staticmethod
-    def backward(ctx, grad_out, _grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        index, scale, chunk = ctx.index, ctx.scale, ctx.chunk
-        dtype = compute_dtype(q.dtype)
-        dq = torch.full(q.shape, float("nan"), dtype=dtype, device=q.device)
-        # Keys no group selects get no gradient, so dk and dv start from zero and accumulate.
-        dk = torch.zeros(k.shape, dtype=dtype, device=k.device)
-        dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
-        for start in range(0, index.num_groups, chunk):
-            geometry = _ChunkGeometry(index, start, min(start + chunk, index.num_groups))
-            scores, q_rows, keys = _chunk_scores(q, k, geometry, scale, dtype)
-            # Padding query rows of a ragged tail get lse 0; their zero dO rows contribute nothing.
-            row_lse = geometry.grouped_rows(lse.unsqueeze(-1), dtype)
-            probs = torch.exp(scores - row_lse)
-            d_out = geometry.grouped_rows(grad_out, dtype)
-            out_rows = geometry.grouped_rows(out, dtype)
-            values = geometry.gather(v, dtype)
-            # D_i = rowsum(dO * O) equals rowsum(P * dP), the softmax-Jacobian correction per row.
-            correction = (d_out * out_rows).sum(-1, keepdim=True)
-            d_scores = probs * (d_out @ values.transpose(-1, -2) - correction)
-            geometry.scatter_rows(dq, (d_scores @ keys) * scale)
-            geometry.accumulate(dk, (d_scores.transpose(-1, -2) @ q_rows) * scale)
-            geometry.accumulate(dv, probs.transpose(-1, -2) @ d_out)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+@torch.library.custom_op("dsv::sparse_attention_reference_fwd", mutates_args=())
+def _reference_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    indices: torch.Tensor,
+    counts: torch.Tensor,
+    group_size: int,
+    kv_block: int,
+    scale: float,
+    chunk_groups: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, heads, seq_len, dim = q.shape
+    index = SparseIndex(indices, counts, group_size, kv_block, seq_len)
+    index.validate()  # here, not in the caller: its checks read the index's values
+    dtype = compute_dtype(q.dtype)
+    # NaN-filled so a row that no chunk writes shows up in every test instead of passing as zero.
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((batch, heads, seq_len), float("nan"), dtype=dtype, device=q.device)
+    chunk = _chunk_groups(index, batch, heads, dim, chunk_groups)
+    for start in range(0, index.num_groups, chunk):
+        geometry = _ChunkGeometry(index, start, min(start + chunk, index.num_groups))
+        scores, _, _ = _chunk_scores(q, k, geometry, scale, dtype)
+        # Every row keeps >= 1 block and every block >= 1 token, so no real row is all -inf; the zero
+        # padding rows of a ragged tail see finite scores too.
+        row_lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - row_lse.unsqueeze(-1))
+        geometry.scatter_rows(out, probs @ geometry.gather(v, dtype))
+        geometry.scatter_rows(lse, row_lse)
+    return out, lse
+
+
+@_reference_fwd.register_fake
+def _(q, k, v, indices, counts, group_size, kv_block, scale, chunk_groups):
+    batch, heads, seq_len, _ = q.shape
+    return torch.empty_like(q), q.new_empty((batch, heads, seq_len), dtype=compute_dtype(q.dtype))
+
+
+@torch.library.custom_op("dsv::sparse_attention_reference_bwd", mutates_args=())
+def _reference_bwd(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    indices: torch.Tensor,
+    counts: torch.Tensor,
+    group_size: int,
+    kv_block: int,
+    scale: float,
+    chunk_groups: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    batch, heads, seq_len, dim = q.shape
+    index = SparseIndex(indices, counts, group_size, kv_block, seq_len)
+    chunk = _chunk_groups(index, batch, heads, dim, chunk_groups)  # the forward's chunks
+    dtype = compute_dtype(q.dtype)
+    dq = torch.full(q.shape, float("nan"), dtype=dtype, device=q.device)
+    # Keys no group selects get no gradient, so dk and dv start from zero and accumulate.
+    dk = torch.zeros(k.shape, dtype=dtype, device=k.device)
+    dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
+    for start in range(0, index.num_groups, chunk):
+        geometry = _ChunkGeometry(index, start, min(start + chunk, index.num_groups))
+        scores, q_rows, keys = _chunk_scores(q, k, geometry, scale, dtype)
+        # Padding query rows of a ragged tail get lse 0; their zero dO rows contribute nothing.
+        row_lse = geometry.grouped_rows(lse.unsqueeze(-1), dtype)
+        probs = torch.exp(scores - row_lse)
+        d_out = geometry.grouped_rows(grad_out, dtype)
+        out_rows = geometry.grouped_rows(out, dtype)
+        values = geometry.gather(v, dtype)
+        # D_i = rowsum(dO * O) equals rowsum(P * dP), the softmax-Jacobian correction per row.
+        correction = (d_out * out_rows).sum(-1, keepdim=True)
+        d_scores = probs * (d_out @ values.transpose(-1, -2) - correction)
+        geometry.scatter_rows(dq, (d_scores @ keys) * scale)
+        geometry.accumulate(dk, (d_scores.transpose(-1, -2) @ q_rows) * scale)
+        geometry.accumulate(dv, probs.transpose(-1, -2) @ d_out)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@_reference_bwd.register_fake
+def _(grad_out, q, k, v, out, lse, indices, counts, group_size, kv_block, scale, chunk_groups):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, indices, counts, group_size, kv_block, scale, chunk_groups = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, indices, counts)
+    ctx.group_size, ctx.kv_block, ctx.scale, ctx.chunk_groups = group_size, kv_block, scale, chunk_groups
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse, indices, counts = ctx.saved_tensors
+    dq, dk, dv = _reference_bwd(grad_out, q, k, v, out, lse, indices, counts, ctx.group_size, ctx.kv_block,
+                                ctx.scale, ctx.chunk_groups)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_reference_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def check_sparse_attention_inputs(
@@ -175,8 +232,8 @@ def sparse_attention_reference_with_lse(
         kept keys in float32, or float64 for float64 inputs). ``lse`` carries no gradient.
     """
     scale = check_sparse_attention_inputs(q, k, v, index, scale)
-    index.validate()
-    return _SparseAttentionReference.apply(q, k, v, index, scale, chunk_groups)
+    return _reference_fwd(q, k, v, index.indices, index.counts, index.group_size, index.kv_block, scale,
+                          chunk_groups)
 
 
 def sparse_attention_reference(
