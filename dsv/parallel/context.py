@@ -338,7 +338,9 @@ class ContextParallel:
 
             loss = layer.predictor.step(weighted_loss, x.device.type)
             if layout.hcp > 1:
+                # The weighted losses of the HCP group sum to hcp x the loss of one process.
                 dist.all_reduce(loss, group=layout.hcp_group)
+                loss = loss / layout.hcp
             layer.loss_ema.copy_(_ema(layer.loss_ema, loss, cfg.ema_momentum))
         if not profile:
             return

@@ -67,6 +67,7 @@ def _worker(rank, world, mode, cp_mode, hcp_size):
                 torch.testing.assert_close(p, p_single, **TOL)
         torch.testing.assert_close(layer.sparsity_ema, single_layer.sparsity_ema, **TOL)
         torch.testing.assert_close(layer.recall_ema, single_layer.recall_ema, **TOL)
+        torch.testing.assert_close(layer.loss_ema, single_layer.loss_ema, **TOL, equal_nan=True)  # NaN: no predictor
     return {
         "paths": [layer.last_path for layer in layers],
         "stage": model.controller.current_stage,
