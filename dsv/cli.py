@@ -56,6 +56,10 @@ def _bench(args) -> int:
         from dsv.bench.train import run
 
         return run(args)
+    if args.what == "quality":
+        from dsv.bench.quality import run
+
+        return run(args)
     raise AssertionError(args.what)
 
 
@@ -115,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     from dsv.bench.train import add_arguments as add_train_arguments
 
     add_train_arguments(bench_sub.add_parser("train", help="training-step time: dense vs window vs DSV stage 2"))
+    from dsv.bench.quality import add_arguments as add_quality_arguments
+
+    add_quality_arguments(bench_sub.add_parser(
+        "quality", help="dense vs DSV vs window trained from scratch: held-out loss, FVD, sparse sampling, report"))
     bench.set_defaults(func=_bench)
     return parser
 

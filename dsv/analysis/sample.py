@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from dsv.analysis.checkpointed_model import load_model
-from dsv.modules.dit import sample_euler
+from dsv.modules.dit import VideoDiT, sample_euler
+from dsv.train.config import Config
 from dsv.train.video_io import write_video
 
 
@@ -23,10 +24,10 @@ def to_uint8_grid(videos: torch.Tensor, columns: int) -> torch.Tensor:
     return ((grid.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
 
 
-def _generate(checkpoint: str, num: int, steps: int, seed: int, device: str,
-              attention_mode: str | None) -> tuple[torch.Tensor, float, dict]:
-    """`(videos [N, C, T, H, W] float32 on the CPU, sampling seconds, facts)` from one checkpoint."""
-    model, cfg, step = load_model(checkpoint, device, attention_mode)
+def generate(model: VideoDiT, cfg: Config, num: int, steps: int, seed: int) -> tuple[torch.Tensor, float]:
+    """`(videos [N, C, T, H, W] float32 on the CPU, seconds)`: `num` samples of a loaded model from the noise
+    of `seed` (the same noise for any model of this data shape), in the run's precision. The time covers
+    the Euler steps alone, CUDA-synchronised at both ends."""
     dev = next(model.parameters()).device
     shape = (num, cfg.model.in_channels, cfg.data.frames, cfg.data.size, cfg.data.size)
     noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dev)
@@ -37,10 +38,21 @@ def _generate(checkpoint: str, num: int, steps: int, seed: int, device: str,
         videos = sample_euler(model, noise, steps)
     if dev.type == "cuda":
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    facts = {"checkpoint_step": step, "mode": cfg.attention.mode,
-             "attention_paths": sorted({layer.last_path for layer in model.controller.layers})}
-    return videos.float().cpu(), seconds, facts
+    return videos.float().cpu(), time.perf_counter() - start
+
+
+def _generate(checkpoint: str, num: int, steps: int, seed: int, device: str,
+              attention_mode: str | None) -> tuple[torch.Tensor, float, dict]:
+    """`(videos [N, C, T, H, W] float32 on the CPU, sampling seconds, facts)` from one checkpoint."""
+    model, cfg, step = load_model(checkpoint, device, attention_mode)
+    videos, seconds = generate(model, cfg, num, steps, seed)
+    facts = {"checkpoint_step": step, "mode": cfg.attention.mode, "attention_paths": attention_paths(model)}
+    return videos, seconds, facts
+
+
+def attention_paths(model: VideoDiT) -> list[str]:
+    """The implementations the model's attention layers ran last (e.g. `dense:sdpa`, `sparse:triton`)."""
+    return sorted({layer.last_path for layer in model.controller.layers})
 
 
 def similarity(videos: torch.Tensor, reference: torch.Tensor) -> dict:

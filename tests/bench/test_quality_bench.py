@@ -1,0 +1,73 @@
+"""`dsv bench quality` end to end on a tiny CPU setting: three runs, FVD on the real I3D, sparse sampling,
+observations, and one report whose numbers are all present and finite."""
+
+import json
+import math
+
+from dsv.cli import main
+from tests.eval.test_fvd import needs_i3d
+
+# 10 frames (the I3D needs >= 9) of 16×16 pixels, 1×4×4 patches → a 10×4×4 grid of 160 tokens; DSV switches
+# at step 2 and, with threshold 0, runs every block sparse from then on.
+TINY = [
+    "model.hidden=32", "model.depth=2", "model.heads=2",
+    "data.frames=10", "data.size=16", "data.load_short_side=24", "data.heldout_clips=2",
+    "attention.cube=2,2,2", "attention.rank=4", "attention.sample_stride=4",
+    "attention.profile_every_stage1=2", "attention.profile_every_stage2=2", "attention.sparse_threshold=0.0",
+    "attention.min_stage1_steps=0", "attention.max_stage1_steps=2",
+    "train.steps=6", "train.batch_size=2", "train.log_every=2", "train.eval_every=3", "train.ckpt_every=6",
+    "train.tensorboard=false", "optim.warmup_steps=0", "optim.lr=2e-3",
+]
+
+
+def finite_numbers(value, path="results"):
+    """Every number inside a JSON value, with its path; None is allowed (never measured), NaN is not."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from finite_numbers(item, f"{path}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from finite_numbers(item, f"{path}[{i}]")
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        assert math.isfinite(value), path
+        yield path, value
+
+
+@needs_i3d
+def test_quality_bench_writes_a_complete_report(tmp_path, capsys):
+    out = tmp_path / "quality"
+    overrides = [item for o in TINY for item in ("--set", o)]
+    assert main(["bench", "quality", "--recipe", "debug_cpu", *overrides, "--out", str(out), "--sample-steps", "2",
+                 "--bootstrap", "3", "--timing-repeats", "1", "--observe-clips", "1"]) == 0
+    capsys.readouterr()
+
+    top = sorted(p.name for p in out.iterdir() if p.is_file())
+    assert top == sorted(["report.md", "results.json", "losses.png", "sparsity.png", "samples.png",
+                          "observations.png", "speed.png"])
+    for name in top:
+        assert (out / name).stat().st_size > 0, name
+    results = json.loads((out / "results.json").read_text())
+    numbers = dict(finite_numbers(results))
+    assert len(numbers) > 100
+
+    # Equal budgets: every run evaluated at the same steps, the last one the final step.
+    assert [row["step"] for row in results["heldout"]] == [3, 6]
+    assert all(0 < row[mode] < 10 for row in results["heldout"] for mode in ("dense", "dsv", "window"))
+    assert {mode: c["steps"] for mode, c in results["curves"].items()} == {m: [2, 4, 6] for m in ("dense", "dsv", "window")}
+    # DSV went sparse in every block and its recall was measured there.
+    assert results["dsv"]["final_sparse_blocks"] == [0, 1]
+    assert 0 < results["dsv"]["recall_in_sparse_blocks"] <= 1
+    assert results["sampling"]["dsv_paths"] == ["sparse:reference"] and results["sampling"]["dense_paths"] == ["dense:sdpa"]
+    assert results["sampling"]["dsv_seconds"] > 0 and 0 < results["sampling"]["ssim"] <= 1
+    # FVD: every set measured with a spread; after 6 steps the samples are far from real video, real clips are not.
+    fvd = results["fvd"]
+    assert set(fvd) == {"dense", "dsv", "dsv, dense sampling", "window", "real training clips"}
+    assert all(entry["fvd"] >= 0 and entry["std"] >= 0 for entry in fvd.values())
+    assert fvd["real training clips"]["fvd"] < min(fvd[m]["fvd"] for m in ("dense", "dsv", "window"))
+    # The real Kinetics-400 I3D sees the cyclist of bikes.mp4 as cycling.
+    assert results["i3d_check"][0]["top3"][0][0] in {"riding mountain bike", "riding a bike"}
+    assert [t["met"] in (True, False) for t in results["targets"]] == [True] * 4
+
+    report = (out / "report.md").read_text()
+    assert "dsv bench quality --recipe debug_cpu" in report and "attention.mode=window" in report
+    assert report.count("| met |") + report.count("| **missed** |") == 4
