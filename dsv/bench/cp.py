@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from dsv.bench.train import _timed
 from dsv.ops import estimate_index, keep_blocks_from_sparsity, sparse_attention
-from dsv.parallel.context import ContextParallel
+from dsv.parallel.context import MEASURED_HCP_OVERHEAD_S, MEASURED_SCP_OVERHEAD_S, ContextParallel
 from dsv.parallel.hcp import select_heads
 from dsv.parallel.planner import AttentionShape, Cluster, evaluate, paper_profile
 from dsv.parallel.scp import LocalIndex, fetched_fraction
@@ -172,8 +172,10 @@ def _bench(args, runtimes, seq_len, name, sparsity, link_gbps, device, failures)
     if failures:
         return []
     dense_tflops, efficiency = _rates(max(1, heads // world), seq_len, dim, block, sum(kept) / heads, device, dtype)
+    # Links and kernels as measured now; the layouts' fixed overheads as fitted to an earlier run.
     cluster = Cluster(gpus=world, gpus_per_node=world, intra_node_gbps=link_gbps, inter_node_gbps=link_gbps,
-                      dense_tflops=dense_tflops, sparse_efficiency=efficiency)
+                      dense_tflops=dense_tflops, sparse_efficiency=efficiency,
+                      hcp_overhead_s=MEASURED_HCP_OVERHEAD_S, scp_overhead_s=MEASURED_SCP_OVERHEAD_S)
     results = []
     for mode, (layout, error, step) in steps.items():
         ms = _median_ms(step, args.steps, device)
@@ -200,7 +202,9 @@ def _report(rows, args, world, link_gbps, failures) -> str:
         "",
         "The planner's SCP volume uses the union of each rank's critical remote blocks, measured from the "
         "index (`fetched_fraction`); the index is a random low-rank estimate, so the groups' selections hardly "
-        "overlap — SCP's worst case.",
+        "overlap — SCP's worst case. It adds each layout's fixed overhead beyond FLOPs and bytes as fitted to "
+        f"an earlier 2-GPU run (HCP {MEASURED_HCP_OVERHEAD_S * 1e3:.1f} ms, SCP {MEASURED_SCP_OVERHEAD_S * 1e3:.1f} "
+        "ms per block; `dsv/parallel/context.py`).",
         "",
         "| S | profile | layout | mode | ms | x naive HCP | planner ms | planner error | max rel. error vs 1 GPU |",
         "|---|---|---|---|---|---|---|---|---|",

@@ -369,14 +369,23 @@ class ContextParallel:
                 object.__setattr__(layer, "_cp_fetched", tuple(sorted(fetched.items())))
 
 
+# Per-block fwd+bwd time of each layout beyond its FLOPs and bytes, measured on 2 H200s (16 heads x 128,
+# S = 32k and 64k, benchmarks/results/2026-11-29-2xh200-cp-attention.md): measured minus the FLOP-and-byte
+# model was 3.2-5.5 ms under HCP and 7.3-8.7 ms under SCP (its index remapping and host synchronisations).
+MEASURED_HCP_OVERHEAD_S = 3.5e-3
+MEASURED_SCP_OVERHEAD_S = 8.0e-3
+
+
 def default_cluster(gpus: int, gpus_per_node: int | None = None, intra_node_gbps: float = 300.0,
                     inter_node_gbps: float = 25.0) -> Cluster:
     """Links and kernel speeds for the planner: the H200 kernel-speed model's dense rate and sparse
-    efficiency (`dsv.modules.dispatch`), NVLink inside a node, a 200 Gb/s NIC per GPU between nodes."""
+    efficiency (`dsv.modules.dispatch`), the layouts' measured overheads, NVLink inside a node, a
+    200 Gb/s NIC per GPU between nodes."""
     from dsv.modules.dispatch import SPEED_MODELS
 
     speed = SPEED_MODELS["triton"]
     return Cluster(gpus=gpus, gpus_per_node=gpus_per_node or gpus, intra_node_gbps=intra_node_gbps,
                    inter_node_gbps=inter_node_gbps, dense_tflops=speed.dense_tflops,
-                   sparse_efficiency=1.0 / speed.relative_cost)
+                   sparse_efficiency=1.0 / speed.relative_cost, hcp_overhead_s=MEASURED_HCP_OVERHEAD_S,
+                   scp_overhead_s=MEASURED_SCP_OVERHEAD_S)
 

@@ -58,7 +58,12 @@ class AttentionShape:
 
 @dataclass(frozen=True)
 class Cluster:
-    """GPUs and links. Bandwidths are GB/s per GPU and direction; ``dense_tflops`` is fwd+bwd attention."""
+    """GPUs and links. Bandwidths are GB/s per GPU and direction; ``dense_tflops`` is fwd+bwd attention.
+
+    ``hcp_overhead_s`` / ``scp_overhead_s``: what a block under HCP (``h > 1``) / SCP (``c > 1``) costs per
+    step beyond its FLOPs and bytes (launches, index remapping, host synchronisation), measured (0: the
+    FLOP-and-byte model alone).
+    """
 
     gpus: int
     gpus_per_node: int
@@ -66,6 +71,8 @@ class Cluster:
     inter_node_gbps: float
     dense_tflops: float
     sparse_efficiency: float = 1.0
+    hcp_overhead_s: float = 0.0
+    scp_overhead_s: float = 0.0
 
     def __post_init__(self):
         _check_positive_int(self.gpus, "gpus")
@@ -81,6 +88,10 @@ class Cluster:
                 raise ValueError(f"{name} must be a positive finite number, got {value!r}")
         if not 0 < self.sparse_efficiency <= 1:
             raise ValueError(f"sparse_efficiency must lie in (0, 1], got {self.sparse_efficiency!r}")
+        for name in ("hcp_overhead_s", "scp_overhead_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -233,12 +244,14 @@ def evaluate(
     """Predicted cost of one block under a given factorisation and head placement."""
     kept = [1.0 - s if sparse else 1.0 for s in sparsity]
     compute, comm, memory = head_costs(kept, shape, cluster, hcp, sparse, fetched)
+    scp = cluster.gpus // hcp
+    overhead = (cluster.hcp_overhead_s if hcp > 1 else 0.0) + (cluster.scp_overhead_s if scp > 1 else 0.0)
     return BlockPlan(
         hcp=hcp,
-        scp=cluster.gpus // hcp,
+        scp=scp,
         placement=placement,
         compute_s=[sum(compute[h] for h in heads) for heads in placement],
-        comm_s=[sum(comm[h] for h in heads) for heads in placement],
+        comm_s=[sum(comm[h] for h in heads) + overhead for heads in placement],
         memory_bytes=max(sum(memory[h] for h in heads) for heads in placement),
         sparse=sparse,
     )

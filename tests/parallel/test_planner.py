@@ -205,3 +205,16 @@ def test_scp_cost_grows_with_the_fetched_union():
     union = evaluate(sparsity, shape, cluster, 1, [[0, 1, 2, 3]], True, fetched=[0.5] * 4)
     assert union.comm_s[0] == pytest.approx(per_group.comm_s[0] * 5)  # 0.5 of the remote keys instead of 0.1
     assert union.compute_s == per_group.compute_s
+
+
+def test_layout_overheads_steer_the_hybrid_choice():
+    shape = AttentionShape(tokens=32768, heads=16, head_dim=128)
+    base = dict(gpus=2, gpus_per_node=2, intra_node_gbps=200, inter_node_gbps=200, dense_tflops=560)
+    sparsity = [1.0 - k for k in torch.linspace(0.5, 0.02, 16).tolist()]
+    union = {2: [1.0] * 16}  # random selections: SCP moves nearly every remote block
+    free = hybrid_plan(sparsity, shape, Cluster(**base), True, fetched=union)
+    costly_scp = hybrid_plan(sparsity, shape, Cluster(**base, scp_overhead_s=0.05), True, fetched=union)
+    assert (costly_scp.hcp, costly_scp.scp) == (2, 1)
+    assert costly_scp.time_s >= free.time_s
+    with pytest.raises(ValueError, match="scp_overhead_s"):
+        Cluster(**base, scp_overhead_s=-1.0)
