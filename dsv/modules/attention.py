@@ -129,7 +129,7 @@ class DSVAttentionCore(nn.Module):
         self.keep_fraction.copy_(keep)
         sparse = bool(sparsity.mean() >= self.cfg.sparse_threshold)
         self.dispatch_reason = f"mean sparsity {float(sparsity.mean()):.3f} vs threshold {self.cfg.sparse_threshold}"
-        model = SPEED_MODELS.get(self._last_backend)
+        model = SPEED_MODELS.get(self._last_backend) if self.cfg.speed_dispatch else None
         if sparse and model is not None and self._last_shape is not None:
             # Measured kernel speed decides whether the kept fraction is small enough to beat dense.
             batch, seq_len = self._last_shape

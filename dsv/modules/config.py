@@ -43,6 +43,9 @@ class AttentionConfig:
     sparse_threshold: float = 0.8  # a block goes sparse when its mean head sparsity reaches this
     keep_floor_blocks: int = 2  # every group keeps at least this many key blocks
     keep_margin: float = 0.0  # extra kept fraction on top of (1 - sparsity)
+    # A sparse-enough block runs sparse only where the measured kernel speed beats dense at its shape
+    # (`dsv.modules.dispatch`); False dispatches on sparsity alone (kernel checks on short sequences).
+    speed_dispatch: bool = True
 
     window_frac: float = 2.0 / 3.0  # window extent per dimension for mode=window
     check_finite: bool = True  # raise on NaN/Inf activations entering attention

@@ -240,15 +240,14 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", ["dsv", "window"])
-def test_block_compiles_on_gpu_with_triton_kernels(mode, monkeypatch):
+def test_block_compiles_on_gpu_with_triton_kernels(mode):
     # Cubes of 32 tokens (the Triton kernels take powers of two >= 16). dsv keeps every key block: bf16
     # rounding differences between the two sides could otherwise flip a near-tied selection, which is not
-    # what this test is about; window mode covers a selection that drops keys. Without its speed model the
+    # what this test is about; window mode covers a selection that drops keys. Without the speed model the
     # dispatch sends the block sparse: at 256 tokens the model would keep it dense (sparse pays at long
     # sequences only), and this test is about the compiled sparse path.
-    monkeypatch.setattr("dsv.modules.attention.SPEED_MODELS", {})
     grid = (4, 8, 8)
-    cfg = attention_config(mode, cube=(2, 4, 4), keep_floor_blocks=8)
+    cfg = attention_config(mode, cube=(2, 4, 4), keep_floor_blocks=8, speed_dispatch=False)
     eager = Block(cfg, hidden=128, heads=2).cuda()
     compiled = copy.deepcopy(eager)
     torch._dynamo.reset()

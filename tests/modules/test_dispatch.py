@@ -36,3 +36,11 @@ def test_layer_dispatch_consults_the_speed_model_for_the_triton_backend():
     layer._last_shape = (1, 32768)
     layer.dispatch()
     assert layer.use_sparse
+
+
+def test_speed_dispatch_off_dispatches_on_sparsity_alone():
+    layer = DSVAttention(64, 4, cfg=AttentionConfig(sparse_threshold=0.5, speed_dispatch=False))
+    layer.sparsity_ema.copy_(torch.tensor([0.9, 0.95, 0.9, 0.92]))
+    layer._last_shape, layer._last_backend = (1, 512), "triton"
+    layer.dispatch()  # the speed model would keep this short sequence dense
+    assert layer.use_sparse and "speed model" not in layer.dispatch_reason
