@@ -137,6 +137,10 @@ class ContextParallel:
         if hcp_size and (mode != "hybrid" or size % hcp_size):
             raise ValueError(f"parallel.cp_hcp={hcp_size} needs cp_mode 'hybrid' and must divide parallel.cp={size}")
         self.size, self.mode, self.hcp_size = size, mode, hcp_size
+        # Per layer index: SCP volumes measured on profiling steps (hybrid planning), and those measured
+        # during the current step, which apply from the next one (`_fetched_for`).
+        self._fetched: dict[int, tuple] = {}
+        self._fetched_pending: dict[int, tuple[int, tuple]] = {}
         self.cluster = cluster or default_cluster(size)
         if self.cluster.gpus != size:
             raise ValueError(f"cluster.gpus={self.cluster.gpus} must equal the CP size {size}")
@@ -179,7 +183,7 @@ class ContextParallel:
         """This block's layout from its current dispatch; cached until the dispatch changes."""
         sparse = layer.runs_sparse()
         kept = tuple(layer._keep_fraction_host) if sparse else (1.0,) * layer.heads
-        fetched = getattr(layer, "_cp_fetched", None) if sparse else None
+        fetched = self._fetched_for(layer) if sparse else None
         key = (sparse, kept, seq_len, batch, fetched)
         cached = getattr(layer, "_cp_layout", None)
         if cached is not None and cached[0] == key:
@@ -188,6 +192,23 @@ class ContextParallel:
                                   dict(fetched) if fetched else None)
         object.__setattr__(layer, "_cp_layout", (key, layout))
         return layout
+
+    def _fetched_for(self, layer: DSVAttention):
+        """The layer's measured SCP volumes, as of the step's start: a measurement made during a step (on
+        a profiling step) takes effect at the next training step, so that an activation-checkpointing
+        recompute inside the backward plans the same layout as its forward did."""
+        pending = self._fetched_pending.get(layer.layer_index)
+        if pending is not None and pending[0] != layer.controller.forward_id:
+            self._fetched[layer.layer_index] = pending[1]
+            del self._fetched_pending[layer.layer_index]
+        return self._fetched.get(layer.layer_index)
+
+    def state_dict(self) -> dict:
+        """Host state a resumed run needs to plan as the uninterrupted one would (the measured volumes)."""
+        return {"fetched": dict(self._fetched), "fetched_pending": dict(self._fetched_pending)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._fetched, self._fetched_pending = dict(state["fetched"]), dict(state["fetched_pending"])
 
     def plan_layout(self, kept: Sequence[float], sparse: bool, heads: int, head_dim: int, seq_len: int,
                     batch: int, fetched: dict[int, Sequence[float]] | None = None) -> Layout:
@@ -220,7 +241,7 @@ class ContextParallel:
         if math.prod(grid) != seq_len:
             raise ValueError(f"DSVAttention layer {layer.layer_index}: grid {tuple(grid)} has {math.prod(grid)} "
                              f"tokens, but {self.size} ranks x {local_len} local tokens = {seq_len}")
-        layer.check_input_values(x)
+        self._check_input_values(layer, x)
         check_sequence_split(seq_len, self.size, cfg.group_size, cfg.key_block)
         qkv = layer.to_qkv(x).view(batch, local_len, 3, layer.heads, layer.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
@@ -239,6 +260,18 @@ class ContextParallel:
         layer.last_path = f"{kind} {layout.describe()}"
         out = self.from_heads(out, layout)
         return layer.to_out(out.transpose(1, 2).reshape(batch, local_len, layer.heads * layer.head_dim))
+
+    def _check_input_values(self, layer: DSVAttention, x: torch.Tensor) -> None:
+        """The finite check of `check_input_values` over the whole CP group: a rank whose chunk holds NaN/Inf
+        must not raise alone while its peers wait in the next collective. (A `VideoDiT` always has its
+        controller attached.)"""
+        if layer.cfg.check_finite:
+            bad = (~torch.isfinite(x)).any().to(torch.int32)
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
+            if bad:
+                raise FloatingPointError(f"DSVAttention layer {layer.layer_index}: NaN or Inf in the attention input x "
+                                         "on some rank of the context-parallel group; the run is diverging or its "
+                                         "input data is corrupt")
 
     def to_heads(self, x: torch.Tensor, layout: Layout) -> torch.Tensor:
         """This rank's `[B, H, S / size, E]` -> `[B, H_r, S / scp, E]`: its heads over its HCP group's tokens."""
@@ -366,7 +399,7 @@ class ContextParallel:
                     per_head = torch.tensor(fetched_fraction(index, scp), device=q.device)
                     fetched[scp] = tuple(round(x, 3) for x in
                                          self._sum_heads(per_head, heads, layer.heads, layout).tolist())
-                object.__setattr__(layer, "_cp_fetched", tuple(sorted(fetched.items())))
+                self._fetched_pending[layer.layer_index] = (controller.forward_id, tuple(sorted(fetched.items())))
 
 
 # Per-block fwd+bwd time of each layout beyond its FLOPs and bytes, measured on 2 H200s (16 heads x 128,

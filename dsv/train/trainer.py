@@ -107,6 +107,7 @@ class Trainer:
 
         self.model = build_model(cfg, self.device)
         self.controller = self.model.controller
+        self.context_parallel = None
         cp = self._enable_context_parallel()
         # Ranks of one CP group train on the same samples; data parallelism is across CP groups.
         self.dp_rank = self.rank // cp
@@ -158,8 +159,8 @@ class Trainer:
 
         cluster = default_cluster(par.cp, par.gpus_per_node if par.cp > par.gpus_per_node else None,
                                   par.intra_node_gbps, par.inter_node_gbps)
-        self.model.enable_context_parallel(
-            ContextParallel(par.cp, par.cp_mode, self.device.type, cluster, hcp_size=par.cp_hcp))
+        self.context_parallel = ContextParallel(par.cp, par.cp_mode, self.device.type, cluster, hcp_size=par.cp_hcp)
+        self.model.enable_context_parallel(self.context_parallel)
         return par.cp
 
     # ----- state -----
@@ -172,6 +173,8 @@ class Trainer:
             "noise_generator": self.noise_gen.get_state(),
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
+            # Rank-local host state of context parallelism (measured SCP volumes the hybrid planner uses).
+            "context_parallel": None if self.context_parallel is None else self.context_parallel.state_dict(),
         }
 
     def full_state(self) -> tuple[dict[str, torch.Tensor], dict]:
@@ -248,6 +251,8 @@ class Trainer:
         torch.set_rng_state(rng["torch_rng"])
         if rng["cuda_rng"] is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda_rng"], self.device)
+        if self.context_parallel is not None and rng.get("context_parallel") is not None:
+            self.context_parallel.load_state_dict(rng["context_parallel"])
         self.step = state["step"]
         self.controller.step = self.step
 

@@ -14,12 +14,13 @@ from tests.parallel import run_distributed
 TOL = dict(rtol=2e-4, atol=2e-5)
 
 
-def _model(mode: str) -> VideoDiT:
+def _model(mode: str, checkpointing: bool = False) -> VideoDiT:
     torch.manual_seed(0)
     attn = AttentionConfig(mode=mode, cube=(2, 2, 2), min_stage1_steps=0, max_stage1_steps=1,
                            profile_every_stage1=1, profile_every_stage2=1, sparse_threshold=0.0,
                            keep_floor_blocks=2, sample_stride=4, window_frac=0.5)
-    model = VideoDiT(ModelConfig(in_channels=3, patch=(1, 2, 2), hidden=32, depth=2, heads=4), attn)
+    model = VideoDiT(ModelConfig(in_channels=3, patch=(1, 2, 2), hidden=32, depth=2, heads=4,
+                                 activation_checkpointing=checkpointing), attn)
     # Non-zero output paths, so that every block's attention reaches the loss and its gradients.
     for p in model.parameters():
         if p.abs().sum() == 0:
@@ -46,10 +47,10 @@ def _steps(model: VideoDiT, steps: int = 3) -> list[tuple[float, dict[str, torch
     return results
 
 
-def _worker(rank, world, mode, cp_mode, hcp_size):
-    single_model = _model(mode)
+def _worker(rank, world, mode, cp_mode, hcp_size, checkpointing):
+    single_model = _model(mode, checkpointing)
     single = _steps(single_model)
-    model = _model(mode)
+    model = _model(mode, checkpointing)
     cp = ContextParallel(world, cp_mode, "cpu", hcp_size=hcp_size)
     model.enable_context_parallel(cp)
     parallel = _steps(model)
@@ -77,12 +78,13 @@ def _worker(rank, world, mode, cp_mode, hcp_size):
     }
 
 
-@pytest.mark.parametrize("world,cp_mode,hcp_size,mode", [
-    (2, "hcp", 0, "dsv"), (2, "scp", 0, "dsv"), (4, "hybrid", 2, "dsv"),  # 4 ranks as 2 x 2: HCP inside SCP
-    (4, "naive_hcp", 0, "window"), (2, "hybrid", 0, "window"),
+@pytest.mark.parametrize("world,cp_mode,hcp_size,mode,checkpointing", [
+    (2, "hcp", 0, "dsv", False), (2, "scp", 0, "dsv", True),  # True: activation checkpointing recomputes
+    (4, "hybrid", 2, "dsv", False),  # 4 ranks as 2 x 2: HCP inside SCP
+    (4, "naive_hcp", 0, "window", False), (2, "hybrid", 0, "window", True),
 ])
-def test_cp_training_steps_equal_one_process(tmp_path, world, cp_mode, hcp_size, mode):
-    ranks = run_distributed(_worker, world, mode, cp_mode, hcp_size, out_dir=tmp_path, timeout_s=120)
+def test_cp_training_steps_equal_one_process(tmp_path, world, cp_mode, hcp_size, mode, checkpointing):
+    ranks = run_distributed(_worker, world, mode, cp_mode, hcp_size, checkpointing, out_dir=tmp_path, timeout_s=120)
     for result in ranks:
         assert result["stage"] == (2 if mode == "dsv" else 1)  # window mode is sparse from the start
         assert all(path.startswith("sparse:") for path in result["paths"]), result["paths"]
@@ -123,3 +125,36 @@ def test_bad_configurations_raise_clear_errors(tmp_path):
     assert "cp_mode must be one of" in errors["mode"]
     assert "needs at least 4 heads, the model has 2" in errors["heads"]
     assert "whole number of" in errors["split"]
+
+
+def _nan_on_one_rank(rank, world):
+    model = _model("dense")
+    model.enable_context_parallel(ContextParallel(world, "hcp", "cpu"))
+    x0 = torch.randn(1, 3, 4, 16, 16)
+    if rank == 1:
+        x0[..., :8, :] = float("nan")  # only rank 1's chunk of the sequence (grouped order) need see it
+    try:
+        model(x0, torch.tensor([0.5]))
+    except FloatingPointError as err:
+        return str(err)
+    return None
+
+
+def test_nan_on_one_rank_raises_on_every_rank(tmp_path):
+    messages = run_distributed(_nan_on_one_rank, 2, out_dir=tmp_path, timeout_s=60)
+    assert all(m is not None and "some rank of the context-parallel group" in m for m in messages), messages
+
+
+def test_scp_volumes_measured_in_a_step_apply_from_the_next_step():
+    from types import SimpleNamespace
+
+    cp = ContextParallel.__new__(ContextParallel)  # the bookkeeping alone: no process group needed
+    cp._fetched, cp._fetched_pending = {}, {}
+    layer = SimpleNamespace(layer_index=3, controller=SimpleNamespace(forward_id=7))
+    cp._fetched_pending[3] = (7, ((2, (0.5, 0.5)),))  # measured during forward 7 (a profiling step)
+    assert cp._fetched_for(layer) is None  # forward 7's recompute still plans with the old volumes
+    layer.controller.forward_id = 8
+    assert cp._fetched_for(layer) == ((2, (0.5, 0.5)),)
+    restored = ContextParallel.__new__(ContextParallel)
+    restored.load_state_dict(cp.state_dict())
+    assert restored._fetched_for(layer) == ((2, (0.5, 0.5)),)
