@@ -579,6 +579,9 @@ def run(args) -> int:
     if not table or table[-1]["step"] != cfg.train.steps:
         raise RuntimeError(f"the runs have no common held-out evaluation at their last step {cfg.train.steps}")
     wall["training"] = time.perf_counter() - phase
+    # Progress on stdout as each phase ends: a run cut short still shows what it measured.
+    print(f"[quality] training done in {wall['training']:.0f} s; held-out loss at step {table[-1]['step']}: "
+          + json.dumps({k: v for k, v in table[-1].items() if k != "step"}), flush=True)
 
     phase = time.perf_counter()
     device = resolve_device(args.device)
@@ -587,6 +590,8 @@ def run(args) -> int:
     samples, sampling, switch_step = sample_runs(runs_dir, real.shape[0], args, device)
     facts = dsv_facts(curves["dsv"], switch_step, cfg.attention)
     wall["sampling"] = time.perf_counter() - phase
+    print(f"[quality] sampling done in {wall['sampling']:.0f} s; DSV switch step {switch_step}, sparse blocks "
+          f"{facts['final_sparse_blocks']}; sparse inference {json.dumps(sampling, default=str)}", flush=True)
 
     phase = time.perf_counter()
     i3d = load_i3d(device)
@@ -598,6 +603,7 @@ def run(args) -> int:
     i3d_check = i3d_on_bundled_clips(i3d)
     del i3d
     wall["fvd"] = time.perf_counter() - phase
+    print(f"[quality] FVD done in {wall['fvd']:.0f} s: {json.dumps(fvd, default=str)}", flush=True)
 
     phase = time.perf_counter()
     dsv_run = str(runs_dir / "dsv")
