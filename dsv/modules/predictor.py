@@ -30,6 +30,59 @@ def predictor_loss(
     return cosine_weight * (1.0 - cosine).mean() + mse_weight * mse.mean()
 
 
+def predictor_loss_from_factors(
+    q_lr: torch.Tensor,
+    k_lr: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scale: float,
+    cosine_weight: float,
+    mse_weight: float,
+) -> torch.Tensor:
+    """`predictor_loss(q_lr @ k_lrᵀ, q @ kᵀ · scale)` without forming the `[..., R, S]` score rows.
+
+    Both losses depend on each row only through five moments over the keys — the sums of p, t, p², t²
+    and p·t (p the predicted, t the true scores) — and each moment is a quadratic form of the row's query
+    with a key Gram matrix: with centred keys `K_c`, `var(p) = q_lrᵀ (K_lr,cᵀ K_lr,c) q_lr / S`,
+    `var(t) = qᵀ (K_cᵀ K_c) q · scale² / S`, `cov(p, t) = q_lrᵀ (K_lr,cᵀ K_c) q · scale / S`. The Grams cost
+    O(S·D²) per head instead of the O(R·S) score rows and the ~15 elementwise passes over them that
+    `predictor_loss` makes forward and backward (memory-bound: GBs per layer at S = 32k). Centring the keys
+    first keeps the variances free of cancellation.
+
+    Args:
+        q_lr: `[..., R, r]` low-rank queries of the sampled rows; k_lr: `[..., S, r]` low-rank keys
+            (gradients flow to both).
+        q: `[..., R, D]` the sampled rows' queries; k: `[..., S, D]` keys (targets; no gradient).
+        scale: the attention's softmax scale.
+
+    Returns:
+        The 0-d loss, equal to `predictor_loss` on the explicit scores up to rounding.
+    """
+    seq_len = k_lr.shape[-2]
+    k_lr_mean = k_lr.mean(dim=-2, keepdim=True)
+    k_lr_c = k_lr - k_lr_mean
+    with torch.no_grad():
+        k = k.to(k_lr.dtype)
+        k_mean = k.mean(dim=-2, keepdim=True)
+        k_c = k - k_mean
+        true_gram = k_c.transpose(-1, -2) @ k_c  # [..., D, D]
+        q = q.to(k_lr.dtype) * scale
+        mean_t = (q * k_mean).sum(-1)  # [..., R]
+        var_t = ((q @ true_gram) * q).sum(-1) / seq_len
+    mean_p = (q_lr * k_lr_mean).sum(-1)
+    var_p = ((q_lr @ (k_lr_c.transpose(-1, -2) @ k_lr_c)) * q_lr).sum(-1) / seq_len
+    cov = ((q_lr @ (k_lr_c.transpose(-1, -2) @ k_c)) * q).sum(-1) / seq_len
+    # Cosine of the raw rows: Σ p·t = S (mean_p mean_t + cov), ‖p‖² = S (mean_p² + var_p); the same
+    # per-norm eps clamp as torch's cosine_similarity (1e-6).
+    norm_p = (seq_len * (mean_p.square() + var_p)).clamp_min(0).sqrt().clamp_min(1e-6)
+    norm_t = (seq_len * (mean_t.square() + var_t)).clamp_min(0).sqrt().clamp_min(1e-6)
+    cosine = seq_len * (mean_p * mean_t + cov) / (norm_p * norm_t)
+    # MSE of the rows standardised as in `predictor_loss` (centred / sqrt(var + 1e-6)).
+    var_p_eps, var_t_eps = var_p + 1e-6, var_t + 1e-6
+    mse = var_p / var_p_eps + var_t / var_t_eps - 2 * cov / (var_p_eps * var_t_eps).sqrt()
+    return cosine_weight * (1.0 - cosine).mean() + mse_weight * mse.mean()
+
+
 class LowRankPredictor(nn.Module):
     """Two low-rank projections per layer: hidden `[B, S, C]` → `q_lr, k_lr` of `[B, H, S, rank]`."""
 
@@ -70,12 +123,7 @@ class LowRankPredictor(nn.Module):
         # Only the sampled rows need low-rank queries; every key needs its low-rank key.
         q_lr = self.q_proj(hidden[:, rows]).view(b, len(rows), self.heads, self.rank).transpose(1, 2)
         k_lr = self.k_proj(hidden).view(b, s, self.heads, self.rank).transpose(1, 2)
-        pred = q_lr @ k_lr.transpose(-1, -2)  # [B, H, R, S]
-        with torch.no_grad():
-            # In q/k's own precision (bf16 under autocast: tensor cores, fp32 accumulation), so that k is
-            # not copied to fp32 each step; the target's rounding is far below what the loss resolves.
-            true = (q[:, :, rows] @ k.transpose(-1, -2)).to(dtype) * scale
-        return self.scores_loss(pred, true)
+        return self.factors_loss(q_lr, k_lr, q[:, :, rows], k, scale)
 
     def update(
         self, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, scale: float
@@ -85,9 +133,11 @@ class LowRankPredictor(nn.Module):
         return self.step(lambda: self.loss(hidden.detach(), q.detach(), k.detach(), rows, scale),
                          hidden.device.type)
 
-    def scores_loss(self, pred_scores: torch.Tensor, true_scores: torch.Tensor) -> torch.Tensor:
-        """`predictor_loss` with this predictor's weights (callers that build the scores themselves)."""
-        return predictor_loss(pred_scores, true_scores, self.cosine_weight, self.mse_weight)
+    def factors_loss(self, q_lr: torch.Tensor, k_lr: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+        """`predictor_loss_from_factors` with this predictor's weights: `q_lr [..., R, r]`, `k_lr [..., S, r]`,
+        the rows' `q [..., R, D]` and `k [..., S, D]`."""
+        return predictor_loss_from_factors(q_lr, k_lr, q, k, scale, self.cosine_weight, self.mse_weight)
 
     def step(self, compute_loss, device_type: str) -> torch.Tensor:
         """One optimizer step on the 0-d loss that `compute_loss()` builds from this predictor's

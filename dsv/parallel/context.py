@@ -364,10 +364,8 @@ class ContextParallel:
 
             def weighted_loss():
                 low_rank = self._low_rank(layer, x, layout)
-                pred = low_rank[:, :, rows, :rank] @ low_rank[..., rank:].transpose(-1, -2)
-                with torch.no_grad():
-                    true = (q_all[:, :, rows] @ k_all.transpose(-1, -2)).to(pred.dtype) * layer.scale
-                return layer.predictor.scores_loss(pred, true) * weight
+                return layer.predictor.factors_loss(low_rank[:, :, rows, :rank], low_rank[..., rank:],
+                                                    q_all[:, :, rows], k_all, layer.scale) * weight
 
             loss = layer.predictor.step(weighted_loss, x.device.type)
             if layout.hcp > 1:

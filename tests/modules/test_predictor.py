@@ -1,5 +1,6 @@
 """The low-rank predictor learns to rank keys like the true QKᵀ on a toy problem."""
 
+import pytest
 import torch
 
 from dsv.modules.predictor import LowRankPredictor, predictor_loss
@@ -61,3 +62,26 @@ def test_update_does_not_touch_the_model_graph():
     predictor.update(hidden, q, k, sample_query_rows(32, 4), 8**-0.5)
     assert hidden.grad is None and q.grad is None and k.grad is None
     assert any(not torch.equal(b, p) for b, p in zip(before, predictor.parameters()))
+
+
+@pytest.mark.parametrize("dtype,tol", [
+    (torch.float64, 1e-10),  # exact algebra: only summation order differs
+    (torch.float32, 2e-4),  # float32 Grams over S = 512 keys: ~1e-6 relative per moment, amplified in 1 - cos
+])
+def test_loss_from_factors_equals_the_loss_on_explicit_scores(dtype, tol):
+    from dsv.modules.predictor import predictor_loss_from_factors
+
+    gen = torch.Generator().manual_seed(0)
+    q_lr = torch.randn(2, 3, 24, 8, generator=gen, dtype=dtype).requires_grad_(True)
+    # Keys with a common offset: the scores' rows have a mean far from zero, which the centring must handle.
+    k_lr = (torch.randn(2, 3, 512, 8, generator=gen, dtype=dtype) + 2.0).requires_grad_(True)
+    q = torch.randn(2, 3, 24, 16, generator=gen, dtype=dtype)
+    k = torch.randn(2, 3, 512, 16, generator=gen, dtype=dtype) + 1.5
+    scale = 16**-0.5
+    explicit = predictor_loss(q_lr @ k_lr.transpose(-1, -2), (q @ k.transpose(-1, -2)) * scale, 0.9, 0.1)
+    factored = predictor_loss_from_factors(q_lr, k_lr, q, k, scale, 0.9, 0.1)
+    torch.testing.assert_close(factored, explicit, rtol=tol, atol=tol)
+    grads_explicit = torch.autograd.grad(explicit, (q_lr, k_lr))
+    grads_factored = torch.autograd.grad(factored, (q_lr, k_lr))
+    for a, b in zip(grads_factored, grads_explicit):
+        torch.testing.assert_close(a, b, rtol=tol * 10, atol=tol * 10)
