@@ -568,6 +568,11 @@ def run(args) -> int:
     if runs_dir.exists() and any(runs_dir.iterdir()):
         raise FileExistsError(f"{runs_dir} already holds runs; choose a new --out (nothing was overwritten)")
     cfg = apply_overrides(get_recipe(args.recipe), args.set)  # validates the overrides before any run starts
+    from dsv.eval.i3d import MIN_FRAMES
+
+    if cfg.data.frames < MIN_FRAMES:  # found before minutes of training, not after
+        raise ValueError(f"data.frames={cfg.data.frames}: the FVD's I3D needs clips of at least {MIN_FRAMES} frames; "
+                         f"train on more frames (e.g. --set data.frames=16)")
     runs_dir.mkdir(parents=True, exist_ok=True)
     wall: dict[str, float] = {}
     start = phase = time.perf_counter()

@@ -71,3 +71,10 @@ def test_quality_bench_writes_a_complete_report(tmp_path, capsys):
     report = (out / "report.md").read_text()
     assert "dsv bench quality --recipe debug_cpu" in report and "attention.mode=window" in report
     assert report.count("| met |") + report.count("| **missed** |") == 4
+
+
+def test_clips_too_short_for_the_i3d_are_refused_before_training(tmp_path, capsys):
+    assert main(["bench", "quality", "--recipe", "debug_cpu", "--out", str(tmp_path / "quality")]) == 2
+    assert "the FVD's I3D needs clips of at least 9 frames" in capsys.readouterr().err
+    runs = tmp_path / "quality" / "runs"
+    assert not runs.exists() or not any(runs.iterdir())  # refused before any training
