@@ -12,7 +12,7 @@ Forward, per rank:
    ``(batch, head)`` in ascending block order ("slots"), zero-padded to the largest slot count ``M``.
 4. Run ``sparse_attention`` on ``[local K/V + fetched blocks]`` (``S_local + M * kv_block``
    rows) with the index remapped to that layout. The queries are zero-padded to the same length because
-   the kernels take equal q/k/v shapes; the padding query groups attend to block 0 and are dropped.
+   the kernels take equal q/k/v shapes; each padding query group attends to one block and is dropped.
 
 Backward: the K/V exchange is ``dsv.parallel.hcp.all_to_all``, whose gradient is the reverse exchange,
 and the owner's block gather is an ``index_select``, whose gradient sums the dK/dV of every requester of
@@ -241,7 +241,9 @@ def _remap_index(index, ids, valid, remote, keys, wanted, slot, rank, local_bloc
     batch, heads, groups, k_max = remapped.shape
     pad_groups = math.ceil(ext_len / group_size) - groups
     pad_rows = torch.full((batch, heads, pad_groups, k_max), PAD, dtype=torch.int32, device=ids.device)
-    pad_rows[..., 0] = 0
+    # One block each, spread over the blocks: all on block 0 would make that block's key-major backward
+    # program walk every padding group alone (a straggler), for outputs that are dropped anyway.
+    pad_rows[..., 0] = torch.arange(pad_groups, dtype=torch.int32, device=ids.device) % ext_blocks
     pad_counts = torch.ones((batch, heads, pad_groups), dtype=torch.int32, device=ids.device)
     return SparseIndex(
         torch.cat((remapped, pad_rows), dim=2),
