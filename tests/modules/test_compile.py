@@ -18,6 +18,7 @@ import torch
 from dsv.modules.config import AttentionConfig
 from dsv.modules.controller import DSVController
 from dsv.modules.dit import DiTBlock, ModelConfig, VideoDiT, flow_matching_loss
+from tests import assert_opcheck_passes
 
 HAS_CUDA = torch.cuda.is_available()
 GRID = (4, 4, 4)
@@ -217,9 +218,9 @@ def test_runtime_ops_pass_opcheck():
     q, k = (torch.randn(2, 2, 64, 16, requires_grad=True) for _ in range(2))
     # Not training: the selection is then free of side effects, which opcheck's repeated calls need.
     select_args = (layer._runtime_id, hidden, q, k, list(GRID), layer.cfg.group_size, False, True, None)
-    torch.library.opcheck(torch.ops.dsv.layer_select.default, select_args)
+    assert_opcheck_passes(torch.ops.dsv.layer_select.default, select_args)
     indices, _ = torch.ops.dsv.layer_select(*select_args)
-    torch.library.opcheck(torch.ops.dsv.layer_update.default,
+    assert_opcheck_passes(torch.ops.dsv.layer_update.default,
                           (layer._runtime_id, hidden, q, k, indices, list(GRID), True, True, None, layer.loss_ema,
                            layer.sparsity_ema, layer.recall_ema))
 

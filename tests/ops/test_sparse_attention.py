@@ -12,6 +12,7 @@ from dsv.ops.sparse_attention import (
     sparse_attention_reference,
     sparse_attention_reference_with_lse,
 )
+from tests import assert_opcheck_passes
 
 TOLERANCES = {
     # Both sides fp64; only the summation order differs over <= ~100-term sums.
@@ -146,10 +147,10 @@ def test_reference_ops_pass_opcheck():
     q_transposed = torch.randn(B, S, H, D, dtype=torch.float64).transpose(1, 2).requires_grad_()
     for query, chunk_groups in ((q, 2), (q_transposed, None)):
         args = (query, k, v, index.indices, index.counts, 8, 4, 0.3, chunk_groups)
-        torch.library.opcheck(torch.ops.dsv.sparse_attention_reference_fwd.default, args)
+        assert_opcheck_passes(torch.ops.dsv.sparse_attention_reference_fwd.default, args)
     out, lse = torch.ops.dsv.sparse_attention_reference_fwd(q.detach(), k.detach(), v.detach(), index.indices,
                                                             index.counts, 8, 4, 0.3, 2)
-    torch.library.opcheck(torch.ops.dsv.sparse_attention_reference_bwd.default,
+    assert_opcheck_passes(torch.ops.dsv.sparse_attention_reference_bwd.default,
                           (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, index.indices,
                            index.counts, 8, 4, 0.3, 2))
 

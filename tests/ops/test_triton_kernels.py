@@ -29,6 +29,7 @@ from dsv.ops.estimate.triton_kernels import estimate_index_triton  # noqa: E402
 from dsv.ops.index import SparseIndex  # noqa: E402
 from dsv.ops.sparse_attention import sparse_attention_reference, sparse_attention_reference_with_lse  # noqa: E402
 from dsv.ops.sparse_attention import triton_kernels as tk  # noqa: E402
+from tests import assert_opcheck_passes  # noqa: E402
 from dsv.ops.sparse_attention.triton_kernels import (  # noqa: E402
     KernelConfig,
     SparseAttentionConfig,
@@ -202,9 +203,9 @@ def test_interpreter_compile_checkpoint_and_opcheck():
     for a, b, c in zip(eager, compiled, checkpointed):
         assert torch.equal(a, b) and torch.equal(a, c)
     args = (q.detach(), k.detach(), v.detach(), index.indices, index.counts, 16, 16, 0.25)
-    torch.library.opcheck(torch.ops.dsv.sparse_attention_fwd.default, args)
+    assert_opcheck_passes(torch.ops.dsv.sparse_attention_fwd.default, args)
     out, lse = torch.ops.dsv.sparse_attention_fwd(*args)
-    torch.library.opcheck(torch.ops.dsv.sparse_attention_bwd.default,
+    assert_opcheck_passes(torch.ops.dsv.sparse_attention_bwd.default,
                           (grad_out, *args[:3], out, lse, None, *args[3:]))
 
 
