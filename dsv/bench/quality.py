@@ -453,7 +453,7 @@ def render_report(results: dict) -> str:
               "|---|---|---|---|---|"]
     lines += [f"| {r['step']} | {r['dense']:.4f} | {r['dsv']:.4f} | {r['window']:.4f} | {r['dsv'] / r['dense'] - 1:+.2%} |"
               for r in results["heldout"]]
-    lines += ["", f"Training wall time per run (process start to exit, data loading included): "
+    lines += ["", "Training wall time per run (process start to exit, data loading included): "
               + ", ".join(f"{m} {s:.0f} s" for m, s in results["train_seconds"].items()) + ".", "",
               "## FVD (samples.png)", "",
               (f"Kinetics-400 I3D logits, {results['videos']} samples per run ({results['sample_steps']} Euler steps, "
@@ -485,7 +485,7 @@ def render_report(results: dict) -> str:
     lines += ["", "## Observations on the DSV checkpoint (observations.png)", "",
               (f"`dsv observe` and `dsv profile` on {results['observe_clips']} held-out clips (full tables: "
                "observe/observations.md, profile/profile.md under the output folder)."), "",
-              f"- power law: fraction of queries whose top 10% keys hold ≥ 90% of the mass, per block: "
+              "- power law: fraction of queries whose top 10% keys hold ≥ 90% of the mass, per block: "
               + ", ".join(f"{x:.2f}" for x in obs["power_law"]["fraction_of_queries"]),
               f"- locality: critical keys ≤ {obs['locality']['near']} tokens away, per block: "
               + ", ".join(f"{x:.2f}" for x in obs["locality"]["near_fraction"])

@@ -1,7 +1,6 @@
 """`dsv bench cp` on 2 gloo ranks (CPU, float32): the gate passes and every layout gets a row."""
 
 import argparse
-from pathlib import Path
 
 from tests.parallel import run_distributed
 

@@ -82,7 +82,7 @@ def test_context_parallel_training_equals_one_process(tmp_path):
     from dsv.train.recipes import get_recipe
     from dsv.train.trainer import Trainer
 
-    ranks = run_distributed(_train, 2, str(tmp_path / "cp"), CONTEXT_PARALLEL, out_dir=tmp_path, timeout_s=150)
+    run_distributed(_train, 2, str(tmp_path / "cp"), CONTEXT_PARALLEL, out_dir=tmp_path, timeout_s=150)
     records = [json.loads(line) for line in (tmp_path / "cp" / "straight" / "metrics.jsonl").read_text().splitlines()]
     last_paths = [layer["path"] for layer in [r for r in records if "layers" in r][-1]["layers"]]
     assert all(path.startswith("sparse:") and " cp " in path for path in last_paths), last_paths
