@@ -58,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed sampling passes of the DSV model, sparse and dense (median reported)")
     parser.add_argument("--observe-clips", type=int, default=4, help="held-out clips for observe/profile")
     parser.add_argument("--device", default="auto", help="device of the evaluation (the runs pick their own)")
+    parser.add_argument("--runs-per-gpu", type=int, default=1,
+                        help="training runs sharing one GPU at a time (3 trains all modes at once: the small "
+                             "model leaves the GPU mostly idle, but each run's own step time then rises)")
     parser.add_argument("--train-step-json", type=Path, default=Path(TRAIN_STEP_JSON),
                         help="measured training-step times to plot beside this run's (skipped if absent)")
 
@@ -82,11 +85,14 @@ def visible_gpus() -> list[str]:
     return ids[:count]
 
 
-def train_all(commands: dict[str, list[str]], logs_dir: Path, gpus: list[str]) -> dict[str, float]:
-    """Run the training commands as subprocesses, each logging to ``logs_dir/<mode>.log``: with two or more
-    GPUs in waves of one run per GPU, else one after another. Returns each run's wall seconds; raises with
-    the end of the log if a run fails."""
-    per_wave = len(gpus) if len(gpus) >= 2 else 1
+def train_all(commands: dict[str, list[str]], logs_dir: Path, gpus: list[str], runs_per_gpu: int = 1
+              ) -> dict[str, float]:
+    """Run the training commands as subprocesses, each logging to ``logs_dir/<mode>.log``, in waves of
+    ``runs_per_gpu`` runs per visible GPU (one after another on the CPU). Returns each run's wall seconds;
+    raises with the end of the log if a run fails."""
+    if runs_per_gpu < 1:
+        raise ValueError(f"runs_per_gpu={runs_per_gpu}: expected a positive number of runs per GPU")
+    per_wave = max(1, len(gpus)) * runs_per_gpu if gpus else 1
     modes = list(commands)
     seconds: dict[str, float] = {}
     for first in range(0, len(modes), per_wave):
@@ -94,9 +100,10 @@ def train_all(commands: dict[str, list[str]], logs_dir: Path, gpus: list[str]) -
         for slot, mode in enumerate(modes[first:first + per_wave]):
             env = {**os.environ, "PYTHONUNBUFFERED": "1"}
             if len(gpus) >= 2:
-                env["CUDA_VISIBLE_DEVICES"] = gpus[slot]
+                env["CUDA_VISIBLE_DEVICES"] = gpus[slot % len(gpus)]
             log = open(logs_dir / f"{mode}.log", "w")
-            print(f"[quality] training {mode}" + (f" on GPU {gpus[slot]}" if len(gpus) >= 2 else ""), flush=True)
+            print(f"[quality] training {mode}" + (f" on GPU {gpus[slot % len(gpus)]}" if len(gpus) >= 2 else ""),
+                  flush=True)
             running[mode] = (subprocess.Popen(commands[mode], stdout=log, stderr=subprocess.STDOUT, env=env), log,
                              time.perf_counter())
         while running:  # poll, so that each run's time ends when it does, not when the wave does
@@ -441,7 +448,9 @@ def _fmt(value, digits: int = 3) -> str:
 def render_report(results: dict) -> str:
     facts, sampling = results["dsv"], results["sampling"]
     lines = [f"# Quality: dense vs DSV vs window from scratch, {results['machine']}, {results['date']}", "",
-             f"torch {results['torch']}, triton {results['triton']}; {results['gpus']} GPU(s) used for training. "
+             f"torch {results['torch']}, triton {results['triton']}; {results['gpus']} GPU(s) used for training"
+             + (f", {results['runs_per_gpu']} runs at a time on each (their step times include the sharing)"
+                if results["runs_per_gpu"] > 1 else "") + ". "
              f"Recipe `{results['recipe']}`: {results['model']}; {results['steps']} steps of batch "
              f"{results['batch_size']}, seed {results['seed']}, the same data order for every run; initial DiT "
              f"weights the same in all three runs: {'yes' if results['same_initial_weights'] else 'no'}.", "",
@@ -518,7 +527,8 @@ def _command_line(args) -> str:
         parts += ["--set", item]
     parts += ["--out", str(args.out), "--sample-steps", str(args.sample_steps), "--seed", str(args.seed),
               "--bootstrap", str(args.bootstrap), "--timing-repeats", str(args.timing_repeats),
-              "--observe-clips", str(args.observe_clips), "--device", args.device]
+              "--observe-clips", str(args.observe_clips), "--device", args.device,
+              "--runs-per-gpu", str(args.runs_per_gpu)]
     return shlex.join(parts)
 
 
@@ -578,7 +588,7 @@ def run(args) -> int:
     start = phase = time.perf_counter()
     gpus = visible_gpus()
     commands = training_commands(args.recipe, args.set, runs_dir)
-    train_seconds = train_all(commands, runs_dir, gpus)
+    train_seconds = train_all(commands, runs_dir, gpus, args.runs_per_gpu)
     curves = {mode: run_curves(read_metrics(runs_dir / mode)) for mode in MODES}
     table = heldout_table(curves)
     if not table or table[-1]["step"] != cfg.train.steps:
@@ -640,6 +650,7 @@ def run(args) -> int:
         "date": datetime.date.today().isoformat(),
         "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})",
         "torch": torch.__version__, "triton": _version("triton"), "gpus": len(gpus),
+        "runs_per_gpu": args.runs_per_gpu,
         "recipe": args.recipe, "overrides": args.set,
         "model": (f"{model.depth} blocks, hidden {model.hidden} ({model.heads} heads), {cfg.data.frames}×"
                   f"{cfg.data.size}×{cfg.data.size} px, patch {'×'.join(map(str, model.patch))} → grid "

@@ -51,6 +51,16 @@ def _timed(fn, device: torch.device) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_gib(device: torch.device) -> float:
+    """Peak allocated GiB since the last reset (NaN off CUDA, where it is not tracked)."""
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+
+
 class _Run:
     """One model and optimizer at one token count, stepping on fixed random latents."""
 
@@ -120,30 +130,38 @@ def run(args) -> int:
         dense_ms = None
         for mode in args.modes:
             run_ = _Run(cfg, mode, tokens, args.spatial, device)
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
             row = {"tokens": tokens, "mode": mode, "notes": ""}
             if mode == "dsv":
+                _reset_peak(device)
                 run_.step()  # one stage-1 step: the layers see their shapes and backends before dispatch
+                stage1_peak = _peak_gib(device)
                 profile = paper_profile(cfg.model.depth, cfg.model.heads) if args.profile == "paper" \
                     else load_profile(args.profile)
                 run_.enter_stage2(profile)
                 row["sparse_blocks"] = sum(layer.runs_sparse() for layer in run_.model.controller.layers)
+                _reset_peak(device)
                 row["ms"] = run_.median_ms(args.warmup, args.steps)
+                row["peak_gib"] = _peak_gib(device)
                 # Profiling steps: the controller's schedule made due on every step.
                 run_.set_attention(profile_every_stage2=1)
+                _reset_peak(device)
                 profiled = statistics.median(_timed(run_.step, device) for _ in range(max(1, args.steps // 2)))
+                profiling_peak = _peak_gib(device)
                 every = cfg.attention.profile_every_stage2
                 row["notes"] = (f"profiling step +{profiled - row['ms']:.0f} ms (every {every} steps: "
                                 f"+{(profiled - row['ms']) / every:.1f} ms/step)")
                 # Without the predictor update (its cost is the difference).
                 run_.set_attention(profile_every_stage2=10**9, learn_every_stage2=10**9)
-                no_predictor = statistics.median(_timed(run_.step, device) for _ in range(max(1, args.steps // 2)))
-                row["notes"] += f"; predictor update {row['ms'] - no_predictor:.0f} ms/step"
+                _reset_peak(device)
+                no_predictor = statistics.median(_timed(run_.step, device) for _ in range(args.steps))
+                row["notes"] += (f"; predictor update {row['ms'] - no_predictor:.0f} ms/step; peak GiB of a stage-1 "
+                                 f"step {stage1_peak:.1f}, of a profiling step {profiling_peak:.1f}, of a step "
+                                 f"without the predictor update {_peak_gib(device):.1f}")
             else:
+                _reset_peak(device)
                 row["sparse_blocks"] = sum(layer.runs_sparse() for layer in run_.model.controller.layers)
                 row["ms"] = run_.median_ms(args.warmup, args.steps)
-            row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+                row["peak_gib"] = _peak_gib(device)
             if mode == "dense":
                 dense_ms = row["ms"]
             row["speedup"] = dense_ms / row["ms"] if dense_ms else float("nan")
@@ -159,7 +177,7 @@ def run(args) -> int:
              f"latents of {cfg.model.in_channels} channels, patch {cfg.model.patch}; DSV in stage 2 with the "
              f"{'paper 2.7B' if args.profile == 'paper' else args.profile} sparsity profile; median of "
              f"{args.steps} steps after {args.warmup} warm-up.", "",
-             "| tokens | mode | ms/step | × dense | peak GiB | sparse blocks | DSV overheads |", "|---|---|---|---|---|---|---|"]
+             "| tokens | mode | ms/step | × dense | peak GiB (timed steps) | sparse blocks | DSV overheads |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['tokens']} | {r['mode']} | {r['ms']:.1f} | {r['speedup']:.2f} | {r['peak_gib']:.1f} | "
                      f"{r['sparse_blocks']} | {r['notes']} |")

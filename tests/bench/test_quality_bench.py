@@ -3,7 +3,12 @@ observations, and one report whose numbers are all present and finite."""
 
 import json
 import math
+import sys
+import time
 
+import pytest
+
+from dsv.bench.quality import train_all
 from dsv.cli import main
 from tests.eval.test_fvd import needs_i3d
 
@@ -78,3 +83,15 @@ def test_clips_too_short_for_the_i3d_are_refused_before_training(tmp_path, capsy
     assert "the FVD's I3D needs clips of at least 9 frames" in capsys.readouterr().err
     runs = tmp_path / "quality" / "runs"
     assert not runs.exists() or not any(runs.iterdir())  # refused before any training
+
+
+def test_runs_share_a_gpu_in_waves_of_runs_per_gpu(tmp_path):
+    # Three runs that each sleep 1 s: together they end in about 1 s, one after another in about 3 s.
+    sleeper = [sys.executable, "-c", "import time; time.sleep(1)"]
+    commands = {mode: sleeper for mode in ("dense", "dsv", "window")}
+    start = time.perf_counter()
+    seconds = train_all(commands, tmp_path, gpus=["0"], runs_per_gpu=3)
+    assert sorted(seconds) == ["dense", "dsv", "window"]
+    assert time.perf_counter() - start < 2.5  # concurrent: well under the 3 s of a sequential wave
+    with pytest.raises(ValueError, match="runs_per_gpu"):
+        train_all(commands, tmp_path, gpus=["0"], runs_per_gpu=0)
