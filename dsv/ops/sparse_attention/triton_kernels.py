@@ -90,7 +90,7 @@ def _sparse_attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, KV_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -116,7 +116,7 @@ def _sparse_attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    for it in tl.range(0, n_iter, warp_specialize=WARP_SPECIALIZE):
+    for it in range(0, n_iter):
         blk = tl.load(idx_row + it // (KV_BLOCK // BLOCK_N))
         start_n = blk * KV_BLOCK + (it % (KV_BLOCK // BLOCK_N)) * BLOCK_N
         cols = start_n + offs_n
@@ -154,7 +154,7 @@ def _sparse_attn_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, KV_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, HAS_DLSE: tl.constexpr,
-    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -195,7 +195,7 @@ def _sparse_attn_bwd_dq_kernel(
     k_base = K + b * skb + h * skh + offs_d[None, :]
     v_base = V + b * svb + h * svh + offs_d[None, :]
     dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    for it in tl.range(0, n_iter, warp_specialize=WARP_SPECIALIZE):
+    for it in range(0, n_iter):
         blk = tl.load(idx_row + it // (KV_BLOCK // BLOCK_N))
         start_n = blk * KV_BLOCK + (it % (KV_BLOCK // BLOCK_N)) * BLOCK_N
         cols = start_n + offs_n
@@ -223,7 +223,7 @@ def _sparse_attn_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, KV_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -248,7 +248,7 @@ def _sparse_attn_bwd_dkdv_kernel(
     vec_base = pid_bh.to(tl.int64) * S
     dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
-    for it in tl.range(0, n_iter, warp_specialize=WARP_SPECIALIZE):
+    for it in range(0, n_iter):
         g = tl.load(GROUPS + start + it // (GROUP // BLOCK_M))
         start_m = g * GROUP + (it % (GROUP // BLOCK_M)) * BLOCK_M
         rows = start_m + offs_m
@@ -286,8 +286,7 @@ class KernelConfig:
     """Tile sizes and launch settings of one kernel; ``block_m`` must divide group_size, ``block_n`` kv_block.
 
     ``tma``: the loop's gathered tiles (K/V in forward and dq, Q/dO in dk/dv) come through TMA descriptors
-    (Hopper and newer) instead of pointer loads. ``warp_specialize``: Triton splits the loop into producer
-    (loads) and consumer (math) warps.
+    (Hopper and newer) instead of pointer loads.
     """
 
     block_m: int
@@ -295,7 +294,6 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     tma: bool = False
-    warp_specialize: bool = False
 
 
 @dataclass(frozen=True)
@@ -414,8 +412,7 @@ def sparse_attention_fwd_launch(q, k, v, indices, counts, group_size: int, kv_bl
         H, S, indices.shape[2], indices.shape[3], scale * _LOG2E,
         HEAD_DIM=D, D_PAD=d_pad, GROUP=group_size, KV_BLOCK=kv_block,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, EVEN_M=even_m, EVEN_N=even_n, EVEN_D=even_d, USE_TMA=cfg.tma,
-        DOT_PRECISION=_dot_precision(q.dtype), WARP_SPECIALIZE=cfg.warp_specialize,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
 
@@ -458,7 +455,7 @@ def _launch_bwd_dq(q, k, v, out, do, lse, dlse, indices, counts, group_size, kv_
         HEAD_DIM=D, D_PAD=d_pad, GROUP=group_size, KV_BLOCK=kv_block, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         EVEN_M=even_m, EVEN_N=even_n, EVEN_D=even_d, HAS_DLSE=has_dlse, USE_TMA=cfg.tma,
         DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, WARP_SPECIALIZE=cfg.warp_specialize,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return dq, delta
 
@@ -477,8 +474,7 @@ def _launch_bwd_dkdv(q, k, v, do, lse, delta, offsets, groups, group_size, kv_bl
         H, S, triton.cdiv(S, kv_block), scale * _LOG2E, scale,
         HEAD_DIM=D, D_PAD=d_pad, GROUP=group_size, KV_BLOCK=kv_block, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         EVEN_M=even_m, EVEN_N=even_n, EVEN_D=even_d, USE_TMA=cfg.tma,
-        DOT_PRECISION=_dot_precision(q.dtype), WARP_SPECIALIZE=cfg.warp_specialize,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return dk, dv
 
