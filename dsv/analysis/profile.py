@@ -40,9 +40,10 @@ class _Recorder:
         self.sparsity.setdefault(layer.layer_index, []).append(sparsity.float().cpu())
         if layer.cfg.mode == "dense":
             return
-        # Budget from this measurement, so that recall is comparable across layers whatever their state.
+        # Budget from this measurement (and the layer's recall boost), so that recall is comparable across
+        # layers whatever their state.
         keep_blocks = keep_blocks_from_sparsity(sparsity, -(-q.shape[2] // layer.cfg.key_block),
-                                                layer.cfg.keep_floor_blocks, layer.cfg.keep_margin)
+                                                layer.cfg.keep_floor_blocks, layer.budget_margin(layer.keep_boost))
         index = layer.compute_index(hidden, q, k, grid, keep_blocks=keep_blocks)
         recall = index_recall(q, k, index, rows, scale=layer.scale).mean(0)
         self.recall.setdefault(layer.layer_index, []).append(recall.float().cpu())

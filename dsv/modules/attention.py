@@ -69,6 +69,8 @@ class DSVAttentionCore(nn.Module):
         self.register_buffer("loss_ema", torch.tensor(float("nan")))
         self.register_buffer("use_sparse", torch.tensor(self.cfg.mode == "window"))
         self.register_buffer("keep_fraction", torch.ones(heads))
+        # Per-head widening of the budget that holds the selection's recall at `cfg.recall_target`.
+        self.register_buffer("keep_boost", torch.zeros(heads))
         self.register_load_state_dict_post_hook(lambda module, _keys: module._refresh_host_state())
         # Host mirrors from the initial values, not read back from the buffers: the model can then be
         # built on the meta device (large-model init under FSDP).
@@ -125,7 +127,7 @@ class DSVAttentionCore(nn.Module):
         sparsity = self.sparsity_ema
         if torch.isnan(sparsity).any():
             return  # never profiled: stay as is
-        keep = (1.0 - sparsity + self.cfg.keep_margin).clamp(0.0, 1.0)
+        keep = (1.0 - sparsity + self.budget_margin(self.keep_boost)).clamp(0.0, 1.0)
         self.keep_fraction.copy_(keep)
         sparse = bool(sparsity.mean() >= self.cfg.sparse_threshold)
         self.dispatch_reason = f"mean sparsity {float(sparsity.mean()):.3f} vs threshold {self.cfg.sparse_threshold}"
@@ -141,6 +143,21 @@ class DSVAttentionCore(nn.Module):
         self.use_sparse.fill_(sparse)
         self._refresh_host_state()
 
+    def budget_margin(self, keep_boost: torch.Tensor) -> torch.Tensor:
+        """Kept fraction per head on top of `1 - sparsity`: the configured margin plus the recall boost."""
+        return self.cfg.keep_margin + keep_boost
+
+    def update_keep_boost(self, keep_boost: torch.Tensor, recall: torch.Tensor) -> None:
+        """Move each head's boost by its recall gap (a step of `recall_target`'s integral control), in place.
+
+        Gain 1: a gap of x kept mass asks for x more kept fraction. Near the target the recall rises slower
+        than the budget (the kept blocks already hold most of the mass), so the budget approaches the target
+        from one side; where it rises faster the step overshoots and the next profiling narrows it back."""
+        if self.cfg.recall_target <= 0.0:
+            return
+        gap = self.cfg.recall_target * self.cfg.theta - recall.to(keep_boost.dtype)
+        keep_boost.copy_((keep_boost + gap).clamp(0.0, 1.0))
+
     def state_summary(self) -> dict:
         def values(t: torch.Tensor) -> list[float | None]:
             return [None if math.isnan(x) else round(x, 4) for x in t.tolist()]
@@ -151,6 +168,7 @@ class DSVAttentionCore(nn.Module):
             "sparsity": values(self.sparsity_ema),
             "recall": values(self.recall_ema),
             "keep": [round(x, 4) for x in self._keep_fraction_host],
+            "keep_boost": [round(x, 4) for x in self.keep_boost.tolist()],
             "predictor_loss": None if math.isnan(float(self.loss_ema)) else round(float(self.loss_ema), 5),
             "dispatch": self.dispatch_reason,
         }
@@ -216,7 +234,7 @@ class DSVAttentionCore(nn.Module):
             check = False
         if learning or check:
             update(self._runtime_id, hidden, q, k, None if index is None else index.indices, list(grid), check,
-                   learning, autocast_dtype, self.loss_ema, self.sparsity_ema, self.recall_ema)
+                   learning, autocast_dtype, self.loss_ema, self.sparsity_ema, self.recall_ema, self.keep_boost)
         return index
 
     @property
@@ -297,7 +315,7 @@ class DSVAttentionCore(nn.Module):
             q_lr, k_lr = self.predictor.project(hidden.detach().to(self.predictor.q_proj.weight.dtype))
             return estimate_index(q_lr, k_lr, keep_blocks, cfg.group_size, kv_block, backend=cfg.backend)
 
-    def _learn_and_profile(self, hidden, q, k, grid, loss_ema, sparsity_ema, recall_ema) -> None:
+    def _learn_and_profile(self, hidden, q, k, grid, loss_ema, sparsity_ema, recall_ema, keep_boost) -> None:
         """Once per training step (a checkpointing recompute skips it): one predictor step, and on
         profiling steps the exact per-head sparsity and the recall of this layer's selection. Updates the
         given EMA tensors in place: the layer's buffers, or a compiled graph's copies of them."""
@@ -329,10 +347,11 @@ class DSVAttentionCore(nn.Module):
                 return
             # Recall of the selection this layer would make at its measured budget.
             keep_blocks = keep_blocks_from_sparsity(sparsity_ema, -(-seq_len // cfg.key_block),
-                                                    cfg.keep_floor_blocks, cfg.keep_margin)
+                                                    cfg.keep_floor_blocks, self.budget_margin(keep_boost))
             index = self.compute_index(hidden, q, k, grid, keep_blocks=keep_blocks)
             recall = index_recall(q, k, index, rows, scale=self.scale).mean(0)
             recall_ema.copy_(_ema(recall_ema, recall, cfg.ema_momentum))
+            self.update_keep_boost(keep_boost, recall)
 
     def _warn_if_slow(self, q: torch.Tensor) -> None:
         if self._last_backend == "reference" and q.is_cuda and not self._warned_backend:
@@ -498,6 +517,7 @@ def _update_kernel(
     loss_ema: torch.Tensor,
     sparsity_ema: torch.Tensor,
     recall_ema: torch.Tensor,
+    keep_boost: torch.Tensor,
 ) -> None:
     """The finite check (when asked) and `DSVAttentionCore._learn_and_profile` (when `learn`).
 
@@ -513,14 +533,14 @@ def _update_kernel(
     # activation checkpoint (it runs once per step, not again in the recompute).
     with (_autograd_dispatch(), _autocast(q.device.type, autocast_dtype),
           torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)):
-        layer._learn_and_profile(hidden, q, k, tuple(grid), loss_ema, sparsity_ema, recall_ema)
+        layer._learn_and_profile(hidden, q, k, tuple(grid), loss_ema, sparsity_ema, recall_ema, keep_boost)
 
 
 _layer_update = torch.library.custom_op("dsv::layer_update", _update_kernel,
-                                        mutates_args=("loss_ema", "sparsity_ema", "recall_ema"))
+                                        mutates_args=("loss_ema", "sparsity_ema", "recall_ema", "keep_boost"))
 
 
 @_layer_update.register_fake
 def _(layer_id, hidden, q, k, selected, grid, check_finite, learn, autocast_dtype, loss_ema, sparsity_ema,
-      recall_ema):
+      recall_ema, keep_boost):
     return None

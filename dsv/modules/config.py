@@ -43,6 +43,9 @@ class AttentionConfig:
     sparse_threshold: float = 0.8  # a block goes sparse when its mean head sparsity reaches this
     keep_floor_blocks: int = 2  # every group keeps at least this many key blocks
     keep_margin: float = 0.0  # extra kept fraction on top of (1 - sparsity)
+    # > 0: each head's budget widens (or narrows back) at every profiling step until its selection keeps
+    # this fraction of theta of the attention mass (0.9: 90% of the critical mass); 0: the paper's budget.
+    recall_target: float = 0.0
     # A sparse-enough block runs sparse only where the measured kernel speed beats dense at its shape
     # (`dsv.modules.dispatch`); False dispatches on sparsity alone (kernel checks on short sequences).
     speed_dispatch: bool = True
@@ -62,6 +65,9 @@ class AttentionConfig:
             raise ValueError(f"attention.kv_block must be >= 0 (0 = cube volume), got {self.kv_block}")
         if not 0.0 < self.theta < 1.0:
             raise ValueError(f"attention.theta must be in (0, 1), got {self.theta}")
+        if not 0.0 <= self.recall_target <= 1.0:
+            raise ValueError(f"attention.recall_target must be in [0, 1] (a fraction of theta; 0 = off), "
+                             f"got {self.recall_target}")
         if not 0.0 <= self.ema_momentum < 1.0:
             raise ValueError(f"attention.ema_momentum must be in [0, 1), got {self.ema_momentum}")
         for name in ("sample_stride", "max_sample_rows", "profile_every_stage1", "profile_every_stage2",

@@ -298,7 +298,7 @@ def window_index(
 
 
 def keep_blocks_from_sparsity(
-    sparsity: torch.Tensor, num_kv_blocks: int, floor_blocks: int, margin: float = 0.0
+    sparsity: torch.Tensor, num_kv_blocks: int, floor_blocks: int, margin: float | torch.Tensor = 0.0
 ) -> torch.Tensor:
     """Key blocks to keep per head: ``clamp(ceil((1 - sparsity + margin) * NKB), floor_blocks, NKB)``.
 
@@ -306,7 +306,7 @@ def keep_blocks_from_sparsity(
         sparsity: float ``[H]`` measured head sparsity.
         num_kv_blocks: ``NKB``.
         floor_blocks: least blocks any head keeps, >= 1 (capped at ``NKB``).
-        margin: extra kept fraction on top of ``1 - sparsity``.
+        margin: extra kept fraction on top of ``1 - sparsity``: one for all heads, or float ``[H]``.
 
     Returns:
         int32 ``[H]`` on ``sparsity``'s device.
@@ -315,6 +315,11 @@ def keep_blocks_from_sparsity(
         raise ValueError("sparsity must be a 1-D floating tensor [H]")
     _check_positive_int(num_kv_blocks, "num_kv_blocks")
     _check_positive_int(floor_blocks, "floor_blocks")
+    if isinstance(margin, torch.Tensor):
+        if margin.shape != sparsity.shape:
+            raise ValueError(f"margin must be a float or a tensor of sparsity's shape {tuple(sparsity.shape)}, "
+                             f"got {tuple(margin.shape)}")
+        margin = margin.to(device=sparsity.device, dtype=torch.float64)
     wanted = (1.0 - sparsity.double() + margin) * num_kv_blocks
     keep = torch.ceil(wanted - WHOLE_BLOCK_TOLERANCE)
     return keep.clamp(min=floor_blocks).clamp(max=num_kv_blocks).to(torch.int32)

@@ -385,11 +385,12 @@ class ContextParallel:
             if cfg.mode == "dense":
                 return
             keep_blocks = keep_blocks_from_sparsity(layer.sparsity_ema, -(-seq_len // cfg.key_block),
-                                                    cfg.keep_floor_blocks, cfg.keep_margin)
+                                                    cfg.keep_floor_blocks, layer.budget_margin(layer.keep_boost))
             index = self._index(layer, x, q, k, layout, grid, keep_blocks.cpu())
-            recall = index_recall(q_all, k_all, index, rows, scale=layer.scale).mean(0)
-            layer.recall_ema.copy_(_ema(layer.recall_ema, self._sum_heads(recall, heads, layer.heads, layout),
-                                        cfg.ema_momentum))
+            recall = self._sum_heads(index_recall(q_all, k_all, index, rows, scale=layer.scale).mean(0), heads,
+                                     layer.heads, layout)
+            layer.recall_ema.copy_(_ema(layer.recall_ema, recall, cfg.ema_momentum))
+            layer.update_keep_boost(layer.keep_boost, recall)
             if self.mode == "hybrid":
                 # What SCP would move at each degree with this selection: the planner's SCP volume.
                 fetched = {}

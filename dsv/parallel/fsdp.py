@@ -18,9 +18,9 @@ from dsv.modules.attention import DSVAttentionCore
 from dsv.modules.dit import VideoDiT
 from dsv.modules.predictor import LowRankPredictor
 
-# Per-layer buffers that the profiler and the predictor update with an EMA inside the training forward.
-# Rank-local inputs make them differ by rank; `sync_dsv_state` averages them.
-EMA_BUFFERS = ("sparsity_ema", "recall_ema", "loss_ema")
+# Per-layer buffers that the profiler and the predictor update inside the training forward (EMAs, and the
+# recall boost's integral step). Rank-local inputs make them differ by rank; `sync_dsv_state` averages them.
+EMA_BUFFERS = ("sparsity_ema", "recall_ema", "loss_ema", "keep_boost")
 
 
 def _dsv_layers(model: nn.Module) -> list[DSVAttentionCore]:
@@ -39,13 +39,15 @@ def _block_units(model: nn.Module) -> list[nn.Module]:
 
 @torch.no_grad()
 def sync_dsv_state(model: nn.Module) -> None:
-    """Average every DSV layer's EMA buffers (`sparsity_ema [H]`, `recall_ema [H]`, `loss_ema []`)
-    over all ranks (every rank that runs the model must dispatch alike), in one all-reduce.
+    """Average every DSV layer's EMA buffers (`sparsity_ema [H]`, `recall_ema [H]`, `loss_ema []`) and its
+    recall boost (`keep_boost [H]`) over all ranks (every rank that runs the model must dispatch alike), in
+    one all-reduce.
 
     Called after each training forward (that is when the EMAs change), this equals an EMA of the
     rank-averaged measurements: with identical old values on every rank,
     `mean_r(m·old + (1-m)·x_r) = m·old + (1-m)·mean_r(x_r)`, and the first measurement (NaN → x_r)
-    becomes `mean_r(x_r)`. The dispatch and the stage switch, which read these buffers, then decide the
+    becomes `mean_r(x_r)`; the boost's step `old + gap_r` likewise becomes `old + mean_r(gap_r)` (unless
+    its [0, 1] clamp acted on some rank). The dispatch and the stage switch, which read these buffers, then decide the
     same on every rank. Never-measured entries are NaN on every rank (profiling runs on the same steps
     everywhere) and stay NaN.
     """

@@ -146,6 +146,8 @@ def test_bad_inputs_raise_clear_errors():
         lonely(torch.randn(1, 64, DIM), GRID)
     with pytest.raises(ValueError, match="attention.mode"):
         dataclasses.replace(AttentionConfig(), mode="sparse")
+    with pytest.raises(ValueError, match=r"attention.recall_target must be in \[0, 1\]"):
+        AttentionConfig(recall_target=1.5)
 
 
 def test_model_builds_on_the_meta_device():
@@ -182,3 +184,34 @@ def test_sequences_shorter_than_the_sample_stride_train():
         model.attn(x, (2, 4, 4)).sum().backward()
         model.controller.end_step()
     assert not torch.isnan(model.attn.sparsity_ema).any()
+
+
+def profiled_recalls(recall_target: float, steps: int = 6) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Per-step measured recall (the EMA with momentum 0, so each is that step's own) of a layer profiled
+    every step on fixed inputs, with no model update: only the recall boost differs between targets."""
+    model = make("dsv", max_stage1_steps=1, sparse_threshold=0.0, profile_every_stage1=1, profile_every_stage2=1,
+                 keep_floor_blocks=1, ema_momentum=0.0, recall_target=recall_target, predictor_lr=0.0)
+    x = torch.randn(2, 64, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    recalls = []
+    for step in range(steps):
+        model.controller.begin_step(step)
+        model(x)
+        model.controller.end_step()
+        recalls.append(model.attn.recall_ema.clone())
+    return recalls, model.attn.keep_boost.clone()
+
+
+def test_recall_target_widens_the_budget_until_the_selection_keeps_its_mass():
+    theta = AttentionConfig().theta
+    plain, plain_boost = profiled_recalls(0.0, steps=10)
+    held, boost = profiled_recalls(1.0, steps=10)
+    assert plain_boost.abs().sum() == 0  # off: the paper's budget
+    torch.testing.assert_close(held[0], plain[0], **TOL64)  # the first step measures before any boost
+    assert (boost > 0).all()
+    # Each step samples other rows, the same in both runs: more kept blocks never lose mass there (the
+    # selection is top-k by predicted score).
+    assert all((h >= p - 1e-12).all() for h, p in zip(held, plain))
+    # After two profiling steps the recall hovers at the target (theta); without the boost it stays below.
+    settled = torch.stack(held[2:]).mean(0)
+    assert (settled - theta).abs().max() < 0.03, settled
+    assert (torch.stack(plain[2:]).mean(0) < theta - 0.08).all(), "setup: the plain budget must miss mass"

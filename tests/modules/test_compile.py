@@ -31,10 +31,11 @@ GRAPHS = {"dsv": 2, "oracle": 2, "window": 1, "dense": 1}
 
 def attention_config(mode: str, **overrides) -> AttentionConfig:
     # dsv switches after step 1 (max_stage1_steps), oracle after its first profiling step (step 0); every
-    # block goes sparse, and stage 2 profiles and re-dispatches every other step.
+    # block goes sparse, and stage 2 profiles and re-dispatches every other step. The recall target moves
+    # the budget at every profiling step (a buffer the compiled update op mutates).
     return AttentionConfig(**{"mode": mode, "cube": (2, 2, 2), "sample_stride": 4, "max_stage1_steps": 2,
                               "profile_every_stage1": 1, "profile_every_stage2": 2, "sparse_threshold": 0.0,
-                              **overrides})
+                              "recall_target": 0.95, **overrides})
 
 
 class Block(torch.nn.Module):
@@ -50,7 +51,7 @@ class Block(torch.nn.Module):
 
 
 def dsv_state(layer) -> dict[str, torch.Tensor]:
-    state = {name: getattr(layer, name).clone() for name in ("loss_ema", "sparsity_ema", "recall_ema")}
+    state = {name: getattr(layer, name).clone() for name in ("loss_ema", "sparsity_ema", "recall_ema", "keep_boost")}
     if layer.predictor is not None:
         state |= {f"predictor.{n}": p.detach().clone() for n, p in layer.predictor.named_parameters()}
     return state
@@ -126,6 +127,8 @@ def test_block_compiles_fullgraph_and_matches_eager(mode):
     assert run.graphs == GRAPHS[mode]
     if mode in ("dsv", "oracle"):  # the re-dispatches changed the budgets, without a recompile
         assert len(run.budgets) > 1
+    if mode == "dsv":  # the compiled update op moved the recall boost (compared with eager above)
+        assert run.compiled.block.attn.keep_boost.abs().sum() > 0
     # Inference compiles too (selection only, no learning): one more graph, since dynamo guards on grad mode
     # and on `training`.
     for model in (run.eager, run.compiled):
@@ -222,7 +225,7 @@ def test_runtime_ops_pass_opcheck():
     indices, _ = torch.ops.dsv.layer_select(*select_args)
     assert_opcheck_passes(torch.ops.dsv.layer_update.default,
                           (layer._runtime_id, hidden, q, k, indices, list(GRID), True, True, None, layer.loss_ema,
-                           layer.sparsity_ema, layer.recall_ema))
+                           layer.sparsity_ema, layer.recall_ema, layer.keep_boost))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -84,3 +84,21 @@ def test_state_round_trips_through_state_dict():
     assert fresh.controller.current_stage == 2
     assert fresh.controller.sparse_layers() == model.controller.sparse_layers() == [0, 2]
     assert fresh.controller.layers[2]._keep_fraction_host == model.controller.layers[2]._keep_fraction_host
+
+
+def test_recall_boost_steps_by_the_recall_gap_and_feeds_the_dispatch():
+    model = model_with(recall_target=0.9, theta=0.9, sparse_threshold=0.5)  # target mass 0.81
+    layer = model.controller.layers[0]
+    layer.update_keep_boost(layer.keep_boost, torch.tensor([0.6, 0.9]))
+    torch.testing.assert_close(layer.keep_boost, torch.tensor([0.21, 0.0]))  # a head above target: no boost
+    layer.update_keep_boost(layer.keep_boost, torch.tensor([0.85, 0.2]))
+    torch.testing.assert_close(layer.keep_boost, torch.tensor([0.17, 0.61]))  # narrows back above target
+    layer.update_keep_boost(layer.keep_boost, torch.tensor([-0.5, -0.5]))
+    torch.testing.assert_close(layer.keep_boost, torch.tensor([1.0, 1.0]))  # clamped to [0, 1]
+    layer.keep_boost.copy_(torch.tensor([0.2, 0.0]))
+    layer.sparsity_ema.copy_(torch.tensor([0.9, 0.95]))
+    layer.dispatch()
+    torch.testing.assert_close(layer.keep_fraction, torch.tensor([0.3, 0.05]))
+    off = model_with(recall_target=0.0).controller.layers[0]
+    off.update_keep_boost(off.keep_boost, torch.tensor([0.1, 0.1]))
+    assert off.keep_boost.abs().sum() == 0

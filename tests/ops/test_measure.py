@@ -224,6 +224,10 @@ def test_keep_blocks_from_sparsity():
     assert keep_blocks_from_sparsity(torch.tensor([0.9]), 10, floor_blocks=1, margin=0.05).tolist() == [2]
     assert keep_blocks_from_sparsity(torch.tensor([0.0]), 10, floor_blocks=1, margin=0.5).tolist() == [10]
     assert keep_blocks_from_sparsity(torch.tensor([0.99]), 4, floor_blocks=9).tolist() == [4]
+    per_head = keep_blocks_from_sparsity(torch.tensor([0.9, 0.9]), 10, floor_blocks=1, margin=torch.tensor([0.0, 0.3]))
+    assert per_head.tolist() == [1, 4]
+    with pytest.raises(ValueError, match=r"margin must be a float or a tensor of sparsity's shape \(2,\)"):
+        keep_blocks_from_sparsity(torch.tensor([0.9, 0.9]), 10, floor_blocks=1, margin=torch.zeros(3))
     with pytest.raises(ValueError, match=r"floor_blocks must be a positive int"):
         keep_blocks_from_sparsity(sparsity, 10, floor_blocks=0)
     with pytest.raises(ValueError, match=r"sparsity must be a 1-D floating tensor"):
