@@ -12,6 +12,7 @@ apart: the predictor update (steps with and without it), a profiling step (amort
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import statistics
 import time
@@ -39,6 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per mode (median reported)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", type=Path, default=None, help="write the markdown report here")
+    parser.add_argument("--op-profile", type=Path, default=None, metavar="FOLDER",
+                        help="after timing, profile one more step of each run and write its top operators by "
+                             "device time to FOLDER/<tokens>-<mode>.txt")
+    parser.add_argument("--memory-history", type=Path, default=None, metavar="FOLDER",
+                        help="record the CUDA allocator's history over each run's timed steps and dump it to "
+                             "FOLDER/<tokens>-<mode>.pickle (view at pytorch.org/memory_viz)")
 
 
 def _timed(fn, device: torch.device) -> float:
@@ -59,6 +66,36 @@ def _reset_peak(device: torch.device) -> None:
 def _peak_gib(device: torch.device) -> float:
     """Peak allocated GiB since the last reset (NaN off CUDA, where it is not tracked)."""
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+
+
+def _op_profile(step, device: torch.device, path: Path) -> None:
+    """One step under torch.profiler; its operators by total device (else host) time, as a table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    sort_by = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(prof.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=70))
+
+
+@contextlib.contextmanager
+def _memory_history(folder: Path | None, name: str, device: torch.device):
+    """Record the CUDA allocator's history (every allocation with its Python stack) while the body runs,
+    then dump it to `folder/name.pickle`; a no-op without a folder or off CUDA."""
+    if folder is None or device.type != "cuda":
+        yield
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.cuda.memory._record_memory_history(max_entries=200_000)
+    try:
+        yield
+        torch.cuda.memory._dump_snapshot(str(folder / f"{name}.pickle"))
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
 
 
 class _Run:
@@ -140,7 +177,8 @@ def run(args) -> int:
                 run_.enter_stage2(profile)
                 row["sparse_blocks"] = sum(layer.runs_sparse() for layer in run_.model.controller.layers)
                 _reset_peak(device)
-                row["ms"] = run_.median_ms(args.warmup, args.steps)
+                with _memory_history(args.memory_history, f"{tokens}-{mode}", device):
+                    row["ms"] = run_.median_ms(args.warmup, args.steps)
                 row["peak_gib"] = _peak_gib(device)
                 # Profiling steps: the controller's schedule made due on every step.
                 run_.set_attention(profile_every_stage2=1)
@@ -160,8 +198,11 @@ def run(args) -> int:
             else:
                 _reset_peak(device)
                 row["sparse_blocks"] = sum(layer.runs_sparse() for layer in run_.model.controller.layers)
-                row["ms"] = run_.median_ms(args.warmup, args.steps)
+                with _memory_history(args.memory_history, f"{tokens}-{mode}", device):
+                    row["ms"] = run_.median_ms(args.warmup, args.steps)
                 row["peak_gib"] = _peak_gib(device)
+            if args.op_profile is not None:
+                _op_profile(run_.step, device, args.op_profile / f"{tokens}-{mode}.txt")
             if mode == "dense":
                 dense_ms = row["ms"]
             row["speedup"] = dense_ms / row["ms"] if dense_ms else float("nan")

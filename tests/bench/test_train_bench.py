@@ -7,7 +7,8 @@ def test_bench_train_reports_all_modes(tmp_path, capsys):
     out = tmp_path / "report.md"
     code = main(["bench", "train", "--recipe", "debug_cpu", "--device", "cpu", "--tokens", "128", "--spatial", "8",
                  "--set", "model.depth=5", "--set", "model.hidden=32", "--set", "model.heads=2",
-                 "--set", "attention.cube=2,2,2", "--warmup", "0", "--steps", "1", "--out", str(out)])
+                 "--set", "attention.cube=2,2,2", "--warmup", "0", "--steps", "1", "--out", str(out),
+                 "--op-profile", str(tmp_path / "ops"), "--memory-history", str(tmp_path / "mem")])
     assert code == 0
     rows = [line for line in out.read_text().splitlines() if line.startswith("| 128 |")]
     assert [row.split("|")[2].strip() for row in rows] == ["dense", "window", "dsv"]
@@ -16,3 +17,7 @@ def test_bench_train_reports_all_modes(tmp_path, capsys):
     # 0.8 threshold alone dispatches, so blocks with mean sparsity >= 0.8 run sparse.
     assert int(dsv_row[6]) >= 1
     assert "predictor update" in dsv_row[7]
+    # One operator table per run (host time on the CPU); the allocator history exists on CUDA only.
+    for mode in ("dense", "window", "dsv"):
+        assert "Self CPU" in (tmp_path / "ops" / f"128-{mode}.txt").read_text()
+    assert not (tmp_path / "mem").exists()
