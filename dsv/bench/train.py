@@ -214,7 +214,7 @@ def run(args) -> int:
                 torch.cuda.empty_cache()
     lines = [f"# Training step time, {args.recipe} shape, {machine}", "",
              f"torch {torch.__version__}; batch 1, {'bf16 autocast' if device.type == 'cuda' else 'fp32'}, "
-             f"activation checkpointing, AdamW; random "
+             f"activation checkpointing, AdamW{', blocks compiled (' + cfg.model.compile + ')' if cfg.model.compile else ''}; random "
              f"latents of {cfg.model.in_channels} channels, patch {cfg.model.patch}; DSV in stage 2 with the "
              f"{'paper 2.7B' if args.profile == 'paper' else args.profile} sparsity profile; median of "
              f"{args.steps} steps after {args.warmup} warm-up.", "",

@@ -30,10 +30,16 @@ class ModelConfig:
     mlp_ratio: float = 4.0
     num_classes: int = 0  # > 0 adds class conditioning (with a null class for guidance)
     activation_checkpointing: bool = False
+    # A torch.compile backend for every block (fullgraph; "inductor" on GPUs), "" for eager. Each block
+    # compiles once per dispatch (dense, sparse), not per step (tests/modules/test_compile.py).
+    compile: str = ""
 
     def __post_init__(self) -> None:
         if self.arch not in MODEL_ARCHS:
             raise ValueError(f"model.arch must be one of {MODEL_ARCHS}, got {self.arch!r}")
+        if self.compile and self.arch != "dit":
+            raise ValueError(f"model.compile={self.compile!r} compiles the blocks of model.arch='dit'; for a diffusers "
+                             "model compile its transformer blocks yourself, or set model.compile=''")
         self.patch = tuple(int(p) for p in self.patch)
         if len(self.patch) != 3 or min(self.patch) < 1:
             raise ValueError(f"model.patch must be three positive ints (t, h, w), got {self.patch}")
@@ -109,10 +115,18 @@ class VideoDiT(nn.Module):
         self._init_weights()
         self.controller = DSVController(attn_cfg).attach(self)
         self.context_parallel = None
+        if cfg.compile:
+            for block in self.blocks:  # in place: the state_dict keys stay those of the eager model
+                block.compile(backend=cfg.compile, fullgraph=True)
 
     def enable_context_parallel(self, context_parallel) -> None:
         """Split each sample's sequence over a CP group (`dsv.parallel.context.ContextParallel`): the
         blocks see this rank's chunk in grouped order; the output is gathered back on every rank."""
+        if self.cfg.compile:
+            # The CP attention's collectives and host-side layout choice are not traced: refuse rather than
+            # fail inside a compiled graph.
+            raise ValueError(f"model.compile={self.cfg.compile!r} does not run under context parallelism yet; "
+                             "set model.compile='' with parallel.cp > 1")
         self.context_parallel = context_parallel
         for block in self.blocks:
             block.attn.context_parallel = context_parallel

@@ -35,9 +35,11 @@ from dsv.train.config import Config, config_from_dict, config_to_dict
 from dsv.train.data import build_dataset
 
 # A resumed run must match the checkpoint's configuration except in these fields, which change neither
-# the model nor the sequence of batches and updates (so the continuation stays exact).
+# the model nor the sequence of batches and updates (so the continuation stays exact up to the rounding of a
+# compiled graph).
 RESUMABLE_CHANGES = {"train": {"steps", "log_every", "eval_every", "ckpt_every", "keep_checkpoints", "tensorboard",
-                               "threads", "out_dir", "device"}}
+                               "threads", "out_dir", "device"},
+                     "model": {"compile"}}
 
 
 def init_distributed(device_name: str) -> tuple[int, int, torch.device]:
@@ -224,9 +226,10 @@ class Trainer:
                 for section in vars(saved) for k, v in vars(getattr(saved, section)).items()
                 if getattr(getattr(self.cfg, section), k) != v and k not in RESUMABLE_CHANGES.get(section, ())]
         if diff:
-            raise CheckpointError(f"checkpoint {ckpt} was made with another configuration (only "
-                                  f"train.{{{', '.join(sorted(RESUMABLE_CHANGES['train']))}}} may change on resume): "
-                                  + "; ".join(diff))
+            allowed = " and ".join(f"{section}.{{{', '.join(sorted(fields))}}}"
+                                   for section, fields in RESUMABLE_CHANGES.items())
+            raise CheckpointError(f"checkpoint {ckpt} was made with another configuration (only {allowed} may "
+                                  "change on resume): " + "; ".join(diff))
         if state["world_size"] != self.world:
             raise CheckpointError(f"checkpoint {ckpt} was saved by {state['world_size']} ranks; this run has "
                                   f"{self.world} (resume with the same number of processes)")
