@@ -18,7 +18,7 @@ def _model(mode: str, checkpointing: bool = False) -> VideoDiT:
     torch.manual_seed(0)
     attn = AttentionConfig(mode=mode, cube=(2, 2, 2), min_stage1_steps=0, max_stage1_steps=1,
                            profile_every_stage1=1, profile_every_stage2=1, sparse_threshold=0.0,
-                           keep_floor_blocks=2, sample_stride=4, window_frac=0.5)
+                           keep_floor_blocks=2, sample_stride=4, window_frac=0.5, recall_target=0.95)
     model = VideoDiT(ModelConfig(in_channels=3, patch=(1, 2, 2), hidden=32, depth=2, heads=4,
                                  activation_checkpointing=checkpointing), attn)
     # Non-zero output paths, so that every block's attention reaches the loss and its gradients.
@@ -68,11 +68,13 @@ def _worker(rank, world, mode, cp_mode, hcp_size, checkpointing):
                 torch.testing.assert_close(p, p_single, **TOL)
         torch.testing.assert_close(layer.sparsity_ema, single_layer.sparsity_ema, **TOL)
         torch.testing.assert_close(layer.recall_ema, single_layer.recall_ema, **TOL)
+        torch.testing.assert_close(layer.keep_boost, single_layer.keep_boost, **TOL)  # the recall floor's budget
         torch.testing.assert_close(layer.loss_ema, single_layer.loss_ema, **TOL, equal_nan=True)  # NaN: no predictor
     return {
         "paths": [layer.last_path for layer in layers],
         "stage": model.controller.current_stage,
         "sparsity": torch.stack([layer.sparsity_ema for layer in layers]),
+        "keep_boost": torch.stack([layer.keep_boost for layer in layers]),
         "predictor": [p.detach().clone() for layer in layers if layer.predictor is not None
                       for p in layer.predictor.parameters()],
     }
@@ -89,6 +91,9 @@ def test_cp_training_steps_equal_one_process(tmp_path, world, cp_mode, hcp_size,
         assert result["stage"] == (2 if mode == "dsv" else 1)  # window mode is sparse from the start
         assert all(path.startswith("sparse:") for path in result["paths"]), result["paths"]
         torch.testing.assert_close(result["sparsity"], ranks[0]["sparsity"])
+        torch.testing.assert_close(result["keep_boost"], ranks[0]["keep_boost"])
+        if mode == "dsv":  # the recall floor widened some budget (and equalled one process, above)
+            assert result["keep_boost"].sum() > 0
         for a, b in zip(result["predictor"], ranks[0]["predictor"]):
             torch.testing.assert_close(a, b)
     if hcp_size:
