@@ -99,6 +99,7 @@ def critical_counts(
     _check_theta(theta)
     scale = dim**-0.5 if scale is None else scale
     chunk = _row_chunk(q, rows.numel())
+    k = k.to(compute_dtype(k.dtype))  # once, not per chunk (a full copy of the keys at bf16 input)
     counts = []
     for start in range(0, rows.numel(), chunk):
         probs = _softmax_rows(q, k, rows[start : start + chunk], scale)
@@ -156,6 +157,7 @@ def index_recall(
     # PAD entries map to an extra column that is dropped, so only real ids mark blocks as selected.
     block_columns = torch.where(index.valid_mask(), index.indices.long(), num_kv_blocks)
     chunk = _row_chunk(q, rows.numel())
+    k = k.to(compute_dtype(k.dtype))  # once, not per chunk
     captured = torch.zeros(batch, heads, dtype=compute_dtype(q.dtype), device=q.device)
     for start in range(0, rows.numel(), chunk):
         chunk_rows = rows[start : start + chunk]
@@ -204,6 +206,7 @@ def oracle_index(
     bytes_per_group = batch * heads * (2 * group_size * seq_len * 8 + num_kv_blocks * 24)
     chunk = resolve_chunk_size(chunk_groups, num_groups, bytes_per_group, "chunk_groups")
     padded_keys = num_kv_blocks * kv_block
+    k = k.to(compute_dtype(k.dtype))  # once, not per chunk
     indices = []
     for start in range(0, num_groups, chunk):
         stop = min(start + chunk, num_groups)
