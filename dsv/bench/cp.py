@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from dsv.bench.profiling import write_op_profile
 from dsv.bench.train import _timed
 from dsv.ops import estimate_index, keep_blocks_from_sparsity, sparse_attention
 from dsv.parallel.context import MEASURED_HCP_OVERHEAD_S, MEASURED_SCP_OVERHEAD_S, ContextParallel
@@ -48,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="cpu: gloo and float32 (a functional check; its times mean nothing)")
     parser.add_argument("--out", type=Path, default=None, help="write the markdown report here (rank 0)")
+    parser.add_argument("--op-profile", type=Path, default=None, metavar="FOLDER",
+                        help="after timing, profile one more step of each layout and write rank 0's top "
+                             "operators to FOLDER/<tokens>-<profile>-<mode>.txt")
 
 
 def profiles(heads: int) -> dict[str, list[float]]:
@@ -179,6 +183,13 @@ def _bench(args, runtimes, seq_len, name, sparsity, link_gbps, device, failures)
     results = []
     for mode, (layout, error, step) in steps.items():
         ms = _median_ms(step, args.steps, device)
+        if args.op_profile is not None:  # every rank steps (collectives); rank 0 writes
+            name_part = name.replace(" ", "_")
+            path = args.op_profile / f"{seq_len}-{name_part}-{mode}.txt"
+            if rank == 0:
+                write_op_profile(step, device, path)
+            else:
+                step()
         predicted = evaluate(sparsity, AttentionShape(seq_len, heads, dim), cluster, layout.hcp,
                              [list(p) for p in layout.placement], True, fetched.get(layout.scp)).time_s * 1e3
         results.append({"tokens": seq_len, "profile": name, "mode": mode, "layout": layout.describe(),

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from dsv.bench.profiling import write_op_profile
 from dsv.modules.dit import VideoDiT, flow_matching_loss
 from dsv.modules.attention import model_parameters
 from dsv.parallel.planner import load_profile, paper_profile
@@ -66,20 +67,6 @@ def _reset_peak(device: torch.device) -> None:
 def _peak_gib(device: torch.device) -> float:
     """Peak allocated GiB since the last reset (NaN off CUDA, where it is not tracked)."""
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-
-
-def _op_profile(step, device: torch.device, path: Path) -> None:
-    """One step under torch.profiler; its operators by total device (else host) time, as a table."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    sort_by = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(prof.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=70))
 
 
 @contextlib.contextmanager
@@ -204,7 +191,7 @@ def run(args) -> int:
                     row["ms"] = run_.median_ms(args.warmup, args.steps)
                 row["peak_gib"] = _peak_gib(device)
             if args.op_profile is not None:
-                _op_profile(run_.step, device, args.op_profile / f"{tokens}-{mode}.txt")
+                write_op_profile(run_.step, device, args.op_profile / f"{tokens}-{mode}.txt")
             if mode == "dense":
                 dense_ms = row["ms"]
             row["speedup"] = dense_ms / row["ms"] if dense_ms else float("nan")
