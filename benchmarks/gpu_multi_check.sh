@@ -6,7 +6,7 @@
 # usage: benchmarks/gpu_multi_check.sh OUTDIR   (2 GPUs visible)
 set -o pipefail
 out=$1; mkdir -p "$out"
-torchrun --nproc-per-node 2 -m dsv.bench.cp --tokens 32768 65536 --steps 5 --out "$out/cp-bench.md" 2>&1 | tail -40
+torchrun --nproc-per-node 2 -m dsv.bench.cp --tokens 32768 65536 --steps 5 --out "$out/cp-bench.md" --op-profile "$out/cp-ops" 2>&1 | tail -40
 common=(--recipe small_gpu --set data.frames=16 --set data.size=64 --set attention.cube=4,4,4
   --set attention.min_stage1_steps=0 --set attention.max_stage1_steps=60 --set attention.switch_loss_threshold=0.05
   --set attention.sparse_threshold=0.3 --set attention.profile_every_stage1=20 --set attention.profile_every_stage2=40
