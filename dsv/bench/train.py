@@ -59,6 +59,28 @@ def _timed(fn, device: torch.device) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+def _estimation_ms(run: _Run, device: torch.device) -> float:
+    """Time of one step's key selection (low-rank projection and fused top-k) summed over the sparse
+    layers: one step with an observer that times each sparse layer's `compute_index` on its own inputs,
+    synchronised (the selection itself then runs as usual; a checkpointing recompute reuses it)."""
+    times = []
+
+    def observer(layer, hidden, q, k, grid):
+        if layer.runs_sparse() and torch._C._current_graph_task_id() == -1:  # not in a recompute
+            with torch.no_grad():
+                times.append(_timed(lambda: layer.compute_index(hidden, q, k, grid), device))
+
+    layers = run.model.controller.layers
+    for layer in layers:
+        layer.observer = observer
+    try:
+        run.step()
+    finally:
+        for layer in layers:
+            layer.observer = None
+    return sum(times)
+
+
 def _reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -181,7 +203,8 @@ def run(args) -> int:
                 run_.set_attention(profile_every_stage2=10**9, learn_every_stage2=10**9)
                 _reset_peak(device)
                 no_predictor = statistics.median(_timed(run_.step, device) for _ in range(args.steps))
-                row["notes"] += (f"; predictor update {row['ms'] - no_predictor:.0f} ms/step; peak GiB of a stage-1 "
+                row["notes"] += (f"; predictor update {row['ms'] - no_predictor:.0f} ms/step; critical-KV estimation "
+                                 f"{_estimation_ms(run_, device):.1f} ms/step; peak GiB of a stage-1 "
                                  f"step {stage1_peak:.1f}, of a profiling step {profiling_peak:.1f}, of a step "
                                  f"without the predictor update {_peak_gib(device):.1f}")
             else:

@@ -1,5 +1,7 @@
 """`dsv bench train` runs every mode on a tiny shape and reports DSV in stage 2 with sparse blocks."""
 
+import re
+
 from dsv.cli import main
 
 
@@ -17,6 +19,8 @@ def test_bench_train_reports_all_modes(tmp_path, capsys):
     # 0.8 threshold alone dispatches, so blocks with mean sparsity >= 0.8 run sparse.
     assert int(dsv_row[6]) >= 1
     assert "predictor update" in dsv_row[7]
+    estimation = float(re.search(r"critical-KV estimation ([0-9.]+) ms/step", dsv_row[7]).group(1))
+    assert estimation > 0  # timed in the sparse layers of one step
     # One operator table per run (host time on the CPU); the allocator history exists on CUDA only.
     for mode in ("dense", "window", "dsv"):
         assert "Self CPU" in (tmp_path / "ops" / f"128-{mode}.txt").read_text()
