@@ -29,16 +29,14 @@ from dsv.ops.sparse_attention import triton_kernels as tk
 from dsv.ops.sparse_attention.triton_kernels import KernelConfig as KC
 
 # Candidates per (group_size = kv_block) granularity: (block_m, block_n, num_warps, num_stages[, tma]).
-# Round 2 (round 1's table is in benchmarks/NOTES.md): round 1's winners, their neighbours, and TMA loads.
+# Round 4 (rounds 1-3 are in benchmarks/NOTES.md): the v3 defaults first, then TMA neighbours not tried yet,
+# above all dk/dv with 128-key tiles over two warpgroups (FlashAttention-2's key-major shape).
 VARIANTS = {
     128: {
-        "fwd": [KC(128, 64, 4, 3), KC(128, 64, 4, 2), KC(128, 64, 4, 4), KC(128, 128, 4, 2), KC(128, 32, 4, 3),
-                KC(128, 128, 8, 2), KC(128, 64, 4, 3, True), KC(128, 64, 4, 2, True), KC(128, 128, 8, 2, True),
-                KC(128, 128, 4, 2, True)],
-        "dq": [KC(128, 128, 8, 2), KC(64, 64, 4, 3), KC(128, 128, 8, 3), KC(128, 64, 4, 2), KC(64, 128, 4, 2),
-               KC(64, 64, 4, 2), KC(128, 128, 8, 2, True), KC(64, 64, 4, 3, True), KC(128, 64, 8, 2, True)],
-        "dkdv": [KC(64, 64, 4, 3), KC(64, 128, 8, 2), KC(64, 64, 4, 2), KC(64, 64, 4, 4), KC(64, 128, 4, 2),
-                 KC(128, 64, 8, 2), KC(64, 64, 4, 3, True), KC(64, 128, 8, 2, True), KC(64, 64, 4, 2, True)],
+        "fwd": [KC(128, 64, 4, 2, True), KC(128, 64, 4, 3, True), KC(128, 32, 4, 2, True), KC(128, 32, 4, 3, True)],
+        "dq": [KC(128, 128, 8, 2), KC(128, 128, 8, 2, True), KC(128, 64, 4, 3, True), KC(64, 128, 4, 2, True)],
+        "dkdv": [KC(64, 64, 4, 3, True), KC(32, 128, 8, 2, True), KC(32, 128, 8, 3, True), KC(32, 128, 8, 4, True),
+                 KC(64, 128, 8, 3, True), KC(64, 64, 4, 4, True), KC(32, 64, 4, 3, True)],
     },
     64: {
         "fwd": [KC(64, 32, 4, 3), KC(64, 64, 4, 3), KC(64, 32, 4, 2), KC(64, 32, 4, 3, True), KC(64, 64, 4, 3, True)],
