@@ -229,12 +229,12 @@ def _bench_seq_len(S: int, args, dtype: torch.dtype, flex) -> list[dict]:
     dense_ms = None
     if not args.skip_dense:
         step = _fwd_bwd(_cudnn_attention, q, k, v, grad_out)
-        dense_ms, dense_mem = _bench_ms(step, args.rep_ms), _peak_gib(step)
+        dense_ms, dense_mem, dense_gpu_ms = _bench_ms(step, args.rep_ms), _peak_gib(step), _gpu_kernel_ms(step)
         with torch.no_grad():
             dense_fwd_ms = _bench_ms(lambda: _cudnn_attention(q, k, v), args.rep_ms)
         dense_flops = attention_flops(B * H * float(S) * S, D, backward=True)
         rows.append(dict(S=S, method="cuDNN dense", kept=1.0, fwd_ms=dense_fwd_ms, ms=dense_ms,
-                         tflops=dense_flops / dense_ms / 1e9, mem=dense_mem))
+                         tflops=dense_flops / dense_ms / 1e9, mem=dense_mem, gpu_ms=dense_gpu_ms))
         print(rows[-1], flush=True)
     q_lr, k_lr = (torch.randn(B, H, S, args.rank, device="cuda", dtype=dtype) for _ in range(2))
     n_blocks = math.ceil(S / kv)
@@ -249,10 +249,10 @@ def _bench_seq_len(S: int, args, dtype: torch.dtype, flex) -> list[dict]:
         est_ref_ms = _bench_ms(lambda: estimate_index(q_lr, k_lr, keep, G, kv), args.rep_ms)
         attention = lambda q, k, v: sparse_attention_triton(q, k, v, index)  # noqa: E731
         step = _fwd_bwd(attention, q, k, v, grad_out)
-        dsv_ms, dsv_mem = _bench_ms(step, args.rep_ms), _peak_gib(step)
+        dsv_ms, dsv_mem, dsv_gpu_ms = _bench_ms(step, args.rep_ms), _peak_gib(step), _gpu_kernel_ms(step)
         with torch.no_grad():
             dsv_fwd_ms = _bench_ms(lambda: attention(q, k, v), args.rep_ms)
-        flex_ms = None
+        flex_ms = flex_gpu_ms = None
         if not args.skip_flex:
             block_mask = _flex_block_mask(index)
             flex_attention = lambda q, k, v: flex(q, k, v, block_mask=block_mask,  # noqa: E731
@@ -263,13 +263,15 @@ def _bench_seq_len(S: int, args, dtype: torch.dtype, flex) -> list[dict]:
                 agree = _rel_err(flex_attention(q, k, v), attention(q, k, v))
                 flex_fwd_ms = _bench_ms(lambda: flex_attention(q, k, v), args.rep_ms)
             step = _fwd_bwd(flex_attention, q, k, v, grad_out)
-            flex_ms, flex_mem = _bench_ms(step, args.rep_ms), _peak_gib(step)
+            flex_ms, flex_mem, flex_gpu_ms = _bench_ms(step, args.rep_ms), _peak_gib(step), _gpu_kernel_ms(step)
             rows.append(dict(S=S, method="FlexAttention", kept=kept, fwd_ms=flex_fwd_ms, ms=flex_ms,
-                             tflops=flops / flex_ms / 1e9, mem=flex_mem, agree=agree, dense_ms=dense_ms))
+                             tflops=flops / flex_ms / 1e9, mem=flex_mem, agree=agree, dense_ms=dense_ms,
+                             gpu_ms=flex_gpu_ms))
             print(rows[-1], flush=True)
         rows.append(dict(S=S, method="DSV", kept=kept, sparsity=sparsity, fwd_ms=dsv_fwd_ms, ms=dsv_ms,
                          tflops=flops / dsv_ms / 1e9, mem=dsv_mem, est_ms=est_ms, est_gpu_ms=est_gpu_ms,
-                         est_ref_ms=est_ref_ms, dense_ms=dense_ms, flex_ms=flex_ms))
+                         est_ref_ms=est_ref_ms, dense_ms=dense_ms, flex_ms=flex_ms, gpu_ms=dsv_gpu_ms,
+                         flex_gpu_ms=flex_gpu_ms))
         print(rows[-1], flush=True)
     return rows
 
@@ -312,11 +314,12 @@ def _report(rows, args, device_name: str) -> str:
         "backward). Peak memory: max allocated over one fwd+bwd, inputs included. Est.: critical-KV "
         "estimation, fused Triton wall time (do_bench; a call this small is bound by host launch overhead) / "
         "its kernels' GPU time (torch.profiler) / PyTorch reference wall time; share = fused GPU time ÷ DSV "
-        "fwd+bwd.",
+        "fwd+bwd. GPU ms: the fwd+bwd kernels' device time (torch.profiler, summed), i.e. without the host's "
+        "launch overhead, with DSV's speedup over FlexAttention by that measure.",
         "",
-        "| S | method | kept | fwd ms | fwd+bwd ms | TFLOP/s | × dense | × Flex | est. ms (fused / GPU / ref) "
-        "| est. share | peak GiB | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| S | method | kept | fwd ms | fwd+bwd ms | TFLOP/s | × dense | × Flex | GPU ms (× Flex) "
+        "| est. ms (fused / GPU / ref) | est. share | peak GiB | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         speed_dense = r["dense_ms"] / r["ms"] if r.get("dense_ms") else None
@@ -335,9 +338,12 @@ def _report(rows, args, device_name: str) -> str:
             target = TARGETS.get(round(r["sparsity"], 2))
             if target is not None:
                 note = f"target ≥{target:g}×: {'met' if speed_dense >= target else 'missed'}"
+        gpu = _fmt(r.get("gpu_ms"))
+        if r.get("gpu_ms") and r.get("flex_gpu_ms"):
+            gpu += f" ({r['flex_gpu_ms'] / r['gpu_ms']:.2f}×)"
         lines.append(
             f"| {_fmt_len(r['S'])} | {r['method']} | {r['kept']:.1%} | {_fmt(r['fwd_ms'])} | {_fmt(r['ms'])} "
-            f"| {_fmt(r['tflops'], '.0f')} | {_fmt(speed_dense, '.1f')} | {_fmt(speed_flex, '.2f')} | {est} "
+            f"| {_fmt(r['tflops'], '.0f')} | {_fmt(speed_dense, '.1f')} | {_fmt(speed_flex, '.2f')} | {gpu} | {est} "
             f"| {share} | {_fmt(r['mem'])} | {note} |"
         )
     return "\n".join(lines) + "\n"
