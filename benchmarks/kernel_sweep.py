@@ -37,6 +37,10 @@ VARIANTS = {
         "dq": [KC(128, 128, 8, 2), KC(128, 128, 8, 2, True), KC(128, 64, 4, 3, True), KC(64, 128, 4, 2, True)],
         "dkdv": [KC(64, 64, 4, 3, True), KC(32, 128, 8, 2, True), KC(32, 128, 8, 3, True), KC(32, 128, 8, 4, True),
                  KC(64, 128, 8, 3, True), KC(64, 64, 4, 4, True), KC(32, 64, 4, 3, True)],
+        # The whole backward without the dq pass: dk/dv tiles, dq added by TMA bulk reductions (with TMA)
+        # or element atomics; against the default split backward ("bwd_default" below).
+        "bwd_atomic": [KC(64, 64, 4, 3, True), KC(64, 64, 4, 2, True), KC(64, 128, 8, 2, True),
+                       KC(32, 128, 8, 3, True), KC(64, 64, 4, 3)],
     },
     64: {
         "fwd": [KC(64, 32, 4, 3), KC(64, 64, 4, 3), KC(64, 32, 4, 2), KC(64, 32, 4, 3, True), KC(64, 64, 4, 3, True)],
@@ -103,6 +107,9 @@ class Problem:
         if kernel == "dkdv":
             return tk._launch_bwd_dkdv(self.q, self.k, self.v, self.do, self.lse, self.delta, self.offsets,
                                        self.groups, self.block, self.block, self.scale, cfg)
+        if kernel == "bwd_atomic":
+            default = tk.default_config(self.D, self.block, self.block, tma=True)
+            cfg = tk.SparseAttentionConfig(default.fwd, default.bwd_dq, cfg, atomic_dq=True)
         return tk.sparse_attention_bwd_launch(self.do, self.q, self.k, self.v, self.out, self.lse, None,
                                               idx.indices, idx.counts, self.block, self.block, self.scale, cfg)
 
@@ -111,20 +118,21 @@ class Problem:
         q, k, v = (x.float().requires_grad_() for x in (self.q, self.k, self.v))
         out, lse = sparse_attention_reference_with_lse(q, k, v, self.index)
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), self.do.float())
-        return {"fwd": (out, lse), "dq": (dq,), "dkdv": (dk, dv), "bwd": (dq, dk, dv)}
+        return {"fwd": (out, lse), "dq": (dq,), "dkdv": (dk, dv), "bwd": (dq, dk, dv), "bwd_atomic": (dq, dk, dv)}
 
-    # Executed matmul FLOPs per kernel: fwd QK^T, PV; dq QK^T, dO V^T, dS K; dk/dv QK^T, P^T dO, V dO^T, dS^T Q.
+    # Executed matmul FLOPs per kernel: fwd QK^T, PV; dq QK^T, dO V^T, dS K; dk/dv QK^T, P^T dO, V dO^T, dS^T Q;
+    # the atomic backward is dk/dv plus dS K.
     def flops(self, kernel):
-        return {"fwd": 4, "dq": 6, "dkdv": 8, "bwd": 14}[kernel] * self.pairs * self.D
+        return {"fwd": 4, "dq": 6, "dkdv": 8, "bwd": 14, "bwd_atomic": 10}[kernel] * self.pairs * self.D
 
 
-def sweep(log, S, sparsity, block, kernels=("fwd", "dq", "dkdv"), check=True):
+def sweep(log, S, sparsity, block, kernels=("fwd", "dq", "dkdv", "bwd_atomic"), check=True):
     if check:
         small = Problem(2048, 0.75, block, H=2)
         want = small.reference()
     big = Problem(S, sparsity, block)
     for kernel in kernels:
-        for cfg in VARIANTS[block][kernel]:
+        for cfg in VARIANTS[block].get(kernel, []):
             row = dict(kind="variant", kernel=kernel, S=S, sparsity=sparsity, block=block,
                        cfg=list(cfg.__dict__.values()))
             try:

@@ -8,6 +8,7 @@ compiled kernels in bf16/fp16 against fp32 references, and the interpreter tests
 cannot hold both builds).
 """
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -144,12 +145,16 @@ def test_interpreter_matches_reference(shape):
 
 
 @interpreter
+@pytest.mark.parametrize("atomic_dq", [False, True], ids=["dq-pass", "atomic-dq"])
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
-def test_interpreter_sub_tiles_and_lse_gradient(tma):
-    """Tiles smaller than the group and the key block (several sub-tiles per block), and a loss on the LSE."""
+def test_interpreter_sub_tiles_and_lse_gradient(tma, atomic_dq):
+    """Tiles smaller than the group and the key block (several sub-tiles per block), and a loss on the LSE;
+    dq from its own pass or added by the dk/dv pass."""
+    if tma and atomic_dq:
+        pytest.skip("the interpreter has no TMA reductions (descriptor atomic_add); the GPU tests cover them")
     B, H, S, D, G, kv = 1, 2, 120, 24, 32, 32
     tile = KernelConfig(16, 16, 4, 1, tma=tma)
-    cfg = SparseAttentionConfig(tile, tile, tile)
+    cfg = SparseAttentionConfig(tile, tile, tile, atomic_dq=atomic_dq)
     index = random_index(B, H, S, G, kv, keep=[2, 3])
     q, k, v = (torch.randn(B, H, S, D) for _ in range(3))
     out, lse = tk.sparse_attention_fwd_launch(q, k, v, index.indices, index.counts, G, kv, 0.3, cfg.fwd)
@@ -320,14 +325,16 @@ def test_gpu_matches_fp32_reference(case, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("atomic_dq", [False, True], ids=["dq-pass", "atomic-dq"])
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
-def test_gpu_load_paths_on_strided_inputs(tma):
-    """Both load paths (the defaults use TMA on Hopper) on [B, S, H, D]-transposed inputs, ragged S."""
+def test_gpu_load_paths_on_strided_inputs(tma, atomic_dq):
+    """Both load paths (the defaults use TMA on Hopper) on [B, S, H, D]-transposed inputs, ragged S, and both
+    ways of computing dq (its own pass, or atomics from the dk/dv pass: TMA bulk reductions with TMA)."""
     B, H, S, D, G, kv = 2, 3, 2000, 128, 128, 128
     index = random_index(B, H, S, G, kv, [2, 5, 9], device="cuda")
     q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
     grad_out = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
-    cfg = tk.default_config(D, G, kv, tma=tma)
+    cfg = dataclasses.replace(tk.default_config(D, G, kv, tma=tma), atomic_dq=atomic_dq)
     out, lse = tk.sparse_attention_fwd_launch(q, k, v, index.indices, index.counts, G, kv, D**-0.5, cfg.fwd)
     grads = tk.sparse_attention_bwd_launch(grad_out, q, k, v, out, lse, None, index.indices, index.counts, G, kv,
                                            D**-0.5, cfg)

@@ -83,6 +83,51 @@ def _load_rows(desc, ptrs, bi, hi, row0, rows, n_rows, offs_d, BLOCK: tl.constex
 
 
 @triton.jit
+def _delta_rows(o, do, DLSE, DELTA, vec, offs_m, S, EVEN_M: tl.constexpr, HAS_DLSE: tl.constexpr):
+    # delta = rowsum(out * dO) - dLSE per query row, stored for the key-major pass and returned.
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if EVEN_M:
+        if HAS_DLSE:
+            delta -= tl.load(DLSE + vec)
+        tl.store(DELTA + vec, delta)
+    else:
+        if HAS_DLSE:
+            delta -= tl.load(DLSE + vec, mask=offs_m < S, other=0.0)
+        tl.store(DELTA + vec, delta, mask=offs_m < S)
+    return delta
+
+
+@triton.jit
+def _add_rows(desc, ptrs, x, bi, hi, row0, rows, n_rows, offs_d, BLOCK: tl.constexpr, D_PAD: tl.constexpr,
+              HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr):
+    # Atomically add fp32 rows [row0, row0 + BLOCK) of one (batch, head): one bulk reduction through the
+    # tensor-memory accelerator (rows past S and columns past D are dropped), or element atomics.
+    if USE_TMA:
+        desc.atomic_add([bi, hi, row0, 0], x.reshape([1, 1, BLOCK, D_PAD]))
+    else:
+        tl.atomic_add(ptrs, x, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
+
+
+@triton.jit
+def _sparse_attn_bwd_delta_kernel(
+    OUT, DO, DLSE, DELTA, sob, soh, sos, sdob, sdoh, sdos, H, S,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_M: tl.constexpr,
+    EVEN_D: tl.constexpr, HAS_DLSE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    o = _load_tile(OUT + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :],
+                   offs_m, S, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
+    do = _load_tile(DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :],
+                    offs_m, S, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
+    _delta_rows(o, do, DLSE, DELTA, pid_bh.to(tl.int64) * S + offs_m, offs_m, S, EVEN_M, HAS_DLSE)
+
+
+@triton.jit
 def _sparse_attn_fwd_kernel(
     Q, K, V, K_DESC, V_DESC, OUT, LSE, IDX, CNT,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
@@ -176,16 +221,10 @@ def _sparse_attn_bwd_dq_kernel(
     # delta is computed here, once per query row, and stored for the dk/dv pass (which runs after this one):
     # this saves a separate pre-processing launch over the output and dO.
     vec = pid_bh.to(tl.int64) * S + offs_m
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    delta = _delta_rows(o, do, DLSE, DELTA, vec, offs_m, S, EVEN_M, HAS_DLSE)
     if EVEN_M:
-        if HAS_DLSE:
-            delta -= tl.load(DLSE + vec)
-        tl.store(DELTA + vec, delta)
         lse2 = tl.load(LSE + vec) * 1.4426950408889634
     else:
-        if HAS_DLSE:
-            delta -= tl.load(DLSE + vec, mask=offs_m < S, other=0.0)
-        tl.store(DELTA + vec, delta, mask=offs_m < S)
         # Rows past S have q = do = 0 and delta = 0, so any finite LSE gives them ds = 0.
         lse2 = tl.load(LSE + vec, mask=offs_m < S, other=0.0) * 1.4426950408889634
 
@@ -217,13 +256,13 @@ def _sparse_attn_bwd_dq_kernel(
 
 @triton.jit
 def _sparse_attn_bwd_dkdv_kernel(
-    Q, K, V, DO, Q_DESC, DO_DESC, LSE, DELTA, DK, DV, OFFSETS, GROUPS,
+    Q, K, V, DO, Q_DESC, DO_DESC, LSE, DELTA, DK, DV, DQ_ACC, DQ_DESC, OFFSETS, GROUPS,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos,
     H, S, NKB, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, KV_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -267,8 +306,14 @@ def _sparse_attn_bwd_dkdv_kernel(
         p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+        dk += tl.dot(ds_t, q, input_precision=DOT_PRECISION)
+        if ATOMIC_DQ:
+            # These rows' dq from this key tile, added into an fp32 buffer: the dq pass (which recomputes
+            # QKᵀ and dO·Vᵀ) is then skipped, 14 matmul units per kept pair instead of 18.
+            dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * sm_scale
+            _add_rows(DQ_DESC, DQ_ACC + (vec_base + rows[:, None]) * HEAD_DIM + offs_d[None, :], dq, bi, hi,
+                      start_m, rows, S, offs_d, BLOCK_M, D_PAD, HEAD_DIM, USE_TMA)
     dk *= sm_scale
     # dk/dv are allocated contiguous by the launcher.
     out_off = pid_bh.to(tl.int64) * S * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
@@ -298,11 +343,17 @@ class KernelConfig:
 
 @dataclass(frozen=True)
 class SparseAttentionConfig:
-    """Settings of the three kernels."""
+    """Settings of the three kernels.
+
+    ``atomic_dq``: the dk/dv pass also computes dq and adds it into an fp32 buffer (TMA bulk reductions
+    where ``bwd_dkdv.tma``, else element atomics), and the dq pass is skipped. Fewer matmuls, but dq's
+    summation order then varies from run to run (not bitwise reproducible).
+    """
 
     fwd: KernelConfig
     bwd_dq: KernelConfig
     bwd_dkdv: KernelConfig
+    atomic_dq: bool = False
 
 
 def default_config(head_dim: int, group_size: int, kv_block: int, tma: bool = False) -> SparseAttentionConfig:
@@ -460,21 +511,42 @@ def _launch_bwd_dq(q, k, v, out, do, lse, dlse, indices, counts, group_size, kv_
     return dq, delta
 
 
-def _launch_bwd_dkdv(q, k, v, do, lse, delta, offsets, groups, group_size, kv_block, scale, cfg: KernelConfig):
-    """dk/dv kernel over the transposed index ``(offsets, groups)`` of ``_transpose_index``."""
+def _launch_bwd_delta(out, do, dlse):
+    """``delta = rowsum(out * do) - dlse`` [B, H, S] fp32, for a backward without the dq pass."""
+    B, H, S, D = out.shape
+    delta = torch.empty((B, H, S), dtype=torch.float32, device=out.device)
+    block_m = 64
+    d_pad, even_m, _, even_d = _shape_flags(S, D, block_m, block_m)
+    _sparse_attn_bwd_delta_kernel[(triton.cdiv(S, block_m), B * H)](
+        out, do, dlse.contiguous() if dlse is not None else delta, delta,
+        out.stride(0), out.stride(1), out.stride(2), do.stride(0), do.stride(1), do.stride(2), H, S,
+        HEAD_DIM=D, D_PAD=d_pad, BLOCK_M=block_m, EVEN_M=even_m, EVEN_D=even_d, HAS_DLSE=dlse is not None,
+        num_warps=4,
+    )
+    return delta
+
+
+def _launch_bwd_dkdv(q, k, v, do, lse, delta, offsets, groups, group_size, kv_block, scale, cfg: KernelConfig,
+                     dq_acc: Optional[torch.Tensor] = None):
+    """dk/dv kernel over the transposed index ``(offsets, groups)`` of ``_transpose_index``; with ``dq_acc``
+    (fp32 ``[B, H, S, D]``, zeroed, contiguous) it also adds dq into that buffer."""
     B, H, S, D = q.shape
     dk = torch.empty((B, H, S, D), dtype=q.dtype, device=q.device)
     dv = torch.empty((B, H, S, D), dtype=q.dtype, device=q.device)
     d_pad, even_m, even_n, even_d = _shape_flags(S, D, cfg.block_m, cfg.block_n)
+    atomic_dq = dq_acc is not None
+    dq_buffer = dq_acc if atomic_dq else dk  # never touched without ATOMIC_DQ
     _sparse_attn_bwd_dkdv_kernel[(triton.cdiv(S, cfg.block_n), B * H)](
         q, k, v, do, _descriptor(q, cfg.block_m, d_pad, cfg), _descriptor(do, cfg.block_m, d_pad, cfg),
-        lse, delta, dk, dv, offsets, groups,
+        lse, delta, dk, dv, dq_buffer, _descriptor(dq_buffer, cfg.block_m, d_pad, cfg) if atomic_dq else dq_buffer,
+        offsets, groups,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
         H, S, triton.cdiv(S, kv_block), scale * _LOG2E, scale,
         HEAD_DIM=D, D_PAD=d_pad, GROUP=group_size, KV_BLOCK=kv_block, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         EVEN_M=even_m, EVEN_N=even_n, EVEN_D=even_d, USE_TMA=cfg.tma,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_PRECISION=_dot_precision(q.dtype), ATOMIC_DQ=atomic_dq, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return dk, dv
 
@@ -489,6 +561,12 @@ def sparse_attention_bwd_launch(do, q, k, v, out, lse, dlse, indices, counts, gr
     _check_tiles(cfg.bwd_dq, group_size, kv_block, "dq")
     _check_tiles(cfg.bwd_dkdv, group_size, kv_block, "dk/dv")
     offsets, groups = _transpose_index(indices, triton.cdiv(q.shape[2], kv_block))
+    if cfg.atomic_dq:
+        delta = _launch_bwd_delta(out, do, dlse)
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk, dv = _launch_bwd_dkdv(q, k, v, do, lse, delta, offsets, groups, group_size, kv_block, scale,
+                                  cfg.bwd_dkdv, dq_acc)
+        return dq_acc.to(q.dtype), dk, dv
     # The dq pass runs first: it writes delta, which the dk/dv pass reads.
     dq, delta = _launch_bwd_dq(q, k, v, out, do, lse, dlse, indices, counts, group_size, kv_block, scale,
                                cfg.bwd_dq)
