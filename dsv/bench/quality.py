@@ -46,6 +46,13 @@ TRAIN_STEP_JSON = "benchmarks/results/2026-11-29-h200-train-step.json"
 FIGURES = ("losses.png", "sparsity.png", "samples.png", "observations.png", "speed.png")
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of runs, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", default="quality_gpu", help="the model and schedule of all three runs")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
@@ -58,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed sampling passes of the DSV model, sparse and dense (median reported)")
     parser.add_argument("--observe-clips", type=int, default=4, help="held-out clips for observe/profile")
     parser.add_argument("--device", default="auto", help="device of the evaluation (the runs pick their own)")
-    parser.add_argument("--runs-per-gpu", type=int, default=1,
+    parser.add_argument("--runs-per-gpu", type=_positive_int, default=1,
                         help="training runs at a time on each GPU (they share its time and the host's cores: "
                              "each run's own step time rises)")
     parser.add_argument("--train-step-json", type=Path, default=Path(TRAIN_STEP_JSON),

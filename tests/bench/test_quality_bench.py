@@ -95,3 +95,6 @@ def test_runs_share_a_gpu_in_waves_of_runs_per_gpu(tmp_path):
     assert time.perf_counter() - start < 2.5  # concurrent: well under the 3 s of a sequential wave
     with pytest.raises(ValueError, match="runs_per_gpu"):
         train_all(commands, tmp_path, gpus=["0"], runs_per_gpu=0)
+    with pytest.raises(SystemExit):  # refused by the command line before anything runs
+        main(["bench", "quality", "--out", str(tmp_path / "q"), "--runs-per-gpu", "0"])
+    assert not (tmp_path / "q").exists()
