@@ -16,22 +16,33 @@ import pickle
 from collections import defaultdict
 
 
-def live_at_peak(trace: list[dict]) -> tuple[int, dict[int, dict]]:
-    """``(peak bytes, {addr: alloc event})`` of the blocks live at the peak of one device's trace."""
+def _live_after(trace: list[dict], stop: int) -> tuple[int, dict[int, dict], int]:
+    """``(bytes, {addr: alloc event}, index of the highest point)`` of the blocks allocated during the
+    recording, replayed over ``trace[:stop]``."""
     live: dict[int, dict] = {}
     current = peak = 0
-    at_peak: dict[int, dict] = {}
-    for event in trace:
+    peak_index = -1
+    for index, event in enumerate(trace[:stop]):
         action = event["action"]
         if action == "alloc":
             live[event["addr"]] = event
             current += event["size"]
             if current > peak:
-                peak, at_peak = current, dict(live)
+                peak, peak_index = current, index
         elif action in ("free_requested", "free_completed") and event["addr"] in live:
-            # Freed blocks leave the live set once (the allocator logs both steps of a stream-ordered free).
+            # A block leaves once (a stream-ordered free logs both steps; allocated bytes drop at the first).
             current -= live.pop(event["addr"])["size"]
-    return peak, at_peak
+    return current, live, peak_index
+
+
+def live_at_peak(trace: list[dict]) -> tuple[int, dict[int, dict]]:
+    """``(peak bytes, {addr: alloc event})`` of the blocks live at the peak of one device's trace.
+
+    Only blocks allocated during the recording count; frees of older blocks are ignored, so if such memory
+    is freed and reused the rise shown overstates the real one."""
+    _, _, peak_index = _live_after(trace, len(trace))
+    peak, live, _ = _live_after(trace, peak_index + 1)
+    return peak, live
 
 
 def site(event: dict, under: str) -> str:
@@ -42,11 +53,16 @@ def site(event: dict, under: str) -> str:
     return "?"
 
 
-def summarize(snapshot: dict, top: int = 25, under: str = "dsv/") -> str:
+def summarize(snapshot: dict, top: int = 25, under: str = "dsv/", max_entries: int = 200_000) -> str:
+    """The report; ``max_entries``: the recording's ring-buffer size (`dsv bench train --memory-history`
+    records 200,000 events), reached means the start of the history was dropped."""
     lines = []
     for device, trace in enumerate(snapshot.get("device_traces", [])):
         if not trace:
             continue
+        if len(trace) >= max_entries:
+            lines.append(f"device {device}: warning: {len(trace)} events, the recording's limit; its start was "
+                         "dropped, so blocks allocated before it count as older blocks")
         peak, blocks = live_at_peak(trace)
         by_site: dict[str, list[int]] = defaultdict(lambda: [0, 0])
         for event in blocks.values():

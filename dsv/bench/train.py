@@ -175,6 +175,8 @@ def run(args) -> int:
     for tokens in args.tokens:
         dense_ms = None
         for mode in args.modes:
+            if cfg.model.compile:
+                torch._dynamo.reset()  # each run is a new model: no guards or graphs carried over from the last
             run_ = _Run(cfg, mode, tokens, args.spatial, device)
             row = {"tokens": tokens, "mode": mode, "notes": ""}
             if mode == "dsv":
@@ -203,10 +205,14 @@ def run(args) -> int:
                 run_.set_attention(profile_every_stage2=10**9, learn_every_stage2=10**9)
                 _reset_peak(device)
                 no_predictor = statistics.median(_timed(run_.step, device) for _ in range(args.steps))
+                no_predictor_peak = _peak_gib(device)  # before the estimation's timed step below
+                # The estimation is timed from a Python hook, which a compiled block cannot run.
+                estimation = "n/a (compiled blocks)" if cfg.model.compile else \
+                    f"{_estimation_ms(run_, device):.1f} ms/step"
                 row["notes"] += (f"; predictor update {row['ms'] - no_predictor:.0f} ms/step; critical-KV estimation "
-                                 f"{_estimation_ms(run_, device):.1f} ms/step; peak GiB of a stage-1 "
-                                 f"step {stage1_peak:.1f}, of a profiling step {profiling_peak:.1f}, of a step "
-                                 f"without the predictor update {_peak_gib(device):.1f}")
+                                 f"{estimation}; peak GiB of a stage-1 step {stage1_peak:.1f}, of a profiling step "
+                                 f"{profiling_peak:.1f}, of a step without the predictor update "
+                                 f"{no_predictor_peak:.1f}")
             else:
                 _reset_peak(device)
                 row["sparse_blocks"] = sum(layer.runs_sparse() for layer in run_.model.controller.layers)

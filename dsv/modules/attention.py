@@ -149,6 +149,8 @@ class DSVAttentionCore(nn.Module):
 
     def update_keep_boost(self, keep_boost: torch.Tensor, recall: torch.Tensor) -> None:
         """Move each head's boost by its recall gap (a step of `recall_target`'s integral control), in place.
+        Called on stage-2 profiling steps only: in stage 1 the predictor is still learning, and its low
+        early recall would wind the boost up to a full budget before the switch.
 
         Gain 1: a gap of x kept mass asks for x more kept fraction. Near the target the recall rises slower
         than the budget (the kept blocks already hold most of the mass), so the budget approaches the target
@@ -351,7 +353,8 @@ class DSVAttentionCore(nn.Module):
             index = self.compute_index(hidden, q, k, grid, keep_blocks=keep_blocks)
             recall = index_recall(q, k, index, rows, scale=self.scale).mean(0)
             recall_ema.copy_(_ema(recall_ema, recall, cfg.ema_momentum))
-            self.update_keep_boost(keep_boost, recall)
+            if controller.current_stage == 2:
+                self.update_keep_boost(keep_boost, recall)
 
     def _warn_if_slow(self, q: torch.Tensor) -> None:
         if self._last_backend == "reference" and q.is_cuda and not self._warned_backend:

@@ -43,8 +43,8 @@ class AttentionConfig:
     sparse_threshold: float = 0.8  # a block goes sparse when its mean head sparsity reaches this
     keep_floor_blocks: int = 2  # every group keeps at least this many key blocks
     keep_margin: float = 0.0  # extra kept fraction on top of (1 - sparsity)
-    # > 0: each head's budget widens (or narrows back) at every profiling step until its selection keeps
-    # this fraction of theta of the attention mass (0.9: 90% of the critical mass); 0: the paper's budget.
+    # > 0: each head's budget widens (or narrows back) at every stage-2 profiling step until its selection
+    # keeps this fraction of theta of the attention mass (0.9: 90% of the critical mass); 0: the paper's budget.
     recall_target: float = 0.0
     # A sparse-enough block runs sparse only where the measured kernel speed beats dense at its shape
     # (`dsv.modules.dispatch`); False dispatches on sparsity alone (kernel checks on short sequences).

@@ -390,7 +390,8 @@ class ContextParallel:
             recall = self._sum_heads(index_recall(q_all, k_all, index, rows, scale=layer.scale).mean(0), heads,
                                      layer.heads, layout)
             layer.recall_ema.copy_(_ema(layer.recall_ema, recall, cfg.ema_momentum))
-            layer.update_keep_boost(layer.keep_boost, recall)
+            if controller.current_stage == 2:
+                layer.update_keep_boost(layer.keep_boost, recall)
             if self.mode == "hybrid":
                 # What SCP would move at each degree with this selection: the planner's SCP volume.
                 fetched = {}

@@ -86,7 +86,8 @@ def shard_model(
     predictor loss on its own data, so a forward hook on the root runs `sync_dsv_state` after every
     training forward; the controller's `end_step` (stage switch, dispatch) then sees identical EMAs on
     every rank. One caveat: within the step, a layer computes its recall at the budget of its
-    not-yet-averaged sparsity EMA; recall is only reported, never used to decide.
+    not-yet-averaged sparsity EMA; the recall boost it steps from that recall is averaged like the EMAs,
+    so the ranks still agree.
 
     Args:
         model: a DSV model whose repeated blocks sit in an `nn.ModuleList` (`VideoDiT.blocks`).

@@ -140,9 +140,19 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, di
             raise CheckpointError(f"{file} is missing")
         if _sha256(file) != expected:
             raise CheckpointError(f"{file} is corrupt or truncated (SHA-256 differs from {MANIFEST})")
-    weights = load_file(ckpt / WEIGHTS)
+    weights = with_added_buffers(load_file(ckpt / WEIGHTS))
     state = torch.load(ckpt / STATE, map_location="cpu", weights_only=False)
     return weights, state, manifest
+
+
+def with_added_buffers(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoints saved before a DSV layer gained a buffer, completed with the value that reproduces them:
+    `keep_boost` (the recall floor's widening, added later) is zero beside each `keep_fraction`."""
+    for name in [k for k in weights if k.endswith(".keep_fraction")]:
+        boost = name[: -len("keep_fraction")] + "keep_boost"
+        if boost not in weights:
+            weights[boost] = torch.zeros_like(weights[name])
+    return weights
 
 
 def check_weights_match(model: nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:

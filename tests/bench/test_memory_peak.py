@@ -37,3 +37,5 @@ def test_peak_blocks_grouped_by_the_innermost_project_frame():
     assert "3.000 GiB" in lines[1] and "c.py:30" in lines[1]  # largest site first
     assert "1.500 GiB" in lines[2] and "2 blocks" in lines[2] and "a.py:10" in lines[2]
     assert memory_peak.summarize({"device_traces": [[]]}) == "no alloc events recorded"
+    assert "warning: 10 events, the recording's limit" in memory_peak.summarize({"device_traces": [trace]},
+                                                                                max_entries=10)

@@ -186,11 +186,13 @@ def test_sequences_shorter_than_the_sample_stride_train():
     assert not torch.isnan(model.attn.sparsity_ema).any()
 
 
-def profiled_recalls(recall_target: float, steps: int = 6) -> tuple[list[torch.Tensor], torch.Tensor]:
+def profiled_recalls(recall_target: float, steps: int = 6, stage1_steps: int = 1
+                     ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Per-step measured recall (the EMA with momentum 0, so each is that step's own) of a layer profiled
     every step on fixed inputs, with no model update: only the recall boost differs between targets."""
-    model = make("dsv", max_stage1_steps=1, sparse_threshold=0.0, profile_every_stage1=1, profile_every_stage2=1,
-                 keep_floor_blocks=1, ema_momentum=0.0, recall_target=recall_target, predictor_lr=0.0)
+    model = make("dsv", max_stage1_steps=stage1_steps, sparse_threshold=0.0, profile_every_stage1=1,
+                 profile_every_stage2=1, keep_floor_blocks=1, ema_momentum=0.0, recall_target=recall_target,
+                 predictor_lr=0.0)
     x = torch.randn(2, 64, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     recalls = []
     for step in range(steps):
@@ -199,6 +201,12 @@ def profiled_recalls(recall_target: float, steps: int = 6) -> tuple[list[torch.T
         model.controller.end_step()
         recalls.append(model.attn.recall_ema.clone())
     return recalls, model.attn.keep_boost.clone()
+
+
+def test_recall_boost_waits_for_stage_2():
+    """In stage 1 the predictor is still learning: its low recall must not wind the budget up."""
+    _, boost = profiled_recalls(1.0, steps=4, stage1_steps=8)
+    assert boost.abs().sum() == 0
 
 
 def test_recall_target_widens_the_budget_until_the_selection_keeps_its_mass():

@@ -115,6 +115,26 @@ def test_compiled_blocks_train_like_eager_through_the_switch_and_resume(tmp_path
         trainer.model.enable_context_parallel(None)
 
 
+def test_checkpoints_from_before_the_recall_floor_resume(tmp_path):
+    """A checkpoint without the `keep_boost` buffers (saved before they existed) resumes with zero boost."""
+    from safetensors.torch import load_file, save_file
+
+    from dsv.train.checkpoint import MANIFEST, WEIGHTS, _sha256
+
+    schedule = ["attention.max_stage1_steps=2", "train.ckpt_every=4"]
+    Trainer(tiny_config(tmp_path, "train.steps=4", *schedule), quiet=True).run()
+    ckpt = list_checkpoints(tmp_path)[-1]
+    weights = {k: v for k, v in load_file(ckpt / WEIGHTS).items() if not k.endswith(".keep_boost")}
+    assert len(weights) < len(load_file(ckpt / WEIGHTS))
+    save_file(weights, ckpt / WEIGHTS)
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    manifest["sha256"][WEIGHTS] = _sha256(ckpt / WEIGHTS)
+    (ckpt / MANIFEST).write_text(json.dumps(manifest))
+    trainer = Trainer(tiny_config(tmp_path, "train.steps=6", *schedule), resume=True, quiet=True)
+    assert all(layer.keep_boost.abs().sum() == 0 for layer in trainer.model.controller.layers)
+    assert torch.isfinite(torch.tensor(trainer.run()["loss"]))
+
+
 def test_checkpoint_errors_are_clear_and_keep_saved_files(tmp_path):
     cfg = tiny_config(tmp_path, "train.steps=4", "train.ckpt_every=2", "train.keep_checkpoints=3")
     Trainer(cfg, quiet=True).run()

@@ -3,7 +3,8 @@
 Layout (docs/architecture.md): ``q, k, v`` are ``[B, H, S, D]`` in grouped token order; query group ``g`` is
 rows ``[g*G, (g+1)*G)`` and attends to the key blocks ``index.indices[b, h, g, :counts]`` (each
 ``kv_block`` rows). One program owns one query tile (forward, dq) or one key tile (dk/dv), so every output
-element is written by exactly one program: no atomics, deterministic results.
+element is written by exactly one program: no atomics, deterministic results. The exception is the optional
+``atomic_dq`` backward (``SparseAttentionConfig``), which adds dq from the key tiles atomically.
 
 - forward: FlashAttention-2 online softmax over the listed key blocks, base-2 exponentials, saves the
   natural-log LSE ``[B, H, S]`` (fp32).
@@ -11,8 +12,9 @@ element is written by exactly one program: no atomics, deterministic results.
   and stores it for the dk/dv pass.
 - backward, dk/dv: key-major; walks the transposed index (for each key block, the ascending list of groups
   that selected it), built on the GPU by a stable sort of the index (``_transpose_index``). A split
-  backward (7 matmuls per tile pair) measured faster than accumulating dq with fp32 atomics from this pass
-  (5 matmuls): benchmarks/NOTES.md.
+  backward (7 matmuls per tile pair) measured faster than accumulating dq with fp32 element atomics from
+  this pass (5 matmuls): benchmarks/NOTES.md. ``atomic_dq`` offers that path again with TMA bulk reductions
+  on Hopper, to be measured against it.
 
 The gathered tiles of each loop (K/V, or Q/dO) load through TMA descriptors on Hopper where that measured
 faster, through pointers elsewhere (``default_config``).
@@ -531,10 +533,14 @@ def _launch_bwd_dkdv(q, k, v, do, lse, delta, offsets, groups, group_size, kv_bl
     """dk/dv kernel over the transposed index ``(offsets, groups)`` of ``_transpose_index``; with ``dq_acc``
     (fp32 ``[B, H, S, D]``, zeroed, contiguous) it also adds dq into that buffer."""
     B, H, S, D = q.shape
+    atomic_dq = dq_acc is not None
+    if atomic_dq and (dq_acc.shape != q.shape or dq_acc.dtype != torch.float32 or not dq_acc.is_contiguous()):
+        # The kernel adds into it with contiguous strides (a copy made for TMA would lose the sums).
+        raise ValueError(f"dq_acc must be a contiguous float32 tensor of q's shape {tuple(q.shape)}, got "
+                         f"{dq_acc.dtype} {tuple(dq_acc.shape)} (contiguous: {dq_acc.is_contiguous()})")
     dk = torch.empty((B, H, S, D), dtype=q.dtype, device=q.device)
     dv = torch.empty((B, H, S, D), dtype=q.dtype, device=q.device)
     d_pad, even_m, even_n, even_d = _shape_flags(S, D, cfg.block_m, cfg.block_n)
-    atomic_dq = dq_acc is not None
     dq_buffer = dq_acc if atomic_dq else dk  # never touched without ATOMIC_DQ
     _sparse_attn_bwd_dkdv_kernel[(triton.cdiv(S, cfg.block_n), B * H)](
         q, k, v, do, _descriptor(q, cfg.block_m, d_pad, cfg), _descriptor(do, cfg.block_m, d_pad, cfg),
