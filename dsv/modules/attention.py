@@ -121,6 +121,10 @@ class DSVAttentionCore(nn.Module):
     def enter_stage2(self) -> None:
         if self.predictor is not None:
             self.predictor.set_lr(self.cfg.predictor_lr * self.cfg.stage2_lr_scale)
+        if not torch.isnan(self.recall_ema).any():
+            # The first sparse steps start from the recall measured at the end of stage 1 (the smoothed
+            # value: one step from the recent predictor, not the integral of its early, poor recall).
+            self.update_keep_boost(self.keep_boost, self.recall_ema)
 
     def dispatch(self) -> None:
         """Decide dense or sparse for this block from its profiled sparsity, and each head's budget."""
@@ -149,8 +153,9 @@ class DSVAttentionCore(nn.Module):
 
     def update_keep_boost(self, keep_boost: torch.Tensor, recall: torch.Tensor) -> None:
         """Move each head's boost by its recall gap (a step of `recall_target`'s integral control), in place.
-        Called on stage-2 profiling steps only: in stage 1 the predictor is still learning, and its low
-        early recall would wind the boost up to a full budget before the switch.
+        Called on stage-2 profiling steps, and once at the switch from stage 1's smoothed recall: in stage 1
+        the predictor is still learning, and integrating its low early recall would wind the boost up to a
+        full budget before the switch.
 
         Gain 1: a gap of x kept mass asks for x more kept fraction. Near the target the recall rises slower
         than the budget (the kept blocks already hold most of the mass), so the budget approaches the target

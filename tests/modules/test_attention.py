@@ -203,10 +203,15 @@ def profiled_recalls(recall_target: float, steps: int = 6, stage1_steps: int = 1
     return recalls, model.attn.keep_boost.clone()
 
 
-def test_recall_boost_waits_for_stage_2():
-    """In stage 1 the predictor is still learning: its low recall must not wind the budget up."""
-    _, boost = profiled_recalls(1.0, steps=4, stage1_steps=8)
+def test_recall_boost_waits_for_stage_2_and_starts_from_stage_1s_recall():
+    """In stage 1 the predictor is still learning: its low recall must not wind the budget up. At the switch
+    the boost takes one step from the smoothed stage-1 recall, so the first sparse steps keep their mass."""
+    recalls, boost = profiled_recalls(1.0, steps=4, stage1_steps=8)
     assert boost.abs().sum() == 0
+    recalls, boost = profiled_recalls(1.0, steps=4, stage1_steps=4)  # switches after step 3, no profile since
+    theta = AttentionConfig().theta
+    torch.testing.assert_close(boost, (theta - recalls[-1].double()).clamp(0, 1), **TOL64)
+    assert (boost > 0).all()
 
 
 def test_recall_target_widens_the_budget_until_the_selection_keeps_its_mass():
