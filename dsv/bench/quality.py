@@ -524,7 +524,7 @@ def render_report(results: dict) -> str:
               "- recommended cube: " + ("none reaches the threshold" if obs["neighbours"]["recommended"] is None
                                         else "×".join(map(str, obs["neighbours"]["recommended"]))
                                         + f" (largest with mean overlap ≥ {obs['neighbours']['threshold']})"),
-              "", "## Files", "", ", ".join(["report.md", "results.json", *FIGURES]) + "; wall seconds per phase: "
+              "", "## Files", "", ", ".join(["report.md", "results.json", "training.json", *FIGURES]) + "; wall seconds per phase: "
               + ", ".join(f"{k} {v:.0f}" for k, v in results["wall_seconds"].items()) + "."]
     return "\n".join(lines) + "\n"
 
@@ -605,7 +605,10 @@ def run(args) -> int:
     if not table or table[-1]["step"] != cfg.train.steps:
         raise RuntimeError(f"the runs have no common held-out evaluation at their last step {cfg.train.steps}")
     wall["training"] = time.perf_counter() - phase
-    # Progress on stdout as each phase ends: a run cut short still shows what it measured.
+    # Progress on stdout as each phase ends, and the training's numbers on disk: a run cut short in the
+    # evaluation still leaves what it measured.
+    (out / "training.json").write_text(json.dumps({"heldout": table, "train_seconds": train_seconds,
+                                                   "curves": curves}, indent=1))
     print(f"[quality] training done in {wall['training']:.0f} s; held-out loss at step {table[-1]['step']}: "
           + json.dumps({k: v for k, v in table[-1].items() if k != "step"}), flush=True)
 

@@ -47,13 +47,15 @@ def test_quality_bench_writes_a_complete_report(tmp_path, capsys):
     capsys.readouterr()
 
     top = sorted(p.name for p in out.iterdir() if p.is_file())
-    assert top == sorted(["report.md", "results.json", "losses.png", "sparsity.png", "samples.png",
-                          "observations.png", "speed.png"])
+    assert top == sorted(["report.md", "results.json", "training.json", "losses.png", "sparsity.png",
+                          "samples.png", "observations.png", "speed.png"])
     for name in top:
         assert (out / name).stat().st_size > 0, name
     results = json.loads((out / "results.json").read_text())
     numbers = dict(finite_numbers(results))
     assert len(numbers) > 100
+    # Written when training ends, before the evaluation: the same held-out table as the final results.
+    assert json.loads((out / "training.json").read_text())["heldout"] == results["heldout"]
 
     # Equal budgets: every run evaluated at the same steps, the last one the final step.
     assert [row["step"] for row in results["heldout"]] == [3, 6]
