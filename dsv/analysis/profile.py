@@ -106,6 +106,7 @@ def profile_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clip
         mean_recall = "-" if recall is None else f"{recall[i].mean():.3f}"
         lines.append(f"| {i} | {layer.last_path} | {layer.runs_sparse()} | {sparsity[i].mean():.3f} | {heads} | "
                      f"{mean_recall} |")
+    granularity = []
     if recorder.granularity:
         lines += ["", "Oracle recall (exact per-group top mass) at equal kept fraction, mean over blocks and heads: "
                   "token-level selection vs whole key cubes.", "",
@@ -115,9 +116,10 @@ def profile_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clip
             token = sum(recorder.granularity[(keep, 1)]) / len(recorder.granularity[(keep, 1)])
             cube = sum(recorder.granularity[(keep, group)]) / len(recorder.granularity[(keep, group)])
             lines.append(f"| {keep:.2f} | {token:.3f} | {cube:.3f} |")
+            granularity.append({"kept_fraction": keep, "token_level": token, "key_cubes": cube, "cube_tokens": group})
     (out / "profile.md").write_text("\n".join(lines) + "\n")
     result = {"step": step, "theta": theta, "sparsity": sparsity.tolist(),
-              "recall": None if recall is None else recall.tolist()}
+              "recall": None if recall is None else recall.tolist(), "granularity": granularity}
     (out / "profile.json").write_text(json.dumps(result, indent=1))
     files += ["profile.md", "profile.json"]
     return {**result, "files": [str(out / f) for f in files], "table": "\n".join(lines)}

@@ -44,6 +44,7 @@ FVD_TOLERANCE = 0.05  # target: DSV's FVD within 5% of dense
 RECALL_TARGET = 0.9  # target: the predictor keeps >= 90% of the critical mass theta in sparse blocks
 TRAIN_STEP_JSON = "benchmarks/results/2026-11-29-h200-train-step.json"
 FIGURES = ("losses.png", "sparsity.png", "samples.png", "observations.png", "speed.png")
+GRANULARITY_KEEP = (0.1, 0.25, 0.5)  # kept fractions at which token-level and key-cube selection are compared
 
 
 def _positive_int(text: str) -> int:
@@ -523,8 +524,16 @@ def render_report(results: dict) -> str:
                                                                           obs["neighbours"]["mean_overlap"])),
               "- recommended cube: " + ("none reaches the threshold" if obs["neighbours"]["recommended"] is None
                                         else "×".join(map(str, obs["neighbours"]["recommended"]))
-                                        + f" (largest with mean overlap ≥ {obs['neighbours']['threshold']})"),
-              "", "## Files", "", ", ".join(["report.md", "results.json", "training.json", *FIGURES]) + "; wall seconds per phase: "
+                                        + f" (largest with mean overlap ≥ {obs['neighbours']['threshold']})")]
+    if results["granularity"]:
+        cube = results["granularity"][0]["cube_tokens"]
+        lines += ["", "## Selection granularity", "",
+                  "Oracle recall (exact per-group top mass, mean over blocks and heads) at equal kept fractions: "
+                  f"token-level selection against whole {cube}-token key cubes, the kernels' granularity.", "",
+                  "| kept fraction | token-level | key cubes |", "|---|---|---|"]
+        lines += [f"| {g['kept_fraction']:.2f} | {g['token_level']:.3f} | {g['key_cubes']:.3f} |"
+                  for g in results["granularity"]]
+    lines += ["", "## Files", "", ", ".join(["report.md", "results.json", "training.json", *FIGURES]) + "; wall seconds per phase: "
               + ", ".join(f"{k} {v:.0f}" for k, v in results["wall_seconds"].items()) + "."]
     return "\n".join(lines) + "\n"
 
@@ -637,7 +646,10 @@ def run(args) -> int:
     phase = time.perf_counter()
     dsv_run = str(runs_dir / "dsv")
     observed = observe_checkpoint(dsv_run, str(out / "observe"), device=str(device), clips=args.observe_clips)
-    profiled = profile_checkpoint(dsv_run, str(out / "profile"), device=str(device), clips=args.observe_clips)
+    # With the selection-granularity measurement: oracle recall of token-level vs key-cube selection at
+    # equal kept fractions, on the attention maps of this trained model.
+    profiled = profile_checkpoint(dsv_run, str(out / "profile"), device=str(device), clips=args.observe_clips,
+                                  granularity_keep=GRANULARITY_KEEP)
     profile_recall = [round(statistics.fmean(profiled["recall"][i]), 3) for i in facts["final_sparse_blocks"]]
     wall["observations"] = time.perf_counter() - phase
 
@@ -678,6 +690,7 @@ def run(args) -> int:
         "stage2_steps_per_s": stage2_speed,
         "train_step_reference": str(args.train_step_json) if reference else None,
         "observations": {k: observed[k] for k in ("power_law", "locality", "sparsity", "neighbours", "step", "grid")},
+        "granularity": profiled["granularity"],
         "observe_clips": args.observe_clips,
     }
     results["targets"] = targets(results)

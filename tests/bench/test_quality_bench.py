@@ -56,6 +56,13 @@ def test_quality_bench_writes_a_complete_report(tmp_path, capsys):
     assert len(numbers) > 100
     # Written when training ends, before the evaluation: the same held-out table as the final results.
     assert json.loads((out / "training.json").read_text())["heldout"] == results["heldout"]
+    # Token-level vs key-cube selection on the trained model: recall grows with the kept fraction.
+    granularity = results["granularity"]
+    assert [g["kept_fraction"] for g in granularity] == [0.1, 0.25, 0.5]
+    for level in ("token_level", "key_cubes"):
+        values = [g[level] for g in granularity]
+        assert all(0 < v <= 1 for v in values) and values == sorted(values), (level, values)
+    assert "## Selection granularity" in (out / "report.md").read_text()
 
     # Equal budgets: every run evaluated at the same steps, the last one the final step.
     assert [row["step"] for row in results["heldout"]] == [3, 6]
