@@ -79,8 +79,9 @@ def quality_gpu() -> Config:
     grid of 4096 tokens (the paper's latent grid), 4×4×4 query cubes (64 tokens: the Triton kernels'
     64-token blocks), batch 8, bf16.
 
-    On one H200 a step took 120 ms dense, 125 ms window and 160 ms DSV (the predictor update), plus ~15 s
-    of start-up per run: 1200 steps are ~3.5 minutes for the DSV run. DSV learns its predictors densely for
+    On one H200, in the 600-step run of benchmarks/results/2026-11-29-h200-quality, a stage-2 step took
+    118 ms dense, 138 ms window and 208 ms DSV (predictor update, estimation and profiling at this small
+    size), plus ~15 s of start-up per run: the three runs one after another took 328 s. DSV learns its predictors densely for
     100–400 steps (at most a third of the run) and trains sparse from then on where a block's sparsity
     reaches 0.5 and the kernel-speed model says sparse pays. Profiling every 10 steps in stage 1 and every
     25 in stage 2 lets the sparsity EMA (momentum 0.9) follow the rising sparsity of so short a run. 64
