@@ -178,7 +178,6 @@ def scp_attention(
         wanted = torch.unique(keys[remote])
         wanted_pair, wanted_block = wanted // num_blocks, wanted % num_blocks
         per_pair = torch.bincount(wanted_pair, minlength=pairs)
-        slots = int(per_pair.max())  # the most blocks any (batch, head) fetches; 0 if none
         slot = torch.arange(wanted.numel(), device=device) - (torch.cumsum(per_pair, 0) - per_pair)[wanted_pair]
 
         # Requests go out grouped by owner; a stable sort keeps (pair, block) order inside each owner.
@@ -187,17 +186,19 @@ def scp_attention(
         send_counts = torch.bincount(owner, minlength=world)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=group)
-        send_list, recv_list = send_counts.tolist(), recv_counts.tolist()
+        # One host read for the exchange sizes and the most blocks any (batch, head) fetches (0 if none).
+        sizes = torch.cat((send_counts, recv_counts, per_pair.max().view(1))).tolist()
+        send_list, recv_list, slots = sizes[:world], sizes[world:2 * world], sizes[-1]
         # Owner-local block row: pair * blocks_per_rank + block within the owner's chunk.
         requests = (wanted_pair * local_blocks + wanted_block % local_blocks)[by_owner]
         served = requests.new_empty(sum(recv_list))
         dist.all_to_all_single(served, requests, recv_list, send_list, group=group)
 
-    # [B, H, S_local, D] x2 -> [B*H*blocks_per_rank, 2, kv_block, D]: one row per owned (pair, block).
-    kv_rows = torch.stack(
-        (k.reshape(pairs, local_blocks, kv_block, dim), v.reshape(pairs, local_blocks, kv_block, dim)), dim=2
-    ).flatten(0, 1)
-    fetched = all_to_all(kv_rows.index_select(0, served), send_list, recv_list, group)
+    # [B, H, S_local, D] -> [B*H*blocks_per_rank, kv_block, D], one row per owned (pair, block); only the
+    # served rows are gathered into the [served, 2, kv_block, D] message.
+    k_rows, v_rows = (t.reshape(pairs * local_blocks, kv_block, dim) for t in (k, v))
+    message = torch.stack((k_rows.index_select(0, served), v_rows.index_select(0, served)), dim=1)
+    fetched = all_to_all(message, send_list, recv_list, group)
     placed = fetched.new_zeros(pairs, slots, 2, kv_block, dim).index_put(
         (wanted_pair[by_owner], slot[by_owner]), fetched
     )
