@@ -107,6 +107,14 @@ def _memory_history(folder: Path | None, name: str, device: torch.device):
         torch.cuda.memory._record_memory_history(enabled=None)
 
 
+def _timed_steps(run: _Run, args, name: str, device: torch.device) -> tuple[float, float]:
+    """Median ms of the timed steps (after warm-up) and their peak GiB, under the allocator history if asked."""
+    _reset_peak(device)
+    with _memory_history(args.memory_history, name, device):
+        ms = run.median_ms(args.warmup, args.steps)
+    return ms, _peak_gib(device)
+
+
 class _Run:
     """One model and optimizer at one token count, stepping on fixed random latents."""
 
@@ -187,10 +195,7 @@ def run(args) -> int:
                     else load_profile(args.profile)
                 run_.enter_stage2(profile)
                 row["sparse_blocks"] = sum(layer.runs_sparse() for layer in run_.model.controller.layers)
-                _reset_peak(device)
-                with _memory_history(args.memory_history, f"{tokens}-{mode}", device):
-                    row["ms"] = run_.median_ms(args.warmup, args.steps)
-                row["peak_gib"] = _peak_gib(device)
+                row["ms"], row["peak_gib"] = _timed_steps(run_, args, f"{tokens}-{mode}", device)
                 # Profiling steps: the controller's schedule made due on every step. One untimed first: it
                 # compiles the kernel variants that only profiling uses (e.g. the estimation of the dense
                 # blocks' would-be selection, whose larger budgets are other Triton specialisations).
@@ -214,11 +219,8 @@ def run(args) -> int:
                                  f"{profiling_peak:.1f}, of a step without the predictor update "
                                  f"{no_predictor_peak:.1f}")
             else:
-                _reset_peak(device)
                 row["sparse_blocks"] = sum(layer.runs_sparse() for layer in run_.model.controller.layers)
-                with _memory_history(args.memory_history, f"{tokens}-{mode}", device):
-                    row["ms"] = run_.median_ms(args.warmup, args.steps)
-                row["peak_gib"] = _peak_gib(device)
+                row["ms"], row["peak_gib"] = _timed_steps(run_, args, f"{tokens}-{mode}", device)
             if args.op_profile is not None:
                 write_op_profile(run_.step, device, args.op_profile / f"{tokens}-{mode}.txt")
             if mode == "dense":
