@@ -3,22 +3,31 @@
 # (then resumed from its checkpoint), and `dsv train` with FSDP2 data parallelism and activation
 # checkpointing. At 4,096 tokens the kernel-speed model would keep every block dense, so the runs dispatch
 # on sparsity alone (attention.speed_dispatch=false) to train sparse blocks across the GPUs.
-# usage: benchmarks/gpu_multi_check.sh OUTDIR   (2 GPUs visible)
+# usage: benchmarks/gpu_multi_check.sh OUTDIR [PART ...]   (2 GPUs visible; parts: bench cp dp, default all)
 set -o pipefail
-out=$1; mkdir -p "$out"
-torchrun --nproc-per-node 2 -m dsv.bench.cp --tokens 32768 65536 --steps 5 --out "$out/cp-bench.md" --op-profile "$out/cp-ops" 2>&1 | tail -40
+out=$1; shift; mkdir -p "$out"
+parts=${*:-bench cp dp}
 common=(--recipe small_gpu --set data.frames=16 --set data.size=64 --set attention.cube=4,4,4
   --set attention.min_stage1_steps=0 --set attention.max_stage1_steps=60 --set attention.switch_loss_threshold=0.05
-  --set attention.sparse_threshold=0.3 --set attention.profile_every_stage1=20 --set attention.profile_every_stage2=40
+  --set attention.sparse_threshold=0.25 --set attention.profile_every_stage1=20 --set attention.profile_every_stage2=40
   --set attention.speed_dispatch=false
   --set train.batch_size=2 --set train.log_every=20 --set train.eval_every=100 --set train.ckpt_every=100)
 train() { torchrun --nproc-per-node 2 -m dsv.cli train "${common[@]}" "$@" 2>&1 | tr '\r' '\n' \
   | grep -v 'it/s]$\|s/it]$\|^ *$' ; }
-for mode in hybrid hcp scp; do
-  echo "== context parallel, cp_mode=$mode"
-  train --set parallel.cp=2 --set parallel.cp_mode=$mode --set train.steps=100 --set train.out_dir="$out/cp-$mode" | tail -25
+for part in $parts; do
+  case $part in
+    bench) torchrun --nproc-per-node 2 -m dsv.bench.cp --tokens 32768 65536 --steps 5 --out "$out/cp-bench.md" \
+             --op-profile "$out/cp-ops" 2>&1 | tail -40 ;;
+    cp) for mode in hybrid hcp scp; do
+          echo "== context parallel, cp_mode=$mode"
+          train --set parallel.cp=2 --set parallel.cp_mode=$mode --set train.steps=100 \
+            --set train.out_dir="$out/cp-$mode" | tail -25
+        done
+        echo "== context parallel hybrid, resumed to step 140"
+        train --set parallel.cp=2 --set train.steps=140 --set train.out_dir="$out/cp-hybrid" --resume | tail -12 ;;
+    dp) echo "== data parallel (FSDP2), activation checkpointing, 2 GPUs"
+        train --set model.activation_checkpointing=true --set train.steps=100 --set train.out_dir="$out/dp" \
+          | grep -v "^    block" ;;
+    *) echo "unknown part $part (bench, cp, dp)"; exit 2 ;;
+  esac
 done
-echo "== context parallel hybrid, resumed to step 140"
-train --set parallel.cp=2 --set train.steps=140 --set train.out_dir="$out/cp-hybrid" --resume | tail -12
-echo "== data parallel (FSDP2), activation checkpointing, 2 GPUs"
-train --set model.activation_checkpointing=true --set train.steps=100 --set train.out_dir="$out/dp" | tail -12

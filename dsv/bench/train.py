@@ -169,10 +169,29 @@ class _Run:
         for layer in self.model.controller.layers:
             layer.cfg = cfg
 
-    def median_ms(self, warmup: int, steps: int) -> float:
+    def dsv_state(self) -> list[dict[str, torch.Tensor]]:
+        """A copy of every layer's DSV buffers (sparsity and recall EMAs, budgets, dispatch)."""
+        return [{name: buffer.clone() for name, buffer in layer.named_buffers(recurse=False)}
+                for layer in self.model.controller.layers]
+
+    def restore_dsv_state(self, state: list[dict[str, torch.Tensor]]) -> None:
+        for layer, buffers in zip(self.model.controller.layers, state):
+            for name, value in buffers.items():
+                getattr(layer, name).copy_(value)
+            layer._refresh_host_state()
+
+    def median_ms(self, warmup: int, steps: int, state: list[dict[str, torch.Tensor]] | None = None) -> float:
+        """Median ms per step; with `state`, the DSV state is put back after each step (untimed), so that
+        steps which profile keep the sparsity profile under test instead of the random model's own."""
+        def one() -> float:
+            ms = _timed(self.step, self.device)
+            if state is not None:
+                self.restore_dsv_state(state)
+            return ms
+
         for _ in range(warmup):
-            self.step()
-        return statistics.median(_timed(self.step, self.device) for _ in range(steps))
+            one()
+        return statistics.median(one() for _ in range(steps))
 
 
 def run(args) -> int:
@@ -196,28 +215,34 @@ def run(args) -> int:
                 run_.enter_stage2(profile)
                 row["sparse_blocks"] = sum(layer.runs_sparse() for layer in run_.model.controller.layers)
                 row["ms"], row["peak_gib"] = _timed_steps(run_, args, f"{tokens}-{mode}", device)
-                # Profiling steps: the controller's schedule made due on every step. One untimed first: it
-                # compiles the kernel variants that only profiling uses (e.g. the estimation of the dense
-                # blocks' would-be selection, whose larger budgets are other Triton specialisations).
-                run_.set_attention(profile_every_stage2=1)
-                _reset_peak(device)
-                profiled = run_.median_ms(1, max(1, args.steps // 2))
-                profiling_peak = _peak_gib(device)
-                every = cfg.attention.profile_every_stage2
-                row["notes"] = (f"profiling step +{profiled - row['ms']:.0f} ms (every {every} steps: "
-                                f"+{(profiled - row['ms']) / every:.1f} ms/step)")
-                # Without the predictor update (its cost is the difference).
-                run_.set_attention(profile_every_stage2=10**9, learn_every_stage2=10**9)
+                stage2_state = run_.dsv_state()
+                # Without the predictor update (its cost is the difference). No profiling here, so the
+                # sparsity profile under test stays as it is.
+                learn_every = cfg.attention.learn_every_stage2
+                run_.set_attention(learn_every_stage2=10**9)
                 _reset_peak(device)
                 no_predictor = statistics.median(_timed(run_.step, device) for _ in range(args.steps))
-                no_predictor_peak = _peak_gib(device)  # before the estimation's timed step below
+                no_predictor_peak = _peak_gib(device)
+                # Profiling steps: the controller's schedule made due on every step. A profiling step measures
+                # this random model's own sparsity and re-dispatches on it, so the state under test is put
+                # back after each. One untimed first: it compiles the kernel variants that only profiling uses
+                # (e.g. the estimation of the dense blocks' would-be selection, whose larger budgets are other
+                # Triton specialisations).
+                run_.set_attention(learn_every_stage2=learn_every, profile_every_stage2=1)
+                _reset_peak(device)
+                profiled = run_.median_ms(1, max(1, args.steps // 2), state=stage2_state)
+                profiling_peak = _peak_gib(device)  # before the estimation's timed step below
+                run_.set_attention(profile_every_stage2=10**9)
+                every = cfg.attention.profile_every_stage2
                 # The estimation is timed from a Python hook, which a compiled block cannot run.
                 estimation = "n/a (compiled blocks)" if cfg.model.compile else \
                     f"{_estimation_ms(run_, device):.1f} ms/step"
-                row["notes"] += (f"; predictor update {row['ms'] - no_predictor:.0f} ms/step; critical-KV estimation "
-                                 f"{estimation}; peak GiB of a stage-1 step {stage1_peak:.1f}, of a profiling step "
-                                 f"{profiling_peak:.1f}, of a step without the predictor update "
-                                 f"{no_predictor_peak:.1f}")
+                row["notes"] = (f"profiling step +{profiled - row['ms']:.0f} ms (every {every} steps: "
+                                f"+{(profiled - row['ms']) / every:.1f} ms/step); predictor update "
+                                f"{row['ms'] - no_predictor:.0f} ms/step; critical-KV estimation "
+                                f"{estimation}; peak GiB of a stage-1 step {stage1_peak:.1f}, of a profiling step "
+                                f"{profiling_peak:.1f}, of a step without the predictor update "
+                                f"{no_predictor_peak:.1f}")
             else:
                 row["sparse_blocks"] = sum(layer.runs_sparse() for layer in run_.model.controller.layers)
                 row["ms"], row["peak_gib"] = _timed_steps(run_, args, f"{tokens}-{mode}", device)

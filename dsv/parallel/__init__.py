@@ -7,7 +7,7 @@
 - ``fsdp``: FSDP2 sharding of a DSV model; predictors replicated, DSV EMAs averaged over ranks.
 """
 
-from dsv.parallel.fsdp import shard_model, sync_dsv_state
+from dsv.parallel.fsdp import check_replicas_in_sync, replica_divergence, shard_model, sync_dsv_state
 from dsv.parallel.hcp import all_to_all, dense_attention_fn, hcp_attention, sparse_attention_fn
 from dsv.parallel.placement import check_placement, makespan, place_heads, rank_loads
 from dsv.parallel.planner import AttentionShape, Cluster, hybrid_plan, paper_profile, plan_model
@@ -32,4 +32,6 @@ __all__ = [
     "shard_model",
     "sparse_attention_fn",
     "sync_dsv_state",
+    "check_replicas_in_sync",
+    "replica_divergence",
 ]

@@ -59,6 +59,47 @@ def sync_dsv_state(model: nn.Module) -> None:
         buffer.copy_(value.view_as(buffer))
 
 
+@torch.no_grad()
+def replica_divergence(model: nn.Module) -> dict[str, float]:
+    """Largest difference from rank 0's copy, over all ranks, of every tensor that DSV keeps replicated:
+    each predictor parameter and each DSV layer's buffers (EMAs, recall boost, budgets, dispatch). A
+    collective: every rank calls it. Returns ``{name: max |x_rank - x_rank0|}`` (0.0 where identical; NaN in
+    the same place on every rank counts as identical, a NaN on some ranks only as ``inf``).
+
+    Why: these replicas are kept identical by construction (averaged gradients, averaged EMAs), not by
+    FSDP; a rank that drifted would dispatch or select differently without any error. Checking them when
+    a checkpoint is written, which saves rank 0's copy for all, turns such a drift into an error."""
+    named = [(f"{lname}.{pname}", tensor)
+             for lname, layer in model.named_modules() if isinstance(layer, DSVAttentionCore)
+             for pname, tensor in [*layer.named_buffers(recurse=False),
+                                   *(layer.predictor.named_parameters(prefix="predictor")
+                                     if isinstance(getattr(layer, "predictor", None), LowRankPredictor) else [])]]
+    if not named:
+        return {}
+    flat = torch.cat([t.detach().reshape(-1).double() for _, t in named])
+    reference = flat.clone()
+    dist.broadcast(reference, src=0)
+    both_nan = flat.isnan() & reference.isnan()
+    diff = torch.where(both_nan, torch.zeros_like(flat), (flat - reference).abs().nan_to_num(nan=float("inf")))
+    per_tensor = torch.stack([chunk.max() if chunk.numel() else chunk.new_zeros(())
+                              for chunk in diff.split([t.numel() for _, t in named])])
+    dist.all_reduce(per_tensor, op=dist.ReduceOp.MAX)
+    return {name: float(value) for (name, _), value in zip(named, per_tensor.tolist())}
+
+
+def check_replicas_in_sync(model: nn.Module) -> int:
+    """Raise `RuntimeError` naming every DSV replica (see `replica_divergence`) that differs between ranks;
+    return how many tensors were compared. A collective."""
+    divergence = replica_divergence(model)
+    drifted = {name: value for name, value in divergence.items() if value != 0.0}
+    if drifted:
+        listed = ", ".join(f"{name} (max difference {value:.3g})" for name, value in list(drifted.items())[:8])
+        raise RuntimeError(f"DSV replicas differ between ranks: {listed}"
+                           f"{f' and {len(drifted) - 8} more' if len(drifted) > 8 else ''}. Predictors and DSV "
+                           "state must be identical on every rank; this checkpoint is not written (earlier ones are intact)")
+    return len(divergence)
+
+
 def shard_model(
     model: VideoDiT,
     mesh: DeviceMesh | None = None,

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from dsv.modules.attention import model_parameters
 from dsv.modules.dit import VideoDiT, flow_matching_loss
-from dsv.parallel.fsdp import shard_model
+from dsv.parallel.fsdp import check_replicas_in_sync, shard_model
 from dsv.train.checkpoint import (
     CheckpointError,
     check_weights_match,
@@ -98,6 +98,7 @@ class Trainer:
             torch.set_num_threads(cfg.train.threads)
         self.rank, self.world, self.device = init_distributed(cfg.train.device)
         self.quiet = quiet or self.rank != 0  # rank 0 alone logs and writes
+        self.replicas_checked = 0  # replicated DSV tensors compared across ranks at the last save
         existing = list_checkpoints(self.run_dir)
         if existing and not resume:
             raise FileExistsError(
@@ -201,6 +202,9 @@ class Trainer:
         }
 
     def save(self) -> Path:
+        # Rank 0's copy of the replicated predictors and DSV state is saved for all ranks: refuse to save
+        # (and go on) if the replicas drifted apart.
+        self.replicas_checked = check_replicas_in_sync(self.model) if self.world > 1 else 0
         weights, state = self.full_state()
         path = checkpoint_root(self.run_dir) / f"step_{self.step:08d}"
         error = None
@@ -401,7 +405,9 @@ class Trainer:
                 last["heldout_loss"] = held
             if self.step % cfg.ckpt_every == 0 or self.step == cfg.steps:
                 path = self.save()
-                self._print(f"step {self.step:5d} | checkpoint {path}")
+                checked = (f" ({self.replicas_checked} replicated DSV tensors identical on {self.world} ranks)"
+                           if self.world > 1 else "")
+                self._print(f"step {self.step:5d} | checkpoint {path}{checked}")
         bar.close()
         self.close()
         last["switch_step"] = int(self.controller.switch_step)

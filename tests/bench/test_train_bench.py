@@ -2,7 +2,12 @@
 
 import re
 
+import torch
+
+from dsv.bench.train import _Run, paper_profile
 from dsv.cli import main
+from dsv.train.config import apply_overrides
+from dsv.train.recipes import get_recipe
 
 
 def test_bench_train_reports_all_modes(tmp_path, capsys):
@@ -40,3 +45,25 @@ def test_bench_train_with_compiled_blocks(tmp_path):
     assert "blocks compiled (aot_eager)" in report
     assert "critical-KV estimation n/a (compiled blocks)" in report
 
+
+
+def test_profiling_steps_keep_the_profile_under_test():
+    """A profiling step measures the random model's own sparsity and re-dispatches on it; the bench puts the
+    profile under test back after each, so the steps timed after it run the same sparse work."""
+    cfg = apply_overrides(get_recipe("debug_cpu"), ["model.depth=5", "model.hidden=32", "model.heads=2",
+                                                    "attention.cube=2,2,2"])
+    run = _Run(cfg, "dsv", 128, 8, torch.device("cpu"))
+    run.step()
+    run.enter_stage2(paper_profile(5, 2))
+    state = run.dsv_state()
+    sparse_before = [layer.runs_sparse() for layer in run.model.controller.layers]
+    run.set_attention(profile_every_stage2=1)
+    run.step()
+    changed = any(not torch.equal(getattr(layer, "sparsity_ema"), saved["sparsity_ema"])
+                  for layer, saved in zip(run.model.controller.layers, state))
+    assert changed  # the profiling step did move the EMA: the restore below has something to undo
+    run.median_ms(0, 1, state=state)
+    for layer, saved in zip(run.model.controller.layers, state):
+        for name, value in saved.items():
+            assert torch.equal(getattr(layer, name), value), name
+    assert [layer.runs_sparse() for layer in run.model.controller.layers] == sparse_before

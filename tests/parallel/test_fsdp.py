@@ -11,7 +11,7 @@ import dsv.modules.attention as attention_module
 from dsv.modules.attention import DSVAttention, model_parameters
 from dsv.modules.config import AttentionConfig
 from dsv.modules.dit import ModelConfig, VideoDiT, flow_matching_loss
-from dsv.parallel.fsdp import EMA_BUFFERS, shard_model
+from dsv.parallel.fsdp import EMA_BUFFERS, check_replicas_in_sync, replica_divergence, shard_model
 from tests.parallel import run_distributed
 
 WORLD, STEPS, BATCH = 2, 4, 2
@@ -226,3 +226,35 @@ def test_shard_model_errors():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
         shard_model(build_model())
+
+
+def replica_check_worker(rank, world, batches_per_rank):
+    model = shard_model(build_model())
+    train(model, batches_per_rank[rank])
+    in_sync = replica_divergence(model)
+    compared = check_replicas_in_sync(model)
+    # One rank's predictor drifts (as a missed gradient all-reduce would make it): every rank must refuse.
+    layer = model.controller.layers[1]
+    if rank == 1:
+        with torch.no_grad():
+            next(layer.predictor.parameters()).add_(1e-3)
+    try:
+        check_replicas_in_sync(model)
+        error = None
+    except RuntimeError as err:
+        error = str(err)
+    return {"in_sync": in_sync, "compared": compared, "error": error}
+
+
+def test_replica_check_passes_in_sync_and_names_a_drifted_predictor(tmp_path):
+    batches_per_rank = [make_batches(seed=rank + 1) for rank in range(WORLD)]
+    results = run_distributed(replica_check_worker, WORLD, batches_per_rank, out_dir=tmp_path)
+    for result in results:
+        # After data-parallel training on different data, every replicated tensor is identical ...
+        assert result["in_sync"] and set(result["in_sync"].values()) == {0.0}
+        assert result["compared"] == len(result["in_sync"])
+        assert any(".predictor." in name for name in result["in_sync"])
+        assert any(name.endswith("sparsity_ema") for name in result["in_sync"])
+        # ... and a drift on one rank is reported on every rank, naming the tensor.
+        assert result["error"] is not None and "DSV replicas differ between ranks" in result["error"]
+        assert "blocks.1.attn.predictor.q_proj.weight (max difference 0.001)" in result["error"]

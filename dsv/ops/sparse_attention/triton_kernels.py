@@ -566,8 +566,9 @@ def sparse_attention_bwd_launch(do, q, k, v, out, lse, dlse, indices, counts, gr
     cfg = cfg or default_config(q.shape[-1], group_size, kv_block, _tma_supported(q))
     _check_tiles(cfg.bwd_dq, group_size, kv_block, "dq")
     _check_tiles(cfg.bwd_dkdv, group_size, kv_block, "dk/dv")
-    offsets, groups = _transpose_index(indices, triton.cdiv(q.shape[2], kv_block))
+    num_kv_blocks = triton.cdiv(q.shape[2], kv_block)
     if cfg.atomic_dq:
+        offsets, groups = _transpose_index(indices, num_kv_blocks)
         delta = _launch_bwd_delta(out, do, dlse)
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk, dv = _launch_bwd_dkdv(q, k, v, do, lse, delta, offsets, groups, group_size, kv_block, scale,
@@ -576,6 +577,9 @@ def sparse_attention_bwd_launch(do, q, k, v, out, lse, dlse, indices, counts, gr
     # The dq pass runs first: it writes delta, which the dk/dv pass reads.
     dq, delta = _launch_bwd_dq(q, k, v, out, do, lse, dlse, indices, counts, group_size, kv_block, scale,
                                cfg.bwd_dq)
+    # The key-major index only after the dq launch: its ~20 small launches then cost host time while dq
+    # runs, instead of delaying dq's start (short sequences are host-bound).
+    offsets, groups = _transpose_index(indices, num_kv_blocks)
     dk, dv = _launch_bwd_dkdv(q, k, v, do, lse, delta, offsets, groups, group_size, kv_block, scale, cfg.bwd_dkdv)
     return dq, dk, dv
 
