@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import statistics
 import time
 from pathlib import Path
@@ -142,9 +143,9 @@ class _Run:
         controller.begin_step(self.step_index)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
             loss = flow_matching_loss(self.model, self.x0, self.t, self.noise)
-        self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)  # as the trainer: no old gradients during the next forward
         controller.end_step()
         self.step_index += 1
 
@@ -255,6 +256,9 @@ def run(args) -> int:
             print(f"{tokens:>6} {mode:>6}: {row['ms']:.1f} ms/step, {row['speedup']:.2f}x dense, "
                   f"{row['peak_gib']:.1f} GiB, {row['sparse_blocks']} sparse blocks. {row['notes']}", flush=True)
             del run_
+            # The layers and their controller reference each other: only the cycle collector frees them, and
+            # until it runs the last model's attention weights would count in the next run's peak.
+            gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     lines = [f"# Training step time, {args.recipe} shape, {machine}", "",

@@ -144,7 +144,6 @@ class LowRankPredictor(nn.Module):
         parameters (fp32: autocast is off inside); returns the loss, detached."""
         with torch.enable_grad(), torch.autocast(device_type, enabled=False):
             loss = compute_loss()
-            self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # Predictors are replicated on every rank and must stay identical: average their gradients
@@ -153,6 +152,8 @@ class LowRankPredictor(nn.Module):
                 if p.grad is not None:
                     dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
         self.optimizer.step()
+        # Freed at once: kept, the gradients would sit through the rest of the step (and its peak).
+        self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
     def set_lr(self, lr: float) -> None:

@@ -294,12 +294,14 @@ class Trainer:
         if bad:
             raise FloatingPointError(f"step {self.step}: training loss is not finite on some rank; stopping "
                                      "before the optimizer applies it (the last checkpoint is intact)")
-        self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         # grad_clip = 0 disables clipping (the norm is still computed for the log).
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for g in self.optimizer.param_groups for p in g["params"]], self.cfg.optim.grad_clip or float("inf"))
         self.optimizer.step()
+        # Freed now, not before the next backward: the next forward's peak need not hold a model's worth
+        # of old gradients (6 GiB at the 2.7B shape).
+        self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         events = self.controller.end_step()
         self.step += 1

@@ -62,6 +62,8 @@ def test_update_does_not_touch_the_model_graph():
     predictor.update(hidden, q, k, sample_query_rows(32, 4), 8**-0.5)
     assert hidden.grad is None and q.grad is None and k.grad is None
     assert any(not torch.equal(b, p) for b, p in zip(before, predictor.parameters()))
+    # Its own gradients are freed by the update, not kept through the rest of the training step.
+    assert all(p.grad is None for p in predictor.parameters())
 
 
 @pytest.mark.parametrize("dtype,tol", [

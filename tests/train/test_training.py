@@ -50,8 +50,11 @@ def test_smoke_run_learns_switches_and_runs_sparse(tmp_path):
 def test_every_attention_mode_trains(tmp_path, mode):
     cfg = tiny_config(tmp_path, f"attention.mode={mode}", "train.steps=6", "attention.max_stage1_steps=2",
                       "train.ckpt_every=6")
-    result = Trainer(cfg, quiet=True).run()
+    trainer = Trainer(cfg, quiet=True)
+    result = trainer.run()
     assert torch.isfinite(torch.tensor(result["loss"]))
+    # Gradients are freed after each optimizer step, so no step's forward holds the last step's.
+    assert all(p.grad is None for p in trainer.model.parameters())
     expected = {"dense": "dense:sdpa", "dsv": "sparse:reference", "window": "sparse:reference",
                 "oracle": "sparse:reference"}[mode]
     assert {layer["path"] for layer in result["layers"]} == {expected}
