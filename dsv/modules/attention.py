@@ -62,8 +62,7 @@ class DSVAttentionCore(nn.Module):
             # model of the same seed (the quality comparison trains all three from one initialisation).
             with torch.random.fork_rng(devices=[]):
                 self.predictor = LowRankPredictor(dim, heads, self.cfg.rank, self.cfg.predictor_lr,
-                                                  self.cfg.loss_cosine_weight, self.cfg.loss_mse_weight,
-                                                  tf32=self.cfg.predictor_tf32)
+                                                  self.cfg.loss_cosine_weight, self.cfg.loss_mse_weight)
         nan_heads = torch.full((heads,), float("nan"))
         self.register_buffer("sparsity_ema", nan_heads.clone())
         self.register_buffer("recall_ema", nan_heads.clone())

@@ -25,9 +25,6 @@ class AttentionConfig:
     predictor_lr: float = 1e-3
     stage2_lr_scale: float = 0.1
     learn_every_stage2: int = 1  # predictor steps every n-th step in stage 2 (its cost is per step)
-    # The predictor's fp32 matmuls on TF32 tensor cores (CUDA). Its inputs are bf16 activations, which TF32's
-    # 10-bit mantissa holds exactly; the accumulation stays fp32.
-    predictor_tf32: bool = True
     loss_cosine_weight: float = 0.9
     loss_mse_weight: float = 0.1
     sample_stride: int = 64  # every n-th query row (grouped order) feeds the loss and the profiler

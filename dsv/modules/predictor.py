@@ -6,8 +6,6 @@ the layer's forward pass, so no S×S intermediate is kept alive for the model's 
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -85,23 +83,6 @@ def predictor_loss_from_factors(
     return cosine_weight * (1.0 - cosine).mean() + mse_weight * mse.mean()
 
 
-@contextlib.contextmanager
-def tf32_matmuls(enabled: bool = True):
-    """fp32 CUDA matmuls on TF32 tensor cores inside the block (the global setting is restored after);
-    a no-op when not `enabled`. Uses the `fp32_precision` API only: mixing it with the legacy
-    `allow_tf32` flag makes torch raise."""
-    if not enabled:
-        yield
-        return
-    matmul = torch.backends.cuda.matmul
-    previous = matmul.fp32_precision
-    matmul.fp32_precision = "tf32"
-    try:
-        yield
-    finally:
-        matmul.fp32_precision = previous
-
-
 class LowRankPredictor(nn.Module):
     """Two low-rank projections per layer: hidden `[B, S, C]` → `q_lr, k_lr` of `[B, H, S, rank]`."""
 
@@ -113,14 +94,12 @@ class LowRankPredictor(nn.Module):
         lr: float = 1e-3,
         cosine_weight: float = 0.9,
         mse_weight: float = 0.1,
-        tf32: bool = True,
     ):
         super().__init__()
         if rank < 1:
             raise ValueError(f"predictor rank must be >= 1, got {rank}")
         self.heads, self.rank = heads, rank
         self.cosine_weight, self.mse_weight = cosine_weight, mse_weight
-        self.tf32 = tf32  # the update's matmuls in TF32 on CUDA (`tf32_matmuls`)
         self.q_proj = nn.Linear(dim, heads * rank, bias=False)
         self.k_proj = nn.Linear(dim, heads * rank, bias=False)
         # The optimizer lives with the predictor: it is not part of the model's optimizer, and the
@@ -163,9 +142,7 @@ class LowRankPredictor(nn.Module):
     def step(self, compute_loss, device_type: str) -> torch.Tensor:
         """One optimizer step on the 0-d loss that `compute_loss()` builds from this predictor's
         parameters (fp32: autocast is off inside); returns the loss, detached."""
-        # The backward runs on autograd's device thread; the TF32 setting is process-wide, so it holds there too.
-        with torch.enable_grad(), torch.autocast(device_type, enabled=False), \
-                tf32_matmuls(self.tf32 and device_type == "cuda"):
+        with torch.enable_grad(), torch.autocast(device_type, enabled=False):
             loss = compute_loss()
             loss.backward()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

@@ -3,10 +3,8 @@
 import pytest
 import torch
 
-from dsv.modules.predictor import LowRankPredictor, predictor_loss, tf32_matmuls
+from dsv.modules.predictor import LowRankPredictor, predictor_loss
 from dsv.ops import estimate_index, index_recall, sample_query_rows
-
-HAS_CUDA = torch.cuda.is_available()
 
 
 def test_loss_is_zero_for_equal_rows_and_positive_otherwise():
@@ -89,41 +87,3 @@ def test_loss_from_factors_equals_the_loss_on_explicit_scores(dtype, tol):
     grads_factored = torch.autograd.grad(factored, (q_lr, k_lr))
     for a, b in zip(grads_factored, grads_explicit):
         torch.testing.assert_close(a, b, rtol=tol * 10, atol=tol * 10)
-
-
-def test_tf32_matmuls_sets_and_restores_the_global_setting():
-    matmul = torch.backends.cuda.matmul
-    before = matmul.fp32_precision
-    with tf32_matmuls():
-        assert matmul.fp32_precision == "tf32"
-    assert matmul.fp32_precision == before
-    with tf32_matmuls(enabled=False):
-        assert matmul.fp32_precision == before
-    with pytest.raises(ZeroDivisionError), tf32_matmuls():
-        1 / 0
-    assert matmul.fp32_precision == before  # restored on errors too
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_tf32_loss_and_gradients_match_fp32_on_gpu():
-    """The predictor's loss and gradients with TF32 matmuls match IEEE fp32 ones, on bf16-valued inputs as
-    in training (TF32 holds bf16 inputs exactly; only the fp32 weights and the centred keys are rounded)."""
-    torch.manual_seed(0)
-    hidden = torch.randn(1, 4096, 256, device="cuda").bfloat16().float()
-    q = torch.randn(1, 4, 4096, 64, device="cuda").bfloat16().float()
-    k = torch.randn(1, 4, 4096, 64, device="cuda").bfloat16().float()
-    rows = sample_query_rows(4096, 64).cuda()
-    predictor = LowRankPredictor(256, 4, rank=16).cuda()
-    results = {}
-    for tf32 in (False, True):
-        predictor.zero_grad(set_to_none=True)
-        with tf32_matmuls(tf32):
-            loss = predictor.loss(hidden, q, k, rows, 64**-0.5)
-            loss.backward()
-        results[tf32] = (loss.detach(), [p.grad.clone() for p in predictor.parameters()])
-    # TF32 rounds each matmul input to 11 significant bits (relative 2^-11 ~ 5e-4); sums of such products
-    # keep that relative size, so 1e-2 of the norm leaves room and still catches a wrong kernel or layout.
-    torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-3, atol=0)
-    for tf32_grad, fp32_grad in zip(results[True][1], results[False][1]):
-        assert (tf32_grad - fp32_grad).norm() <= 1e-2 * fp32_grad.norm()
