@@ -5,8 +5,11 @@
 # on sparsity alone (attention.speed_dispatch=false) to train sparse blocks across the GPUs.
 # usage: benchmarks/gpu_multi_check.sh OUTDIR [PART ...]   (2 GPUs visible; parts: bench cp dp, default all)
 set -o pipefail
-out=$1; shift; mkdir -p "$out"
+out=${1:?usage: benchmarks/gpu_multi_check.sh OUTDIR [bench] [cp] [dp]}; shift; mkdir -p "$out"
 parts=${*:-bench cp dp}
+for part in $parts; do  # before any device time is spent
+  case $part in bench|cp|dp) ;; *) echo "unknown part $part (bench, cp, dp)" >&2; exit 2 ;; esac
+done
 common=(--recipe small_gpu --set data.frames=16 --set data.size=64 --set attention.cube=4,4,4
   --set attention.min_stage1_steps=0 --set attention.max_stage1_steps=60 --set attention.switch_loss_threshold=0.05
   --set attention.sparse_threshold=0.25 --set attention.profile_every_stage1=20 --set attention.profile_every_stage2=40
@@ -28,6 +31,5 @@ for part in $parts; do
     dp) echo "== data parallel (FSDP2), activation checkpointing, 2 GPUs"
         train --set model.activation_checkpointing=true --set train.steps=100 --set train.out_dir="$out/dp" \
           | grep -v "^    block" ;;
-    *) echo "unknown part $part (bench, cp, dp)"; exit 2 ;;
   esac
 done

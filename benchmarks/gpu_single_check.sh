@@ -7,8 +7,13 @@
 #   compiled  dense and DSV with every block compiled (model.compile=inductor)
 # usage: benchmarks/gpu_single_check.sh OUTDIR [PART ...]
 set -o pipefail
-out=$1; shift; mkdir -p "$out"
+out=${1:?usage: benchmarks/gpu_single_check.sh OUTDIR [tests] [sweep] [train] [memory] [compiled]}; shift
+mkdir -p "$out"
 parts=${*:-tests sweep train memory compiled}
+for part in $parts; do  # before any device time is spent
+  case $part in tests|sweep|train|memory|compiled) ;;
+    *) echo "unknown part $part (tests, sweep, train, memory, compiled)" >&2; exit 2 ;; esac
+done
 for part in $parts; do
   echo "== $part ($(date +%T))"
   case $part in
@@ -21,6 +26,5 @@ for part in $parts; do
     compiled) python3 -m dsv.cli bench train --tokens 32768 65536 --steps 2 --modes dense dsv \
                 --set model.compile=inductor --out "$out/train-step-compiled.md" 2>&1 \
                 | grep -v "it/s\]\|s/it\]\|rms_norm" | tail -20 ;;
-    *) echo "unknown part $part (tests, sweep, train, memory, compiled)"; exit 2 ;;
   esac
 done

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from dsv.bench.profiling import write_op_profile
-from dsv.modules.dit import VideoDiT, flow_matching_loss
 from dsv.modules.attention import model_parameters
+from dsv.modules.dit import VideoDiT, flow_matching_loss
 from dsv.parallel.planner import load_profile, paper_profile
 from dsv.train.config import apply_overrides
 from dsv.train.recipes import get_recipe
@@ -170,18 +170,23 @@ class _Run:
         for layer in self.model.controller.layers:
             layer.cfg = cfg
 
-    def dsv_state(self) -> list[dict[str, torch.Tensor]]:
-        """A copy of every layer's DSV buffers (sparsity and recall EMAs, budgets, dispatch)."""
-        return [{name: buffer.clone() for name, buffer in layer.named_buffers(recurse=False)}
-                for layer in self.model.controller.layers]
+    def dsv_state(self) -> list[tuple[dict[str, torch.Tensor], str]]:
+        """A copy of what a profiling step changes in each layer: its DSV buffers (sparsity and recall EMAs,
+        recall boost, budgets, dispatch) and its dispatch reason. The controller's stage and switch step and
+        the predictor's learning rate do not change in stage 2."""
+        return [({name: buffer.clone() for name, buffer in layer.named_buffers(recurse=False)},
+                 layer.dispatch_reason) for layer in self.model.controller.layers]
 
-    def restore_dsv_state(self, state: list[dict[str, torch.Tensor]]) -> None:
-        for layer, buffers in zip(self.model.controller.layers, state):
+    def restore_dsv_state(self, state: list[tuple[dict[str, torch.Tensor], str]]) -> None:
+        """Put back a `dsv_state` copy, host mirrors included."""
+        for layer, (buffers, reason) in zip(self.model.controller.layers, state):
             for name, value in buffers.items():
                 getattr(layer, name).copy_(value)
+            layer.dispatch_reason = reason
             layer._refresh_host_state()
 
-    def median_ms(self, warmup: int, steps: int, state: list[dict[str, torch.Tensor]] | None = None) -> float:
+    def median_ms(self, warmup: int, steps: int,
+                  state: list[tuple[dict[str, torch.Tensor], str]] | None = None) -> float:
         """Median ms per step; with `state`, the DSV state is put back after each step (untimed), so that
         steps which profile keep the sparsity profile under test instead of the random model's own."""
         def one() -> float:

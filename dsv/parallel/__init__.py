@@ -7,10 +7,26 @@
 - ``fsdp``: FSDP2 sharding of a DSV model; predictors replicated, DSV EMAs averaged over ranks.
 """
 
-from dsv.parallel.fsdp import check_replicas_in_sync, replica_divergence, shard_model, sync_dsv_state
-from dsv.parallel.hcp import all_to_all, dense_attention_fn, hcp_attention, sparse_attention_fn
+from dsv.parallel.fsdp import (
+    check_replicas_in_sync,
+    replica_divergence,
+    shard_model,
+    sync_dsv_state,
+)
+from dsv.parallel.hcp import (
+    all_to_all,
+    dense_attention_fn,
+    hcp_attention,
+    sparse_attention_fn,
+)
 from dsv.parallel.placement import check_placement, makespan, place_heads, rank_loads
-from dsv.parallel.planner import AttentionShape, Cluster, hybrid_plan, paper_profile, plan_model
+from dsv.parallel.planner import (
+    AttentionShape,
+    Cluster,
+    hybrid_plan,
+    paper_profile,
+    plan_model,
+)
 from dsv.parallel.scp import LocalIndex, ScpCommStats, scp_attention
 
 __all__ = [
@@ -20,6 +36,7 @@ __all__ = [
     "ScpCommStats",
     "all_to_all",
     "check_placement",
+    "check_replicas_in_sync",
     "dense_attention_fn",
     "hcp_attention",
     "hybrid_plan",
@@ -28,10 +45,9 @@ __all__ = [
     "place_heads",
     "plan_model",
     "rank_loads",
+    "replica_divergence",
     "scp_attention",
     "shard_model",
     "sparse_attention_fn",
     "sync_dsv_state",
-    "check_replicas_in_sync",
-    "replica_divergence",
 ]

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from dsv.modules.attention import DSVAttentionCore
+from dsv.modules.controller import DSVController
 from dsv.modules.dit import VideoDiT
 from dsv.modules.predictor import LowRankPredictor
 
@@ -59,37 +60,49 @@ def sync_dsv_state(model: nn.Module) -> None:
         buffer.copy_(value.view_as(buffer))
 
 
+def _replicated_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every DSV tensor that each rank holds whole and identical: each DSV layer's buffers (EMAs, recall
+    boost, budgets, dispatch) and predictor parameters, and the controller's buffers (stage, switch step)."""
+    named = []
+    for module_name, module in model.named_modules():
+        if isinstance(module, (DSVAttentionCore, DSVController)):
+            named += [(f"{module_name}.{name}", t) for name, t in module.named_buffers(recurse=False)]
+        predictor = getattr(module, "predictor", None) if isinstance(module, DSVAttentionCore) else None
+        if isinstance(predictor, LowRankPredictor):
+            named += [(f"{module_name}.predictor.{name}", p) for name, p in predictor.named_parameters()]
+    return named
+
+
 @torch.no_grad()
 def replica_divergence(model: nn.Module) -> dict[str, float]:
-    """Largest difference from rank 0's copy, over all ranks, of every tensor that DSV keeps replicated:
-    each predictor parameter and each DSV layer's buffers (EMAs, recall boost, budgets, dispatch). A
-    collective: every rank calls it. Returns ``{name: max |x_rank - x_rank0|}`` (0.0 where identical; NaN in
-    the same place on every rank counts as identical, a NaN on some ranks only as ``inf``).
+    """Largest difference from rank 0's copy, over all ranks, of every DSV replicated tensor
+    (`_replicated_tensors`; the predictors' AdamW moments are not compared: they follow from identical
+    gradients). A collective: every rank calls it. Returns ``{name: max |x_rank - x_rank0|}`` (0.0 where
+    identical; NaN in the same place on every rank counts as identical, a NaN on some ranks only as ``inf``).
 
     Why: these replicas are kept identical by construction (averaged gradients, averaged EMAs), not by
     FSDP; a rank that drifted would dispatch or select differently without any error. Checking them when
-    a checkpoint is written, which saves rank 0's copy for all, turns such a drift into an error."""
-    named = [(f"{lname}.{pname}", tensor)
-             for lname, layer in model.named_modules() if isinstance(layer, DSVAttentionCore)
-             for pname, tensor in [*layer.named_buffers(recurse=False),
-                                   *(layer.predictor.named_parameters(prefix="predictor")
-                                     if isinstance(getattr(layer, "predictor", None), LowRankPredictor) else [])]]
+    a checkpoint is written, which saves rank 0's copy for all, turns such a drift into an error. Tensor by
+    tensor, so the extra memory is two copies of the largest one (a predictor weight), not of them all."""
+    named = _replicated_tensors(model)
     if not named:
         return {}
-    flat = torch.cat([t.detach().reshape(-1).double() for _, t in named])
-    reference = flat.clone()
-    dist.broadcast(reference, src=0)
-    both_nan = flat.isnan() & reference.isnan()
-    diff = torch.where(both_nan, torch.zeros_like(flat), (flat - reference).abs().nan_to_num(nan=float("inf")))
-    per_tensor = torch.stack([chunk.max() if chunk.numel() else chunk.new_zeros(())
-                              for chunk in diff.split([t.numel() for _, t in named])])
+    largest = []
+    for _, tensor in named:
+        value = tensor.detach().float()
+        reference = value.clone()
+        dist.broadcast(reference, src=0)
+        diff = (value - reference).abs().nan_to_num(nan=float("inf"))
+        diff = torch.where(value.isnan() & reference.isnan(), torch.zeros_like(diff), diff)
+        largest.append(diff.max() if diff.numel() else diff.new_zeros(()))
+    per_tensor = torch.stack(largest)
     dist.all_reduce(per_tensor, op=dist.ReduceOp.MAX)
     return {name: float(value) for (name, _), value in zip(named, per_tensor.tolist())}
 
 
 def check_replicas_in_sync(model: nn.Module) -> int:
-    """Raise `RuntimeError` naming every DSV replica (see `replica_divergence`) that differs between ranks;
-    return how many tensors were compared. A collective."""
+    """Raise `RuntimeError` naming every DSV replica (see `replica_divergence`) that differs between ranks,
+    on every rank; return how many tensors were compared. A collective."""
     divergence = replica_divergence(model)
     drifted = {name: value for name, value in divergence.items() if value != 0.0}
     if drifted:

@@ -202,9 +202,13 @@ class Trainer:
         }
 
     def save(self) -> Path:
-        # Rank 0's copy of the replicated predictors and DSV state is saved for all ranks: refuse to save
-        # (and go on) if the replicas drifted apart.
-        self.replicas_checked = check_replicas_in_sync(self.model) if self.world > 1 else 0
+        # Rank 0's copy of the replicated predictors and DSV state is saved for all ranks: if the replicas
+        # drifted apart, write nothing and stop (every rank raises together).
+        if self.world > 1:
+            try:
+                self.replicas_checked = check_replicas_in_sync(self.model)
+            except RuntimeError as err:
+                raise CheckpointError(f"step {self.step}: {err}") from err
         weights, state = self.full_state()
         path = checkpoint_root(self.run_dir) / f"step_{self.step:08d}"
         error = None

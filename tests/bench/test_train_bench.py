@@ -46,7 +46,6 @@ def test_bench_train_with_compiled_blocks(tmp_path):
     assert "critical-KV estimation n/a (compiled blocks)" in report
 
 
-
 def test_profiling_steps_keep_the_profile_under_test():
     """A profiling step measures the random model's own sparsity and re-dispatches on it; the bench puts the
     profile under test back after each, so the steps timed after it run the same sparse work."""
@@ -59,11 +58,12 @@ def test_profiling_steps_keep_the_profile_under_test():
     sparse_before = [layer.runs_sparse() for layer in run.model.controller.layers]
     run.set_attention(profile_every_stage2=1)
     run.step()
-    changed = any(not torch.equal(getattr(layer, "sparsity_ema"), saved["sparsity_ema"])
-                  for layer, saved in zip(run.model.controller.layers, state))
+    changed = any(not torch.equal(layer.sparsity_ema, saved["sparsity_ema"]) or layer.dispatch_reason != reason
+                  for layer, (saved, reason) in zip(run.model.controller.layers, state))
     assert changed  # the profiling step did move the EMA: the restore below has something to undo
     run.median_ms(0, 1, state=state)
-    for layer, saved in zip(run.model.controller.layers, state):
+    for layer, (saved, reason) in zip(run.model.controller.layers, state):
         for name, value in saved.items():
             assert torch.equal(getattr(layer, name), value), name
+        assert layer.dispatch_reason == reason
     assert [layer.runs_sparse() for layer in run.model.controller.layers] == sparse_before

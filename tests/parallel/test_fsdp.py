@@ -11,7 +11,12 @@ import dsv.modules.attention as attention_module
 from dsv.modules.attention import DSVAttention, model_parameters
 from dsv.modules.config import AttentionConfig
 from dsv.modules.dit import ModelConfig, VideoDiT, flow_matching_loss
-from dsv.parallel.fsdp import EMA_BUFFERS, check_replicas_in_sync, replica_divergence, shard_model
+from dsv.parallel.fsdp import (
+    EMA_BUFFERS,
+    check_replicas_in_sync,
+    replica_divergence,
+    shard_model,
+)
 from tests.parallel import run_distributed
 
 WORLD, STEPS, BATCH = 2, 4, 2
@@ -255,6 +260,7 @@ def test_replica_check_passes_in_sync_and_names_a_drifted_predictor(tmp_path):
         assert result["compared"] == len(result["in_sync"])
         assert any(".predictor." in name for name in result["in_sync"])
         assert any(name.endswith("sparsity_ema") for name in result["in_sync"])
+        assert any(name.endswith("controller.stage") for name in result["in_sync"])
         # ... and a drift on one rank is reported on every rank, naming the tensor.
         assert result["error"] is not None and "DSV replicas differ between ranks" in result["error"]
         assert "blocks.1.attn.predictor.q_proj.weight (max difference 0.001)" in result["error"]
