@@ -35,7 +35,7 @@ class _Recorder:
             by_block = recall_at_equal_keep(q, k, keep, layer.cfg.group_size, kv_blocks, self.stride, layer.scale)
             for kv_block, recall in by_block.items():
                 self.granularity.setdefault((keep, kv_block), []).append(float(recall.mean()))
-        rows = sample_query_rows(q.shape[2], self.stride).to(q.device)
+        rows = sample_query_rows(q.shape[2], self.stride, device=q.device)
         sparsity = head_sparsity(q, k, rows, self.theta, scale=layer.scale)
         self.sparsity.setdefault(layer.layer_index, []).append(sparsity.float().cpu())
         if layer.cfg.mode == "dense":

@@ -84,7 +84,7 @@ def recall_at_equal_keep(q: torch.Tensor, k: torch.Tensor, kept_fraction: float,
     if not 0.0 < kept_fraction <= 1.0:
         raise ValueError(f"kept_fraction must lie in (0, 1], got {kept_fraction!r}")
     B, H, S, _ = q.shape
-    rows = sample_query_rows(S, row_stride).to(q.device)
+    rows = sample_query_rows(S, row_stride, device=q.device)
     result = {}
     for kv_block in kv_blocks:
         n_blocks = math.ceil(S / kv_block)

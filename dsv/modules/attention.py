@@ -337,7 +337,7 @@ class DSVAttentionCore(nn.Module):
         if self.predictor is not None and controller.step % learn_period == 0:
             # Rotate the sampled rows by the number of updates so far, so that over time every row (and
             # every position inside a cube) is seen, whatever the period.
-            rows = sample_query_rows(seq_len, stride, offset=controller.step // learn_period).to(q.device)
+            rows = sample_query_rows(seq_len, stride, offset=controller.step // learn_period, device=q.device)
             loss = self.predictor.update(hidden, q, k, rows, self.scale)
             loss_ema.copy_(_ema(loss_ema, loss, cfg.ema_momentum))
         if not controller.profile_due():
@@ -346,7 +346,7 @@ class DSVAttentionCore(nn.Module):
             # Checked on profiling steps only (a device sync): a diverged predictor must not pass as
             # "never measured" and let the stage switch go ahead on the other layers.
             raise FloatingPointError(f"DSVAttention layer {self.layer_index}: the predictor loss is not finite")
-        rows = sample_query_rows(seq_len, stride, offset=controller.step // profile_period).to(q.device)
+        rows = sample_query_rows(seq_len, stride, offset=controller.step // profile_period, device=q.device)
         with torch.no_grad():
             sparsity = head_sparsity(q, k, rows, cfg.theta, scale=self.scale)
             sparsity_ema.copy_(_ema(sparsity_ema, sparsity, cfg.ema_momentum))

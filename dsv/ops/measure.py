@@ -64,8 +64,12 @@ def _row_chunk(q: torch.Tensor, num_rows: int) -> int:
     return resolve_chunk_size(None, num_rows, batch * heads * seq_len * (4 * 8 + 8), "rows")
 
 
-def sample_query_rows(seq_len: int, stride: int, offset: int = 0) -> torch.Tensor:
-    """Every ``stride``-th query row starting at ``offset % stride``: int64 ``[R]``, R >= 1."""
+def sample_query_rows(seq_len: int, stride: int, offset: int = 0,
+                      device: torch.device | str | None = None) -> torch.Tensor:
+    """Every ``stride``-th query row starting at ``offset % stride``: int64 ``[R]``, R >= 1, on ``device``.
+
+    Made on the device directly: a copy from host memory would wait for the device's whole stream, once
+    per layer and step in training."""
     _check_positive_int(seq_len, "seq_len")
     _check_positive_int(stride, "stride")
     first = offset % stride
@@ -73,7 +77,7 @@ def sample_query_rows(seq_len: int, stride: int, offset: int = 0) -> torch.Tenso
         raise ValueError(
             f"offset={offset} (first row {first}) leaves no row of seq_len={seq_len} at stride={stride}"
         )
-    return torch.arange(first, seq_len, stride)
+    return torch.arange(first, seq_len, stride, device=device)
 
 
 def critical_counts(

@@ -356,7 +356,7 @@ class ContextParallel:
         seq_len = q_all.shape[2]
         stride = min(seq_len, max(cfg.sample_stride, -(-seq_len // cfg.max_sample_rows)))
         if learn:
-            rows = sample_query_rows(seq_len, stride, offset=controller.step // learn_period).to(q.device)
+            rows = sample_query_rows(seq_len, stride, offset=controller.step // learn_period, device=q.device)
             # The loss averages over heads; weighting by this rank's share of them makes the sum over the
             # HCP group — and the rank-averaged gradient — that of one process over all heads.
             weight = len(heads) * layout.hcp / layer.heads
@@ -377,7 +377,7 @@ class ContextParallel:
             return
         if layer.predictor is not None and not torch.isfinite(layer.loss_ema):
             raise FloatingPointError(f"DSVAttention layer {layer.layer_index}: the predictor loss is not finite")
-        rows = sample_query_rows(seq_len, stride, offset=controller.step // profile_period).to(q.device)
+        rows = sample_query_rows(seq_len, stride, offset=controller.step // profile_period, device=q.device)
         with torch.no_grad():
             sparsity = self._sum_heads(head_sparsity(q_all, k_all, rows, cfg.theta, scale=layer.scale), heads,
                                        layer.heads, layout)

@@ -2,6 +2,7 @@
 
 import re
 
+import pytest
 import torch
 
 from dsv.bench.train import _Run, paper_profile
@@ -67,3 +68,24 @@ def test_profiling_steps_keep_the_profile_under_test():
             assert torch.equal(getattr(layer, name), value), name
         assert layer.dispatch_reason == reason
     assert [layer.runs_sparse() for layer in run.model.controller.layers] == sparse_before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_stage2_training_step_has_no_host_sync_on_gpu():
+    """A stage-2 training step (sparse Triton blocks, predictor update, activation checkpointing, AdamW) never
+    waits for the GPU, so the host stays ahead: profiling steps and `check_finite` sync by design and are
+    off here (the bench turns them off too)."""
+    cfg = apply_overrides(get_recipe("debug_cpu"), ["model.depth=3", "model.hidden=64", "model.heads=2",
+                                                    "attention.cube=4,4,4", "attention.speed_dispatch=false"])
+    run = _Run(cfg, "dsv", 512, 8, torch.device("cuda"))
+    run.step()  # stage 1
+    run.enter_stage2([[0.9, 0.9]] * 3)
+    run.step()  # the first sparse step compiles its kernels
+    assert all(layer.runs_sparse() for layer in run.model.controller.layers)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
