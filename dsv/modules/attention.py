@@ -24,6 +24,7 @@ from dsv.ops import (
     index_recall,
     keep_blocks_from_sparsity,
     oracle_index,
+    sample_key_positions,
     sample_query_rows,
     sparse_attention,
     window_index,
@@ -37,6 +38,12 @@ def _ema(old: torch.Tensor, new: torch.Tensor, momentum: float) -> torch.Tensor:
     """EMA without a host sync: NaN marks 'never measured', and then the new value is taken."""
     new = new.to(old.dtype)
     return torch.where(torch.isnan(old), new, momentum * old + (1.0 - momentum) * new)
+
+
+def key_seed(step: int, layer_index: int) -> int:
+    """Seed of a layer's predictor key sample at a step: fresh keys every step and layer, the same on every
+    rank (context parallelism equals one process) and in a resumed run."""
+    return step * 65537 + layer_index
 
 
 class DSVAttentionCore(nn.Module):
@@ -338,7 +345,9 @@ class DSVAttentionCore(nn.Module):
             # Rotate the sampled rows by the number of updates so far, so that over time every row (and
             # every position inside a cube) is seen, whatever the period.
             rows = sample_query_rows(seq_len, stride, offset=controller.step // learn_period, device=q.device)
-            loss = self.predictor.update(hidden, q, k, rows, self.scale)
+            keys = sample_key_positions(seq_len, cfg.predictor_keys, key_seed(controller.step, self.layer_index),
+                                        device=q.device)
+            loss = self.predictor.update(hidden, q, k, rows, self.scale, keys)
             loss_ema.copy_(_ema(loss_ema, loss, cfg.ema_momentum))
         if not controller.profile_due():
             return

@@ -29,6 +29,9 @@ class AttentionConfig:
     loss_mse_weight: float = 0.1
     sample_stride: int = 64  # every n-th query row (grouped order) feeds the loss and the profiler
     max_sample_rows: int = 256  # caps the R×S score rows at long sequences
+    # Keys per predictor update: a random subset of this many (0 = all). The loss needs only means over the
+    # keys (Gram matrices), which a few thousand estimate well, and the update's cost grows with the keys.
+    predictor_keys: int = 0
 
     # Profiler.
     theta: float = 0.9
@@ -70,6 +73,8 @@ class AttentionConfig:
                              f"got {self.recall_target}")
         if not 0.0 <= self.ema_momentum < 1.0:
             raise ValueError(f"attention.ema_momentum must be in [0, 1), got {self.ema_momentum}")
+        if self.predictor_keys < 0:
+            raise ValueError(f"attention.predictor_keys must be >= 0 (0 = every key), got {self.predictor_keys}")
         for name in ("sample_stride", "max_sample_rows", "profile_every_stage1", "profile_every_stage2",
                      "learn_every_stage2",
                      "keep_floor_blocks", "rank"):

@@ -114,23 +114,28 @@ class LowRankPredictor(nn.Module):
         return q_lr, k_lr
 
     def loss(
-        self, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, scale: float
+        self, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, scale: float,
+        keys: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Loss on sampled query rows: `hidden [B,S,C]`, `q, k [B,H,S,D]`, `rows` LongTensor `[R]`."""
+        """Loss on sampled query rows: `hidden [B,S,C]`, `q, k [B,H,S,D]`, `rows` LongTensor `[R]`; over
+        the key positions `keys` LongTensor `[M]` only when given (see `sample_key_positions`), else all."""
         dtype = self.q_proj.weight.dtype  # the predictor keeps its own (fp32) precision under autocast
         hidden = hidden.to(dtype)
-        b, s, _ = hidden.shape
-        # Only the sampled rows need low-rank queries; every key needs its low-rank key.
+        b = hidden.shape[0]
+        # Only the sampled rows need low-rank queries; only the scored keys need low-rank keys.
         q_lr = self.q_proj(hidden[:, rows]).view(b, len(rows), self.heads, self.rank).transpose(1, 2)
-        k_lr = self.k_proj(hidden).view(b, s, self.heads, self.rank).transpose(1, 2)
+        if keys is not None:
+            hidden, k = hidden[:, keys], k[:, :, keys]
+        k_lr = self.k_proj(hidden).view(b, hidden.shape[1], self.heads, self.rank).transpose(1, 2)
         return self.factors_loss(q_lr, k_lr, q[:, :, rows], k, scale)
 
     def update(
-        self, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, scale: float
+        self, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, scale: float,
+        keys: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One optimizer step on detached inputs; returns the loss before the step (a 0-d tensor, so
-        no device synchronisation is forced)."""
-        return self.step(lambda: self.loss(hidden.detach(), q.detach(), k.detach(), rows, scale),
+        """One optimizer step on detached inputs (`loss`'s arguments); returns the loss before the step (a
+        0-d tensor, so no device synchronisation is forced)."""
+        return self.step(lambda: self.loss(hidden.detach(), q.detach(), k.detach(), rows, scale, keys),
                          hidden.device.type)
 
     def factors_loss(self, q_lr: torch.Tensor, k_lr: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

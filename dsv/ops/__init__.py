@@ -9,6 +9,7 @@ from dsv.ops.measure import (
     index_recall,
     keep_blocks_from_sparsity,
     oracle_index,
+    sample_key_positions,
     sample_query_rows,
     window_index,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "index_recall",
     "keep_blocks_from_sparsity",
     "oracle_index",
+    "sample_key_positions",
     "sample_query_rows",
     "sparse_attention",
     "sparse_attention_reference",

@@ -80,6 +80,23 @@ def sample_query_rows(seq_len: int, stride: int, offset: int = 0,
     return torch.arange(first, seq_len, stride, device=device)
 
 
+def sample_key_positions(seq_len: int, count: int, seed: int,
+                         device: torch.device | str | None = None) -> torch.Tensor | None:
+    """``count`` distinct key positions out of ``seq_len``, uniformly at random, int64 ``[count]`` on
+    ``device``; None (every key) when ``count`` is 0 or at least ``seq_len``.
+
+    The draw depends on ``seed`` alone (its own generator, made on the device: no host copy), so every rank
+    and a resumed run draw the same keys. Uniform, not strided: a stride aliases with the token grid."""
+    _check_positive_int(seq_len, "seq_len")
+    if count < 0:
+        raise ValueError(f"count must be >= 0 (0 = every key), got {count}")
+    if count == 0 or count >= seq_len:
+        return None
+    generator = torch.Generator(device=device or "cpu")
+    generator.manual_seed(seed)
+    return torch.randperm(seq_len, generator=generator, device=device)[:count]
+
+
 def critical_counts(
     q: torch.Tensor,
     k: torch.Tensor,

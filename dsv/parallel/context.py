@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from dsv.modules.attention import DSVAttention, _ema
+from dsv.modules.attention import DSVAttention, _ema, key_seed
 from dsv.ops import (
     SparseIndex,
     cube_permutation,
@@ -44,6 +44,7 @@ from dsv.ops import (
     index_recall,
     keep_blocks_from_sparsity,
     oracle_index,
+    sample_key_positions,
     sample_query_rows,
     sparse_attention,
 )
@@ -357,6 +358,9 @@ class ContextParallel:
         stride = min(seq_len, max(cfg.sample_stride, -(-seq_len // cfg.max_sample_rows)))
         if learn:
             rows = sample_query_rows(seq_len, stride, offset=controller.step // learn_period, device=q.device)
+            keys = sample_key_positions(seq_len, cfg.predictor_keys, key_seed(controller.step, layer.layer_index),
+                                        device=q.device)
+            keys = slice(None) if keys is None else keys
             # The loss averages over heads; weighting by this rank's share of them makes the sum over the
             # HCP group — and the rank-averaged gradient — that of one process over all heads.
             weight = len(heads) * layout.hcp / layer.heads
@@ -364,8 +368,8 @@ class ContextParallel:
 
             def weighted_loss():
                 low_rank = self._low_rank(layer, x, layout)
-                return layer.predictor.factors_loss(low_rank[:, :, rows, :rank], low_rank[..., rank:],
-                                                    q_all[:, :, rows], k_all, layer.scale) * weight
+                return layer.predictor.factors_loss(low_rank[:, :, rows, :rank], low_rank[:, :, keys, rank:],
+                                                    q_all[:, :, rows], k_all[:, :, keys], layer.scale) * weight
 
             loss = layer.predictor.step(weighted_loss, x.device.type)
             if layout.hcp > 1:

@@ -77,7 +77,8 @@ def test_stage2_training_step_has_no_host_sync_on_gpu():
     waits for the GPU, so the host stays ahead: profiling steps and `check_finite` sync by design and are
     off here (the bench turns them off too)."""
     cfg = apply_overrides(get_recipe("debug_cpu"), ["model.depth=3", "model.hidden=64", "model.heads=2",
-                                                    "attention.cube=4,4,4", "attention.speed_dispatch=false"])
+                                                    "attention.cube=4,4,4", "attention.speed_dispatch=false",
+                                                    "attention.predictor_keys=256"])  # its draw too
     run = _Run(cfg, "dsv", 512, 8, torch.device("cuda"))
     run.step()  # stage 1
     run.enter_stage2([[0.9, 0.9]] * 3)

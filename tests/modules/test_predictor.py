@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dsv.modules.predictor import LowRankPredictor, predictor_loss
-from dsv.ops import estimate_index, index_recall, sample_query_rows
+from dsv.ops import estimate_index, index_recall, sample_key_positions, sample_query_rows
 
 
 def test_loss_is_zero_for_equal_rows_and_positive_otherwise():
@@ -87,3 +87,38 @@ def test_loss_from_factors_equals_the_loss_on_explicit_scores(dtype, tol):
     grads_factored = torch.autograd.grad(factored, (q_lr, k_lr))
     for a, b in zip(grads_factored, grads_explicit):
         torch.testing.assert_close(a, b, rtol=tol * 10, atol=tol * 10)
+
+
+def test_loss_on_a_key_sample_is_the_loss_of_those_keys_and_tracks_the_full_gradient():
+    """`keys` restricts the loss to those key positions exactly; a random eighth of the keys gives nearly the
+    full loss's gradient on inputs with structure (low-rank scores plus noise), which the update follows."""
+    torch.manual_seed(3)
+    seq, dim, heads, head_dim = 8192, 32, 2, 16
+    wq, wk = torch.randn(heads, dim, 4) / dim**0.5, torch.randn(heads, dim, 4) / dim**0.5
+    mix_q, mix_k = torch.randn(heads, 4, head_dim), torch.randn(heads, 4, head_dim)
+    hidden = torch.randn(1, seq, dim)
+    q = torch.einsum("bsc,hcr,hrd->bhsd", hidden, wq, mix_q) + 0.3 * torch.randn(1, heads, seq, head_dim)
+    k = torch.einsum("bsc,hcr,hrd->bhsd", hidden, wk, mix_k) + 0.3 * torch.randn(1, heads, seq, head_dim)
+    predictor = LowRankPredictor(dim, heads, rank=8)
+    rows, scale = sample_query_rows(seq, 16), head_dim**-0.5
+    keys = sample_key_positions(seq, 1024, seed=5)
+
+    def gradient(*args) -> tuple[torch.Tensor, torch.Tensor]:
+        predictor.zero_grad(set_to_none=True)
+        loss = predictor.loss(*args)
+        loss.backward()
+        return loss.detach(), torch.cat([p.grad.flatten() for p in predictor.parameters()])
+
+    sampled_loss, sampled_grad = gradient(hidden, q, k, rows, scale, keys)
+    # Exactly the loss over those keys: the same as handing the predictor only them.
+    explicit_loss = predictor.factors_loss(
+        predictor.q_proj(hidden[:, rows]).view(1, len(rows), heads, 8).transpose(1, 2),
+        predictor.k_proj(hidden[:, keys]).view(1, len(keys), heads, 8).transpose(1, 2),
+        q[:, :, rows], k[:, :, keys], scale)
+    torch.testing.assert_close(sampled_loss, explicit_loss.detach(), rtol=1e-6, atol=1e-7)  # same fp32 ops
+    full_loss, full_grad = gradient(hidden, q, k, rows, scale)
+    # The sample's error is sampling variance, ∝ 1/m: over four draws of these inputs 1 − cos was 0.04–0.06
+    # at m = 256 and 0.010–0.019 at m = 1024 (loss within 0.3%); 0.97 and 2% leave room for the draw and
+    # still fail a wrong or biased key set.
+    assert abs(sampled_loss - full_loss) <= 0.02 * full_loss
+    assert torch.nn.functional.cosine_similarity(sampled_grad, full_grad, dim=0) > 0.97

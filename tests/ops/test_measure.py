@@ -12,6 +12,7 @@ from dsv.ops.measure import (
     index_recall,
     keep_blocks_from_sparsity,
     oracle_index,
+    sample_key_positions,
     sample_query_rows,
     window_extents,
     window_index,
@@ -36,6 +37,20 @@ def test_sample_query_rows():
         sample_query_rows(10, 0)
     with pytest.raises(ValueError, match=r"offset=3 .* leaves no row of seq_len=2"):
         sample_query_rows(2, 5, offset=3)
+
+
+def test_sample_key_positions():
+    assert sample_key_positions(100, 0, seed=1) is None  # 0: every key, no copy
+    assert sample_key_positions(100, 100, seed=1) is None
+    keys = sample_key_positions(1000, 200, seed=7)
+    assert keys.dtype == torch.int64 and keys.shape == (200,)
+    assert keys.unique().numel() == 200 and 0 <= int(keys.min()) and int(keys.max()) < 1000
+    assert torch.equal(keys, sample_key_positions(1000, 200, seed=7))  # the seed alone decides
+    assert not torch.equal(keys, sample_key_positions(1000, 200, seed=8))
+    # Uniform over the sequence: both halves get about half the draws (binomial std ~7 of 100).
+    assert 60 <= int((keys < 500).sum()) <= 140
+    with pytest.raises(ValueError, match=r"count must be >= 0"):
+        sample_key_positions(10, -1, seed=0)
 
 
 @pytest.mark.parametrize("theta", [0.5, 0.9])

@@ -14,11 +14,12 @@ from tests.parallel import run_distributed
 TOL = dict(rtol=2e-4, atol=2e-5)
 
 
-def _model(mode: str, checkpointing: bool = False) -> VideoDiT:
+def _model(mode: str, checkpointing: bool = False, predictor_keys: int = 0) -> VideoDiT:
     torch.manual_seed(0)
     attn = AttentionConfig(mode=mode, cube=(2, 2, 2), min_stage1_steps=0, max_stage1_steps=1,
                            profile_every_stage1=1, profile_every_stage2=1, sparse_threshold=0.0,
-                           keep_floor_blocks=2, sample_stride=4, window_frac=0.5, recall_target=0.95)
+                           keep_floor_blocks=2, sample_stride=4, window_frac=0.5, recall_target=0.95,
+                           predictor_keys=predictor_keys)
     model = VideoDiT(ModelConfig(in_channels=3, patch=(1, 2, 2), hidden=32, depth=2, heads=4,
                                  activation_checkpointing=checkpointing), attn)
     # Non-zero output paths, so that every block's attention reaches the loss and its gradients.
@@ -47,10 +48,10 @@ def _steps(model: VideoDiT, steps: int = 3) -> list[tuple[float, dict[str, torch
     return results
 
 
-def _worker(rank, world, mode, cp_mode, hcp_size, checkpointing):
-    single_model = _model(mode, checkpointing)
+def _worker(rank, world, mode, cp_mode, hcp_size, checkpointing, predictor_keys=0):
+    single_model = _model(mode, checkpointing, predictor_keys)
     single = _steps(single_model)
-    model = _model(mode, checkpointing)
+    model = _model(mode, checkpointing, predictor_keys)
     cp = ContextParallel(world, cp_mode, "cpu", hcp_size=hcp_size)
     model.enable_context_parallel(cp)
     parallel = _steps(model)
@@ -80,13 +81,16 @@ def _worker(rank, world, mode, cp_mode, hcp_size, checkpointing):
     }
 
 
-@pytest.mark.parametrize("world,cp_mode,hcp_size,mode,checkpointing", [
-    (2, "hcp", 0, "dsv", False), (2, "scp", 0, "dsv", True),  # True: activation checkpointing recomputes
-    (4, "hybrid", 2, "dsv", False),  # 4 ranks as 2 x 2: HCP inside SCP
-    (4, "naive_hcp", 0, "window", False), (2, "hybrid", 0, "window", True),
+@pytest.mark.parametrize("world,cp_mode,hcp_size,mode,checkpointing,predictor_keys", [
+    (2, "hcp", 0, "dsv", False, 0), (2, "scp", 0, "dsv", True, 0),  # True: activation checkpointing recomputes
+    (4, "hybrid", 2, "dsv", False, 0),  # 4 ranks as 2 x 2: HCP inside SCP
+    (2, "hcp", 0, "dsv", False, 96),  # the predictor scores a key sample: the same keys on every rank
+    (4, "naive_hcp", 0, "window", False, 0), (2, "hybrid", 0, "window", True, 0),
 ])
-def test_cp_training_steps_equal_one_process(tmp_path, world, cp_mode, hcp_size, mode, checkpointing):
-    ranks = run_distributed(_worker, world, mode, cp_mode, hcp_size, checkpointing, out_dir=tmp_path, timeout_s=120)
+def test_cp_training_steps_equal_one_process(tmp_path, world, cp_mode, hcp_size, mode, checkpointing,
+                                             predictor_keys):
+    ranks = run_distributed(_worker, world, mode, cp_mode, hcp_size, checkpointing, predictor_keys,
+                            out_dir=tmp_path, timeout_s=120)
     for result in ranks:
         assert result["stage"] == (2 if mode == "dsv" else 1)  # window mode is sparse from the start
         assert all(path.startswith("sparse:") for path in result["paths"]), result["paths"]

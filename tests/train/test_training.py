@@ -72,8 +72,9 @@ def final_state(run_dir, *schedule):
     return weights, state
 
 
-def test_resume_continues_the_run_exactly(tmp_path):
-    schedule = ["attention.max_stage1_steps=4", "train.ckpt_every=6"]
+@pytest.mark.parametrize("predictor_keys", [0, 96], ids=["all-keys", "key-sample"])
+def test_resume_continues_the_run_exactly(tmp_path, predictor_keys):
+    schedule = ["attention.max_stage1_steps=4", "train.ckpt_every=6", f"attention.predictor_keys={predictor_keys}"]
     Trainer(tiny_config(tmp_path / "straight", "train.steps=12", *schedule), quiet=True).run()
     Trainer(tiny_config(tmp_path / "resumed", "train.steps=6", *schedule), quiet=True).run()
     Trainer(tiny_config(tmp_path / "resumed", "train.steps=12", *schedule), resume=True, quiet=True).run()
