@@ -73,8 +73,11 @@ class AttentionConfig:
                              f"got {self.recall_target}")
         if not 0.0 <= self.ema_momentum < 1.0:
             raise ValueError(f"attention.ema_momentum must be in [0, 1), got {self.ema_momentum}")
-        if self.predictor_keys < 0:
-            raise ValueError(f"attention.predictor_keys must be >= 0 (0 = every key), got {self.predictor_keys}")
+        if (not isinstance(self.predictor_keys, int) or isinstance(self.predictor_keys, bool)
+                or self.predictor_keys < 0 or self.predictor_keys == 1):
+            # One key has no spread: its centred Grams are zero and the loss says nothing.
+            raise ValueError(f"attention.predictor_keys must be an int, 0 (every key) or >= 2 (a random sample "
+                             f"of that many keys), got {self.predictor_keys!r}")
         for name in ("sample_stride", "max_sample_rows", "profile_every_stage1", "profile_every_stage2",
                      "learn_every_stage2",
                      "keep_floor_blocks", "rank"):

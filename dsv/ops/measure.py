@@ -92,7 +92,8 @@ def sample_key_positions(seq_len: int, count: int, seed: int,
         raise ValueError(f"count must be >= 0 (0 = every key), got {count}")
     if count == 0 or count >= seq_len:
         return None
-    generator = torch.Generator(device=device or "cpu")
+    device = torch.empty(0, device=device).device  # None: the default device, for generator and output alike
+    generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return torch.randperm(seq_len, generator=generator, device=device)[:count]
 

@@ -148,6 +148,9 @@ def test_bad_inputs_raise_clear_errors():
         dataclasses.replace(AttentionConfig(), mode="sparse")
     with pytest.raises(ValueError, match=r"attention.recall_target must be in \[0, 1\]"):
         AttentionConfig(recall_target=1.5)
+    for bad in (-1, 1, 2.5, True):
+        with pytest.raises(ValueError, match=r"attention.predictor_keys must be an int, 0 \(every key\) or >= 2"):
+            AttentionConfig(predictor_keys=bad)
 
 
 def test_model_builds_on_the_meta_device():

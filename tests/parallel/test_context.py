@@ -84,7 +84,7 @@ def _worker(rank, world, mode, cp_mode, hcp_size, checkpointing, predictor_keys=
 @pytest.mark.parametrize("world,cp_mode,hcp_size,mode,checkpointing,predictor_keys", [
     (2, "hcp", 0, "dsv", False, 0), (2, "scp", 0, "dsv", True, 0),  # True: activation checkpointing recomputes
     (4, "hybrid", 2, "dsv", False, 0),  # 4 ranks as 2 x 2: HCP inside SCP
-    (2, "hcp", 0, "dsv", False, 96),  # the predictor scores a key sample: the same keys on every rank
+    (2, "scp", 0, "dsv", True, 96),  # the predictor scores a key sample: the same keys as one process
     (4, "naive_hcp", 0, "window", False, 0), (2, "hybrid", 0, "window", True, 0),
 ])
 def test_cp_training_steps_equal_one_process(tmp_path, world, cp_mode, hcp_size, mode, checkpointing,

@@ -91,6 +91,12 @@ def test_resume_continues_the_run_exactly(tmp_path, predictor_keys):
         for key in a["state"]:
             assert torch.equal(a["state"][key]["exp_avg"], b["state"][key]["exp_avg"])
     assert torch.equal(straight_s["rng_per_rank"][0]["data_generator"], resumed_s["rng_per_rank"][0]["data_generator"])
+    if predictor_keys:  # the key sample reached the training path: the predictors learned otherwise
+        Trainer(tiny_config(tmp_path / "all-keys", "train.steps=12", *schedule[:-1]), quiet=True).run()
+        all_keys_w, _ = final_state(tmp_path / "all-keys", *schedule[:-1])
+        predictor_names = [name for name in straight_w if ".predictor." in name]
+        assert predictor_names
+        assert any(not torch.equal(straight_w[n], all_keys_w[n]) for n in predictor_names)
 
 
 def test_compiled_blocks_train_like_eager_through_the_switch_and_resume(tmp_path):
