@@ -109,7 +109,8 @@ def check_replicas_in_sync(model: nn.Module) -> int:
         listed = ", ".join(f"{name} (max difference {value:.3g})" for name, value in list(drifted.items())[:8])
         raise RuntimeError(f"DSV replicas differ between ranks: {listed}"
                            f"{f' and {len(drifted) - 8} more' if len(drifted) > 8 else ''}. Predictors and DSV "
-                           "state must be identical on every rank; this checkpoint is not written (earlier ones are intact)")
+                           "state must be identical on every rank; this checkpoint is not written (earlier ones "
+                           "are intact)")
     return len(divergence)
 
 
