@@ -169,6 +169,16 @@ def heldout_table(curves: dict[str, dict]) -> list[dict]:
     return [{"step": step, **{mode: by_mode[mode][step] for mode in curves}} for step in common]
 
 
+def late_run_means(heldout: list[dict], steps: int) -> dict:
+    """Mean held-out loss of each mode over the evaluations of the run's second half (the last row alone
+    if it has none): one evaluation swings by several percent between two identical dense runs, a mean of
+    several damps that. Returns ``{"first": step, "last": step, "count": n, <mode>: mean, ...}``."""
+    rows = [r for r in heldout if r["step"] > steps / 2] or heldout[-1:]
+    modes = [key for key in rows[0] if key != "step"]
+    return {"first": rows[0]["step"], "last": rows[-1]["step"], "count": len(rows),
+            **{mode: statistics.fmean(r[mode] for r in rows) for mode in modes}}
+
+
 def dsv_facts(curves: dict, switch_step: int, attention) -> dict:
     """Stage switch, sparse blocks, their kept fraction and the predictor's recall in them at the end of the
     DSV run (``switch_step`` from its checkpoint, -1 if it never switched)."""
@@ -412,10 +422,13 @@ def _mark(met: bool | None) -> str:
 def targets(results: dict) -> list[dict]:
     """The issue's targets with the measured values, met or missed, and the context that explains them."""
     final = results["heldout"][-1]
-    dense, dsv, window = final["dense"], final["dsv"], final["window"]
+    late = late_run_means(results["heldout"], results["steps"])
+    dense, dsv, window = late["dense"], late["dsv"], late["window"]
     fvd = results["fvd"]
     facts = results["dsv"]
     loss_gap = dsv / dense - 1
+    final_gap = final["dsv"] / final["dense"] - 1
+    late_steps = f"steps {late['first']}–{late['last']}" if late["count"] > 1 else f"step {late['last']}"
     fvd_gap = fvd["dsv"]["fvd"] / fvd["dense"]["fvd"] - 1
     spread = (f"paired bootstrap ({results['bootstrap']} draws) of DSV/dense: "
               f"{fvd['dsv'].get('ratio_to_dense_p05', float('nan')):.3f}–"
@@ -431,15 +444,17 @@ def targets(results: dict) -> list[dict]:
         "stream at construction), so the gap includes an initialisation difference")
     recall = facts["recall_of_critical_mass"]
     return [
-        {"target": f"DSV held-out loss within {LOSS_TOLERANCE:.0%} of dense (step {final['step']})",
-         "measured": f"DSV {dsv:.4f}, dense {dense:.4f}: {loss_gap:+.2%}", "met": abs(loss_gap) <= LOSS_TOLERANCE,
+        {"target": f"DSV held-out loss within {LOSS_TOLERANCE:.0%} of dense (mean of the {late['count']} "
+                   f"evaluations of {late_steps})",
+         "measured": f"DSV {dsv:.4f}, dense {dense:.4f}: {loss_gap:+.2%} (at step {final['step']} alone: "
+                     f"{final_gap:+.2%})", "met": abs(loss_gap) <= LOSS_TOLERANCE,
          "context": stage2 + init},
         {"target": f"DSV FVD within {FVD_TOLERANCE:.0%} of dense",
          "measured": f"DSV {fvd['dsv']['fvd']:.1f}, dense {fvd['dense']['fvd']:.1f}: {fvd_gap:+.1%}",
          "met": abs(fvd_gap) <= FVD_TOLERANCE,
          "context": f"{results['videos']} videos per set; {spread}; {stage2}"},
         {"target": "window worse than both (held-out loss and FVD)",
-         "measured": f"loss {window:.4f}, FVD {fvd['window']['fvd']:.1f}",
+         "measured": f"loss {window:.4f} (mean of {late_steps}), FVD {fvd['window']['fvd']:.1f}",
          "met": window > max(dense, dsv) and fvd["window"]["fvd"] > max(fvd["dense"]["fvd"], fvd["dsv"]["fvd"]),
          "context": f"window keeps {results['window_keep']:.0%} of the keys; DSV at the end keeps "
                     + ("none (no sparse block)" if facts["final_keep_in_sparse_blocks"] is None else

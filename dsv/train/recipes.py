@@ -106,10 +106,15 @@ def quality_gpu() -> Config:
 def _paper_shape(depth: int, heads: int, head_dim: int) -> Config:
     # The DSV paper's transformer shapes. Without a bundled video VAE they train on pixels with 1×8×8
     # patches: 16 frames at 256×256 → a 16×32×32 grid of 16,384 tokens.
+    # Dispatch from sparsity 0.5 (as `quality_gpu`): the kernel-speed model still keeps a block dense where
+    # sparse would not pay, and the paper's block 4 (sparsity ~0.75) runs 3× faster sparse than dense.
+    # 4096 sampled keys per predictor update: at 32k tokens it took the update from 186 to 51 ms per step on
+    # one H200 (benchmarks/results/2026-11-29-h200-train-step.md); the quality run with 512 of 4096 keys
+    # kept the predictors' recall (2026-11-29-h200-quality).
     return Config(
         model=ModelConfig(in_channels=3, patch=(1, 8, 8), hidden=heads * head_dim, depth=depth, heads=heads,
                           activation_checkpointing=True),
-        attention=AttentionConfig(mode="dsv", cube=(4, 4, 4)),
+        attention=AttentionConfig(mode="dsv", cube=(4, 4, 4), sparse_threshold=0.5, predictor_keys=4096),
         data=DataConfig(frames=16, size=256, load_short_side=288),
         optim=OptimConfig(lr=1e-4, warmup_steps=1000),
         train=TrainConfig(steps=300_000, batch_size=1, out_dir="runs/paper", log_every=50, eval_every=2000,

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from dsv.bench.quality import train_all
+from dsv.bench.quality import late_run_means, train_all
 from dsv.cli import main
 from tests.eval.test_fvd import needs_i3d
 
@@ -85,6 +85,16 @@ def test_quality_bench_writes_a_complete_report(tmp_path, capsys):
     report = (out / "report.md").read_text()
     assert "dsv bench quality --recipe debug_cpu" in report and "attention.mode=window" in report
     assert report.count("| met |") + report.count("| **missed** |") == 4
+
+
+def test_late_run_means_average_the_second_half_of_the_run():
+    heldout = [{"step": step, "dense": 1.0 / step, "dsv": 2.0 / step} for step in (100, 200, 300, 400)]
+    late = late_run_means(heldout, steps=400)
+    assert (late["first"], late["last"], late["count"]) == (300, 400, 2)
+    assert math.isclose(late["dense"], (1 / 300 + 1 / 400) / 2) and math.isclose(late["dsv"], 2 * late["dense"])
+    # A run evaluated only at its end: the last row alone.
+    assert late_run_means(heldout[:1], steps=400) == {"first": 100, "last": 100, "count": 1, "dense": 0.01,
+                                                      "dsv": 0.02}
 
 
 def test_clips_too_short_for_the_i3d_are_refused_before_training(tmp_path, capsys):
