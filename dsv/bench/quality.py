@@ -443,12 +443,19 @@ def targets(results: dict) -> list[dict]:
         "; the DSV model's initial DiT weights differ from dense's (its predictors draw from the same RNG "
         "stream at construction), so the gap includes an initialisation difference")
     recall = facts["recall_of_critical_mass"]
+    heldout_recalls = [r for r in results["profile_recall_in_sparse_blocks"] or [] if r is not None]
+    heldout_recall = statistics.fmean(heldout_recalls) / facts["theta"] if heldout_recalls else None
+    # Before the switch DSV computes dense attention: its gap to dense there is the comparison's own noise.
+    stage1_gaps = [r["dsv"] / r["dense"] - 1 for r in results["heldout"]
+                   if facts["switch_step"] is not None and r["step"] <= facts["switch_step"]]
+    noise = (f"; in stage 1 (DSV attention dense, steps ≤ {facts['switch_step']}) the same comparison ranged "
+             f"{min(stage1_gaps):+.2%}…{max(stage1_gaps):+.2%}: the noise of one evaluation") if stage1_gaps else ""
     return [
         {"target": f"DSV held-out loss within {LOSS_TOLERANCE:.0%} of dense (mean of the {late['count']} "
                    f"evaluations of {late_steps})",
          "measured": f"DSV {dsv:.4f}, dense {dense:.4f}: {loss_gap:+.2%} (at step {final['step']} alone: "
                      f"{final_gap:+.2%})", "met": abs(loss_gap) <= LOSS_TOLERANCE,
-         "context": stage2 + init},
+         "context": stage2 + noise + init},
         {"target": f"DSV FVD within {FVD_TOLERANCE:.0%} of dense",
          "measured": f"DSV {fvd['dsv']['fvd']:.1f}, dense {fvd['dense']['fvd']:.1f}: {fvd_gap:+.1%}",
          "met": abs(fvd_gap) <= FVD_TOLERANCE,
@@ -461,10 +468,12 @@ def targets(results: dict) -> list[dict]:
                        f"{facts['final_keep_in_sparse_blocks']:.0%} in its sparse blocks")},
         {"target": f"predictor recall ≥ {RECALL_TARGET:.0%} of the critical mass θ = {facts['theta']} in sparse blocks",
          "measured": "no sparse block" if recall is None else
-                     f"{facts['recall_in_sparse_blocks']:.3f} mass kept = {recall:.1%} of θ",
-         "met": None if recall is None else recall >= RECALL_TARGET,
-         "context": "profiler EMA at the last step, mean over sparse blocks and heads; held-out "
-                    f"`dsv profile` recall in those blocks: {results['profile_recall_in_sparse_blocks']}"},
+                     (f"training: {facts['recall_in_sparse_blocks']:.3f} mass kept = {recall:.1%} of θ; held-out "
+                      "clips: " + ("not measured" if heldout_recall is None else f"{heldout_recall:.1%} of θ")),
+         "met": None if recall is None or heldout_recall is None else min(recall, heldout_recall) >= RECALL_TARGET,
+         "context": "training: the profiler's EMA at the last step (the signal the recall floor steers by), mean "
+                    "over sparse blocks and heads; held-out: `dsv profile` on held-out clips, recall in those "
+                    f"blocks {results['profile_recall_in_sparse_blocks']}; met only if both are"},
     ]
 
 
