@@ -24,6 +24,7 @@ from triton.testing import do_bench
 
 from dsv.ops.estimate.naive import estimate_index
 from dsv.ops.estimate.triton_kernels import estimate_index_triton
+from dsv.ops.index import key_major_csr
 from dsv.ops.sparse_attention import sparse_attention_reference_with_lse
 from dsv.ops.sparse_attention import triton_kernels as tk
 from dsv.ops.sparse_attention.triton_kernels import KernelConfig as KC
@@ -91,7 +92,7 @@ class Problem:
         self.out, self.lse = tk.sparse_attention_fwd_launch(self.q, self.k, self.v, self.index.indices,
                                                             self.index.counts, block, block, self.scale)
         default = tk.default_config(D, block, block, tma=True)
-        self.offsets, self.groups = tk._transpose_index(self.index.indices, n_blocks)
+        self.offsets, self.groups = key_major_csr(self.index.indices, n_blocks)
         self.dq, self.delta = tk._launch_bwd_dq(self.q, self.k, self.v, self.out, self.do, self.lse, None,
                                                 self.index.indices, self.index.counts, block, block, self.scale,
                                                 default.bwd_dq)
@@ -153,8 +154,8 @@ def sweep(log, S, sparsity, block, kernels=("fwd", "dq", "dkdv", "bwd_atomic"), 
     default = tk.default_config(big.D, block, block, tma=True)
     ms = do_bench(lambda: big.run("bwd", default), return_mode="median")
     log(dict(kind="bwd_default", S=S, sparsity=sparsity, block=block, ms=ms, tflops=big.flops("bwd") / ms / 1e9))
-    ms = do_bench(lambda: tk._transpose_index(big.index.indices, triton.cdiv(S, block)), return_mode="median")
-    log(dict(kind="transpose_index", S=S, sparsity=sparsity, block=block, ms=ms))
+    ms = do_bench(lambda: key_major_csr(big.index.indices, triton.cdiv(S, block)), return_mode="median")
+    log(dict(kind="key_major_csr", S=S, sparsity=sparsity, block=block, ms=ms))
     ms = do_bench(lambda: estimate_index_triton(big.q_lr, big.k_lr, big.keep, block, block), return_mode="median")
     ms_ref = do_bench(lambda: estimate_index(big.q_lr, big.k_lr, big.keep, block, block), return_mode="median")
     log(dict(kind="estimate", S=S, sparsity=sparsity, block=block, ms=ms, ref_ms=ms_ref))
@@ -192,7 +193,7 @@ def host_overhead(log, out_dir: Path):
         log(dict(kind="host_ms", what=f"bwd launcher, tma={tma}", ms=wall_ms(lambda: p.run("bwd", cfg))))
     dq_cfg = tk.default_config(p.D, 128, 128).bwd_dq
     log(dict(kind="host_ms", what="dq launcher", ms=wall_ms(lambda: p.run("dq", dq_cfg))))
-    log(dict(kind="host_ms", what="transpose_index", ms=wall_ms(lambda: tk._transpose_index(p.index.indices, 8))))
+    log(dict(kind="host_ms", what="key_major_csr", ms=wall_ms(lambda: key_major_csr(p.index.indices, 8))))
     log(dict(kind="host_ms", what="estimate_index_triton",
              ms=wall_ms(lambda: estimate_index_triton(p.q_lr, p.k_lr, p.keep, 128, 128))))
     with torch.no_grad():

@@ -11,7 +11,7 @@ produces or consumes an index shares.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,8 @@ class SparseIndex:
         group_size: query tokens per group ``G``; ``NG = ceil(seq_len / G)``.
         kv_block: key tokens per block; ``NKB = ceil(seq_len / kv_block)``.
         seq_len: sequence length ``S``.
+
+    The tensors are not modified in place once the index is built: ``key_major`` caches a view of them.
     """
 
     indices: torch.Tensor
@@ -40,6 +42,8 @@ class SparseIndex:
     group_size: int
     kv_block: int
     seq_len: int
+    # Filled by `key_major` on first use; `dataclasses.replace` makes a new index, with an empty cache.
+    _key_major: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def num_groups(self) -> int:
@@ -95,6 +99,18 @@ class SparseIndex:
         ascending = self.indices[..., 1:] > self.indices[..., :-1]
         if bool((valid[..., 1:] & ~ascending).any()):
             raise ValueError("SparseIndex.indices valid entries must be strictly ascending in every row")
+
+    def key_major(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(offsets, groups)``: the index by key block (``key_major_csr``), built on first use, then cached.
+
+        The dk/dv pass of every backward walks it. A layer's forward, its checkpoint recompute and its
+        backward share one index (and a static index serves many steps), so building it once per index
+        instead of once per backward saves its ~20 small launches each time.
+        """
+        if self._key_major is None:
+            # The one field set after construction: frozen guards the index itself, not this derived view.
+            object.__setattr__(self, "_key_major", key_major_csr(self.indices, self.num_kv_blocks))
+        return self._key_major
 
     def valid_mask(self) -> torch.Tensor:
         """Bool ``[B, H, NG, K_max]``: True where ``indices`` holds a key-block id, not padding."""
@@ -156,6 +172,34 @@ class SparseIndex:
         keep = check_keep_blocks(keep_blocks, scores.shape[1], num_kv_blocks, scores.device)
         indices, counts = select_top_blocks(scores, keep)
         return cls(indices, counts, group_size, kv_block, seq_len)
+
+
+def key_major_csr(indices: torch.Tensor, num_kv_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key-major CSR of an index: for each (b, h, key block), the ascending ids of the groups that list it.
+
+    Args:
+        indices: int32 ``[B, H, NG, K_max]`` in the ``SparseIndex`` layout; ``PAD`` entries are skipped.
+        num_kv_blocks: ``NKB``, the number of key blocks.
+
+    Returns:
+        ``offsets`` int32 ``[B*H*NKB + 1]`` and ``groups`` int32 ``[B*H*NG*K_max]``: the groups listing key
+        block ``j`` of ``(b, h)`` are ``groups[offsets[s]:offsets[s + 1]]`` with ``s = (b*H + h)*NKB + j``;
+        entries past ``offsets[-1]`` are padding.
+
+    A stable sort by ``(b*H + h)*NKB + block`` keeps groups ascending per segment; segment bounds come from a
+    binary search of the sorted keys, with no host synchronisation.
+    """
+    batch_heads = indices.shape[0] * indices.shape[1]
+    num_groups, max_blocks = indices.shape[2], indices.shape[3]
+    rows = indices.reshape(batch_heads, num_groups, max_blocks)
+    segment_base = torch.arange(batch_heads, device=rows.device, dtype=torch.int32).view(-1, 1, 1) * num_kv_blocks
+    sentinel = batch_heads * num_kv_blocks  # padding entries sort after every segment
+    keys = torch.where(rows != PAD, rows + segment_base, sentinel).flatten()
+    sorted_keys, order = torch.sort(keys, stable=True)
+    groups = ((order // max_blocks) % num_groups).to(torch.int32)
+    bounds = torch.arange(sentinel + 1, device=rows.device, dtype=torch.int32)
+    offsets = torch.searchsorted(sorted_keys, bounds, out_int32=True)
+    return offsets, groups
 
 
 def check_keep_blocks(

@@ -67,6 +67,47 @@ def test_kept_fraction_counts_tokens_of_partial_last_block():
     torch.testing.assert_close(index.kept_fraction(), expected)
 
 
+def ragged_index(batch, heads, seq_len, group_size, kv_block, max_keep, seed=0):
+    """Random index whose every row keeps its own number of blocks, PAD after them."""
+    generator = torch.Generator().manual_seed(seed)
+    num_groups, num_kv_blocks = math.ceil(seq_len / group_size), math.ceil(seq_len / kv_block)
+    indices = torch.full((batch, heads, num_groups, max_keep), PAD, dtype=torch.int32)
+    counts = torch.randint(1, max_keep + 1, (batch, heads, num_groups), dtype=torch.int32, generator=generator)
+    for row, count in zip(indices.view(-1, max_keep), counts.flatten().tolist()):
+        row[:count] = torch.randperm(num_kv_blocks, generator=generator)[:count].sort().values
+    return SparseIndex(indices, counts, group_size, kv_block, seq_len)
+
+
+def test_key_major_lists_the_selecting_groups_of_each_key_block_in_order():
+    index = ragged_index(2, 3, 100, 16, 8, max_keep=5)  # ragged S: NG = 7, NKB = 13
+    index.validate()
+    offsets, groups = index.key_major()
+    nkb, ng = index.num_kv_blocks, index.num_groups
+    assert offsets.dtype == groups.dtype == torch.int32
+    assert offsets.shape == (2 * 3 * nkb + 1,) and groups.shape == (index.indices.numel(),)
+    assert offsets[0] == 0 and offsets[-1] == index.counts.sum()  # PAD entries land past offsets[-1]
+    rows = index.indices.view(2 * 3, ng, -1).tolist()
+    for bh in range(2 * 3):
+        for j in range(nkb):
+            segment = bh * nkb + j
+            want = [g for g in range(ng) if j in rows[bh][g]]
+            assert groups[offsets[segment]:offsets[segment + 1]].tolist() == want, (bh, j)
+
+
+def test_key_major_is_built_once_per_index():
+    index = ragged_index(1, 2, 64, 16, 16, max_keep=3)
+    offsets, groups = index.key_major()
+    again = index.key_major()
+    assert again[0] is offsets and again[1] is groups
+    assert "_key_major" not in repr(index)
+    # A replaced index may hold other tensors: it starts without the cache and builds its own.
+    other = ragged_index(1, 2, 64, 16, 16, max_keep=3, seed=1)
+    replaced = dataclasses.replace(index, indices=other.indices, counts=other.counts)
+    replaced_offsets, _ = replaced.key_major()
+    assert replaced_offsets is not offsets and torch.equal(replaced_offsets, other.key_major()[0])
+    assert not torch.equal(replaced_offsets, offsets)
+
+
 def valid_index():
     scores = torch.randn(1, 2, 4, 6)
     return SparseIndex.from_topk(scores, torch.tensor([2, 4]), group_size=3, kv_block=2, seq_len=12)

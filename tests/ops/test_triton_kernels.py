@@ -159,16 +159,18 @@ def test_interpreter_sub_tiles_and_lse_gradient(tma, atomic_dq):
     q, k, v = (torch.randn(B, H, S, D) for _ in range(3))
     out, lse = tk.sparse_attention_fwd_launch(q, k, v, index.indices, index.counts, G, kv, 0.3, cfg.fwd)
     grad_out, grad_lse = torch.randn(B, H, S, D), torch.randn(B, H, S)
-    dq, dk, dv = tk.sparse_attention_bwd_launch(grad_out, q, k, v, out, lse, grad_lse, index.indices,
-                                                index.counts, G, kv, 0.3, cfg)
     q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
     out64, lse64 = dense_masked_attention(q64, k64, v64, index, scale=0.3)
     want = torch.autograd.grad((out64 * grad_out.double()).sum() + (lse64 * grad_lse.double()).sum(),
                                (q64, k64, v64))
     assert rel_err(out, out64) < FP32_REL_TOL
     assert rel_err(lse, lse64) < FP32_REL_TOL
-    for a, b in zip((dq, dk, dv), want):
-        assert rel_err(a, b) < FP32_REL_TOL
+    # The backward builds the key-major index itself, or takes the index's cached one.
+    for key_major in (None, index.key_major()):
+        grads = tk.sparse_attention_bwd_launch(grad_out, q, k, v, out, lse, grad_lse, index.indices, index.counts,
+                                               G, kv, 0.3, cfg, key_major=key_major)
+        for name, a, b in zip(("dq", "dk", "dv"), grads, want):
+            assert rel_err(a, b) < FP32_REL_TOL, (name, key_major is None)
 
 
 @interpreter
@@ -205,27 +207,70 @@ def test_interpreter_compile_checkpoint_and_opcheck():
     checkpointed = outputs_and_grads(
         lambda *x: torch.utils.checkpoint.checkpoint(sparse_attention_triton, *x, index, use_reentrant=False),
         q, k, v, grad_out)
+    # The eager autograd.Function and the custom ops that torch.compile traces run the same launches.
     for a, b, c in zip(eager, compiled, checkpointed):
         assert torch.equal(a, b) and torch.equal(a, c)
-    args = (q.detach(), k.detach(), v.detach(), index.indices, index.counts, 16, 16, 0.25)
-    assert_opcheck_passes(torch.ops.dsv.sparse_attention_fwd.default, args)
-    out, lse = torch.ops.dsv.sparse_attention_fwd(*args)
-    assert_opcheck_passes(torch.ops.dsv.sparse_attention_bwd.default,
-                          (grad_out, *args[:3], out, lse, None, *args[3:]))
+    qkv, index_args = (q.detach(), k.detach(), v.detach()), (index.indices, index.counts)
+    key_major, scalars = index.key_major(), (16, 16, 0.25)
+    for saved_key_major in (key_major, (None, None)):  # None: the forward ran without grad
+        assert_opcheck_passes(torch.ops.dsv.sparse_attention_fwd.default,
+                              (*qkv, *index_args, *saved_key_major, *scalars))
+    out, lse = torch.ops.dsv.sparse_attention_fwd(*qkv, *index_args, None, None, *scalars)
+    grads = {}
+    for name, given in (("given", key_major), ("built", (None, None))):  # built: the bwd op makes its own
+        bwd_args = (grad_out, *qkv, out, lse, None, *index_args, *given, *scalars)
+        assert_opcheck_passes(torch.ops.dsv.sparse_attention_bwd.default, bwd_args)
+        grads[name] = torch.ops.dsv.sparse_attention_bwd(*bwd_args)
+    for a, b, want in zip(grads["given"], grads["built"], eager[1:]):
+        assert torch.equal(a, b) and torch.equal(a, want)
 
 
 @interpreter
-def test_transposed_index_lists_selecting_groups_in_order():
-    B, H, S, G, kv = 2, 2, 100, 16, 16
-    index = ragged_index(B, H, S, G, kv, max_keep=4)
-    nkb = index.num_kv_blocks
-    offsets, groups = tk._transpose_index(index.indices, nkb)
-    for bh in range(B * H):
-        rows = index.indices.view(B * H, index.num_groups, -1)[bh]
-        for j in range(nkb):
-            seg = bh * nkb + j
-            want = [g for g in range(index.num_groups) if j in rows[g].tolist()]
-            assert groups[offsets[seg]:offsets[seg + 1]].tolist() == want
+def test_interpreter_key_major_index_built_once_per_index(monkeypatch):
+    """Backward passes over one index (a checkpointed one too) build its key-major view once, and forwards
+    whose backward never runs build none; the gradients through the cached view match the reference."""
+    import dsv.ops.index as index_module
+
+    builds = []
+
+    def counted(build):
+        def wrapper(*args):
+            builds.append(args)
+            return build(*args)
+        return wrapper
+
+    monkeypatch.setattr(index_module, "key_major_csr", counted(index_module.key_major_csr))
+    monkeypatch.setattr(tk, "key_major_csr", counted(tk.key_major_csr))  # the backward's own build
+    B, H, S, D = 1, 2, 80, 16
+    index = ragged_index(B, H, S, 16, 16, max_keep=3)
+    q, k, v = leaf_inputs(B, H, S, D, torch.float32)
+    grad_out = torch.randn(B, H, S, D)
+    with torch.no_grad():
+        sparse_attention_triton(q, k, v, index)
+    sparse_attention_triton(q.detach(), k.detach(), v.detach(), index)
+    sparse_attention_triton(q, k, v, index)  # as the first pass of a checkpointed layer: no backward follows
+    assert builds == []
+    first = outputs_and_grads(lambda *x: sparse_attention_triton(*x, index), q, k, v, grad_out)
+    second = outputs_and_grads(
+        lambda *x: torch.utils.checkpoint.checkpoint(sparse_attention_triton, *x, index, use_reentrant=False),
+        q, k, v, grad_out)
+    assert len(builds) == 1
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    want = outputs_and_grads(lambda *x: sparse_attention_reference(*x, index), q64, k64, v64, grad_out.double())
+    for name, a, b, c in zip(("out", "dq", "dk", "dv"), first, second, want):
+        assert torch.equal(a, b), name
+        assert rel_err(a, c) < FP32_REL_TOL, name
+
+
+@interpreter
+def test_interpreter_double_backward_raises():
+    """The kernels have no double backward: a loss on the gradients raises instead of dropping that term."""
+    index = random_index(1, 1, 32, 16, 16, keep=[1])
+    q, k, v = leaf_inputs(1, 1, 32, 16, torch.float32)
+    out = sparse_attention_triton(q, k, v, index)
+    dq, _, _ = torch.autograd.grad((out**2).sum(), (q, k, v), create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        (dq.sum() + q.sum()).backward()
 
 
 @interpreter
@@ -243,6 +288,11 @@ def test_rejects_unsupported_arguments():
         sparse_attention_triton(wide, wide, wide, index)
     with pytest.raises(ValueError, match="seq_len"):
         sparse_attention_triton(q[:, :, :48], q[:, :, :48], q[:, :, :48], index)
+    offsets, groups = index.key_major()
+    lse = torch.zeros(1, 1, 64)
+    with pytest.raises(ValueError, match="key_major must be int32"):
+        tk.sparse_attention_bwd_launch(q, q, q, q, q, lse, None, index.indices, index.counts, 16, 16, 0.25,
+                                       key_major=(offsets[:-1], groups))
 
 
 def assert_valid_topk(index: SparseIndex, q_lr, k_lr, keep, tol):
@@ -336,8 +386,10 @@ def test_gpu_load_paths_on_strided_inputs(tma, atomic_dq):
     grad_out = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
     cfg = dataclasses.replace(tk.default_config(D, G, kv, tma=tma), atomic_dq=atomic_dq)
     out, lse = tk.sparse_attention_fwd_launch(q, k, v, index.indices, index.counts, G, kv, D**-0.5, cfg.fwd)
+    # Both sources of the key-major index: the index's cached view, or the launcher's own build.
+    key_major = index.key_major() if atomic_dq else None
     grads = tk.sparse_attention_bwd_launch(grad_out, q, k, v, out, lse, None, index.indices, index.counts, G, kv,
-                                           D**-0.5, cfg)
+                                           D**-0.5, cfg, key_major=key_major)
     q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
     ref = sparse_attention_reference(q32, k32, v32, index)
     want = (ref, *torch.autograd.grad(ref, (q32, k32, v32), grad_out.float()))

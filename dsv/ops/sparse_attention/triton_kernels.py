@@ -11,10 +11,11 @@ element is written by exactly one program: no atomics, deterministic results. Th
 - backward, dq: query-major, same walk as the forward; it also computes ``delta = rowsum(o * do) - dlse``
   and stores it for the dk/dv pass.
 - backward, dk/dv: key-major; walks the transposed index (for each key block, the ascending list of groups
-  that selected it), built on the GPU by a stable sort of the index (``_transpose_index``). A split
-  backward (7 matmuls per tile pair) measured faster than accumulating dq with fp32 element atomics from
-  this pass (5 matmuls): benchmarks/NOTES.md. ``atomic_dq`` offers that path again with TMA bulk reductions
-  on Hopper, to be measured against it.
+  that selected it), built on the GPU by a stable sort of the index once per index and cached on it
+  (``SparseIndex.key_major``; a compiled graph builds it with traced ops). A split backward (7 matmuls per
+  tile pair) measured faster than accumulating dq with fp32 element atomics from this pass (5 matmuls):
+  benchmarks/NOTES.md. ``atomic_dq`` offers that path again with TMA bulk reductions on Hopper, to be
+  measured against it.
 
 The gathered tiles of each loop (K/V, or Q/dO) load through TMA descriptors on Hopper where that measured
 faster, through pointers elsewhere (``default_config``).
@@ -27,12 +28,15 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from dsv.ops.index import key_major_csr
 
 _LOG2E = 1.4426950408889634  # the kernels work in base 2 (exp2) and store the LSE in natural log
 
@@ -328,6 +332,17 @@ def _sparse_attn_bwd_dkdv_kernel(
 # ----------------------------------------------------------------------------------------------------------
 
 
+def _cdiv(a: int, b: int) -> int:
+    # Not triton.cdiv / triton.next_power_of_2: in host code those constexpr functions cost ~1.6 us a call
+    # (argument unwrapping, an import), ~15 us over a forward+backward's dozen calls.
+    return -(-a // b)
+
+
+def _next_power_of_2(n: int) -> int:
+    """Smallest power of two >= ``n`` (``n >= 1``)."""
+    return 1 << (n - 1).bit_length()
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """Tile sizes and launch settings of one kernel; ``block_m`` must divide group_size, ``block_n`` kv_block.
@@ -358,13 +373,17 @@ class SparseAttentionConfig:
     atomic_dq: bool = False
 
 
+@functools.lru_cache(maxsize=None)
 def default_config(head_dim: int, group_size: int, kv_block: int, tma: bool = False) -> SparseAttentionConfig:
     """Launch settings for the three kernels, chosen by the H200 sweeps (benchmarks/NOTES.md).
 
     ``tma``: use TMA loads where they measured faster (forward and dk/dv); the launchers pass True on
     Hopper-class GPUs (compute capability >= 9) when ``D * itemsize`` is a multiple of 16 bytes.
+
+    Memoised (every launch asks for it, and building the dataclasses costs host time); the configs are
+    frozen, so callers share them safely (``dataclasses.replace`` makes a variant).
     """
-    d_pad = max(16, triton.next_power_of_2(head_dim))
+    d_pad = max(16, _next_power_of_2(head_dim))
     if d_pad > 128:  # halve the tiles: fp32 accumulators of 256-wide rows
         return SparseAttentionConfig(KernelConfig(min(group_size, 64), min(kv_block, 32), 4, 2, tma),
                                      KernelConfig(min(group_size, 64), min(kv_block, 32), 4, 2),
@@ -401,7 +420,7 @@ def _check_inputs(q, k, v, indices, counts, group_size, kv_block):
         if val < 16 or val & (val - 1):
             raise ValueError(f"sparse_attention_triton needs {name} to be a power of two >= 16, got {val}; "
                              "use sparse_attention_reference for finer (e.g. token-level) indices")
-    NG = triton.cdiv(S, group_size)
+    NG = _cdiv(S, group_size)
     if indices.dim() != 4 or tuple(indices.shape[:3]) != (B, H, NG) or tuple(counts.shape) != (B, H, NG):
         raise ValueError(f"index must be indices [B, H, NG, K_max], counts [B, H, NG] with NG={NG}; got "
                          f"{tuple(indices.shape)}, {tuple(counts.shape)}")
@@ -434,7 +453,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _shape_flags(S, D, cfg_m, cfg_n):
-    d_pad = max(16, triton.next_power_of_2(D))
+    d_pad = max(16, _next_power_of_2(D))
     return d_pad, S % cfg_m == 0, S % cfg_n == 0, d_pad == D
 
 
@@ -456,38 +475,17 @@ def sparse_attention_fwd_launch(q, k, v, indices, counts, group_size: int, kv_bl
     d_pad, even_m, even_n, even_d = _shape_flags(S, D, cfg.block_m, cfg.block_n)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(S, cfg.block_m), B * H)
+    grid = (_cdiv(S, cfg.block_m), B * H)
     _sparse_attn_fwd_kernel[grid](
         q, k, v, _descriptor(k, cfg.block_n, d_pad, cfg), _descriptor(v, cfg.block_n, d_pad, cfg), out, lse,
         indices, counts,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         H, S, indices.shape[2], indices.shape[3], scale * _LOG2E,
         HEAD_DIM=D, D_PAD=d_pad, GROUP=group_size, KV_BLOCK=kv_block,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, EVEN_M=even_m, EVEN_N=even_n, EVEN_D=even_d, USE_TMA=cfg.tma,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
-
-
-def _transpose_index(indices: torch.Tensor, n_key_blocks: int):
-    """Key-major CSR of an index: for each (b, h, key block), the ascending ids of the groups that list it.
-
-    Returns ``offsets`` int32 ``[B*H*NKB + 1]`` and ``groups`` int32 ``[B*H*NG*K_max]`` (entries past
-    ``offsets[-1]`` are padding). A stable sort by ``(b*H + h)*NKB + block`` keeps groups ascending per
-    segment; segment bounds come from a binary search of the sorted keys, with no host synchronisation.
-    """
-    BH = indices.shape[0] * indices.shape[1]
-    NG, K_MAX = indices.shape[2], indices.shape[3]
-    idx = indices.reshape(BH, NG, K_MAX)
-    seg_base = torch.arange(BH, device=idx.device, dtype=torch.int32).view(BH, 1, 1) * n_key_blocks
-    sentinel = BH * n_key_blocks  # padding entries sort after every segment
-    keys = torch.where(idx >= 0, idx + seg_base, sentinel).flatten()
-    sorted_keys, order = torch.sort(keys, stable=True)
-    groups = ((order // K_MAX) % NG).to(torch.int32)
-    bounds = torch.arange(sentinel + 1, device=idx.device, dtype=torch.int32)
-    offsets = torch.searchsorted(sorted_keys, bounds, out_int32=True)
-    return offsets, groups
 
 
 def _launch_bwd_dq(q, k, v, out, do, lse, dlse, indices, counts, group_size, kv_block, scale, cfg: KernelConfig):
@@ -498,12 +496,10 @@ def _launch_bwd_dq(q, k, v, out, do, lse, dlse, indices, counts, group_size, kv_
     has_dlse = dlse is not None
     dlse_arg = dlse.contiguous() if has_dlse else lse  # never read when HAS_DLSE is False
     d_pad, even_m, even_n, even_d = _shape_flags(S, D, cfg.block_m, cfg.block_n)
-    _sparse_attn_bwd_dq_kernel[(triton.cdiv(S, cfg.block_m), B * H)](
+    _sparse_attn_bwd_dq_kernel[(_cdiv(S, cfg.block_m), B * H)](
         q, k, v, _descriptor(k, cfg.block_n, d_pad, cfg), _descriptor(v, cfg.block_n, d_pad, cfg),
         out, do, lse, dlse_arg, delta, dq, indices, counts,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        do.stride(0), do.stride(1), do.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
         H, S, indices.shape[2], indices.shape[3], scale * _LOG2E, scale,
         HEAD_DIM=D, D_PAD=d_pad, GROUP=group_size, KV_BLOCK=kv_block, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         EVEN_M=even_m, EVEN_N=even_n, EVEN_D=even_d, HAS_DLSE=has_dlse, USE_TMA=cfg.tma,
@@ -519,9 +515,9 @@ def _launch_bwd_delta(out, do, dlse):
     delta = torch.empty((B, H, S), dtype=torch.float32, device=out.device)
     block_m = 64
     d_pad, even_m, _, even_d = _shape_flags(S, D, block_m, block_m)
-    _sparse_attn_bwd_delta_kernel[(triton.cdiv(S, block_m), B * H)](
+    _sparse_attn_bwd_delta_kernel[(_cdiv(S, block_m), B * H)](
         out, do, dlse.contiguous() if dlse is not None else delta, delta,
-        out.stride(0), out.stride(1), out.stride(2), do.stride(0), do.stride(1), do.stride(2), H, S,
+        *out.stride()[:3], *do.stride()[:3], H, S,
         HEAD_DIM=D, D_PAD=d_pad, BLOCK_M=block_m, EVEN_M=even_m, EVEN_D=even_d, HAS_DLSE=dlse is not None,
         num_warps=4,
     )
@@ -530,7 +526,7 @@ def _launch_bwd_delta(out, do, dlse):
 
 def _launch_bwd_dkdv(q, k, v, do, lse, delta, offsets, groups, group_size, kv_block, scale, cfg: KernelConfig,
                      dq_acc: Optional[torch.Tensor] = None):
-    """dk/dv kernel over the transposed index ``(offsets, groups)`` of ``_transpose_index``; with ``dq_acc``
+    """dk/dv kernel over the key-major index ``(offsets, groups)`` of ``key_major_csr``; with ``dq_acc``
     (fp32 ``[B, H, S, D]``, zeroed, contiguous) it also adds dq into that buffer."""
     B, H, S, D = q.shape
     atomic_dq = dq_acc is not None
@@ -542,13 +538,12 @@ def _launch_bwd_dkdv(q, k, v, do, lse, delta, offsets, groups, group_size, kv_bl
     dv = torch.empty((B, H, S, D), dtype=q.dtype, device=q.device)
     d_pad, even_m, even_n, even_d = _shape_flags(S, D, cfg.block_m, cfg.block_n)
     dq_buffer = dq_acc if atomic_dq else dk  # never touched without ATOMIC_DQ
-    _sparse_attn_bwd_dkdv_kernel[(triton.cdiv(S, cfg.block_n), B * H)](
+    _sparse_attn_bwd_dkdv_kernel[(_cdiv(S, cfg.block_n), B * H)](
         q, k, v, do, _descriptor(q, cfg.block_m, d_pad, cfg), _descriptor(do, cfg.block_m, d_pad, cfg),
         lse, delta, dk, dv, dq_buffer, _descriptor(dq_buffer, cfg.block_m, d_pad, cfg) if atomic_dq else dq_buffer,
         offsets, groups,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        H, S, triton.cdiv(S, kv_block), scale * _LOG2E, scale,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
+        H, S, _cdiv(S, kv_block), scale * _LOG2E, scale,
         HEAD_DIM=D, D_PAD=d_pad, GROUP=group_size, KV_BLOCK=kv_block, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         EVEN_M=even_m, EVEN_N=even_n, EVEN_D=even_d, USE_TMA=cfg.tma,
         DOT_PRECISION=_dot_precision(q.dtype), ATOMIC_DQ=atomic_dq, num_warps=cfg.num_warps,
@@ -558,18 +553,60 @@ def _launch_bwd_dkdv(q, k, v, do, lse, delta, offsets, groups, group_size, kv_bl
 
 
 def sparse_attention_bwd_launch(do, q, k, v, out, lse, dlse, indices, counts, group_size: int, kv_block: int,
-                                scale: float, cfg: Optional[SparseAttentionConfig] = None):
-    """Backward launcher: returns ``dq, dk, dv [B, H, S, D]`` (q's dtype). ``dlse`` may be None."""
+                                scale: float, cfg: Optional[SparseAttentionConfig] = None,
+                                key_major: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+    """Backward launcher: returns ``dq, dk, dv [B, H, S, D]`` (q's dtype). ``dlse`` may be None.
+
+    ``key_major``: the index's ``(offsets, groups)`` (``SparseIndex.key_major``); built here when None.
+    """
     _check_inputs(q, k, v, indices, counts, group_size, kv_block)
+    num_kv_blocks = _cdiv(q.shape[2], kv_block)
+    offsets, groups = (None, None) if key_major is None else key_major
+    if key_major is not None:
+        _check_key_major(offsets, groups, indices, num_kv_blocks)
+    key_major_source = _given_or_built(offsets, groups, indices, num_kv_blocks)
+    return _launch_bwd(do, q, k, v, out, lse, dlse, indices, counts, key_major_source, group_size, kv_block, scale,
+                       cfg)
+
+
+def _check_key_major(offsets, groups, indices, num_kv_blocks):
+    B, H, NG, K_MAX = indices.shape
+    if (offsets.dtype != torch.int32 or groups.dtype != torch.int32 or offsets.shape != (B * H * num_kv_blocks + 1,)
+            or groups.shape != (B * H * NG * K_MAX,)):
+        raise ValueError(f"key_major must be int32 offsets [B*H*NKB + 1] = [{B * H * num_kv_blocks + 1}] and groups "
+                         f"[B*H*NG*K_max] = [{B * H * NG * K_MAX}] (key_major_csr of the index), got "
+                         f"{offsets.dtype} {tuple(offsets.shape)}, {groups.dtype} {tuple(groups.shape)}")
+    if offsets.device != indices.device or groups.device != indices.device:
+        raise ValueError(f"key_major is on {offsets.device}/{groups.device}, the index on {indices.device}")
+
+
+KeyMajorSource = Callable[[], tuple[torch.Tensor, torch.Tensor]]
+"""Returns an index's key-major view ``(offsets, groups)`` (``key_major_csr``) when the backward needs it."""
+
+
+def _given_or_built(offsets, groups, indices, num_kv_blocks: int) -> KeyMajorSource:
+    """``offsets, groups`` as given, or a build of them from ``indices`` when both are None."""
+    if (offsets is None) != (groups is None):
+        raise ValueError("offsets and groups (the key-major index) must be given together or both be None")
+    if offsets is None:
+        return functools.partial(key_major_csr, indices, num_kv_blocks)
+    return lambda: (offsets, groups)
+
+
+def _launch_bwd(do, q, k, v, out, lse, dlse, indices, counts, key_major: KeyMajorSource, group_size, kv_block, scale,
+                cfg: Optional[SparseAttentionConfig] = None):
+    """``sparse_attention_bwd_launch`` without its argument checks: for the backward of a forward that made
+    them. ``key_major()`` returns the key-major index ``(offsets, groups)``; it is called after the first
+    launch, so that where it builds the index, those ~20 small launches cost host time while the GPU runs
+    (short sequences are host-bound)."""
     q, k, v, out, do = (_last_dim_contiguous(x) for x in (q, k, v, out, do))
     indices, counts, lse = indices.contiguous(), counts.contiguous(), lse.contiguous()
     cfg = cfg or default_config(q.shape[-1], group_size, kv_block, _tma_supported(q))
     _check_tiles(cfg.bwd_dq, group_size, kv_block, "dq")
     _check_tiles(cfg.bwd_dkdv, group_size, kv_block, "dk/dv")
-    num_kv_blocks = triton.cdiv(q.shape[2], kv_block)
     if cfg.atomic_dq:
-        offsets, groups = _transpose_index(indices, num_kv_blocks)
         delta = _launch_bwd_delta(out, do, dlse)
+        offsets, groups = key_major()
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk, dv = _launch_bwd_dkdv(q, k, v, do, lse, delta, offsets, groups, group_size, kv_block, scale,
                                   cfg.bwd_dkdv, dq_acc)
@@ -577,27 +614,27 @@ def sparse_attention_bwd_launch(do, q, k, v, out, lse, dlse, indices, counts, gr
     # The dq pass runs first: it writes delta, which the dk/dv pass reads.
     dq, delta = _launch_bwd_dq(q, k, v, out, do, lse, dlse, indices, counts, group_size, kv_block, scale,
                                cfg.bwd_dq)
-    # The key-major index only after the dq launch: its ~20 small launches then cost host time while dq
-    # runs, instead of delaying dq's start (short sequences are host-bound).
-    offsets, groups = _transpose_index(indices, num_kv_blocks)
+    offsets, groups = key_major()
     dk, dv = _launch_bwd_dkdv(q, k, v, do, lse, delta, offsets, groups, group_size, kv_block, scale, cfg.bwd_dkdv)
     return dq, dk, dv
 
 
 # ----------------------------------------------------------------------------------------------------------
-# custom ops (autograd, torch.compile, activation checkpointing)
+# autograd: custom ops (torch.compile, activation checkpointing) and their eager twin
 # ----------------------------------------------------------------------------------------------------------
 
 
 @torch.library.custom_op("dsv::sparse_attention_fwd", mutates_args=())
 def _sparse_attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
-                             counts: torch.Tensor, group_size: int, kv_block: int,
-                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                             counts: torch.Tensor, offsets: Optional[torch.Tensor], groups: Optional[torch.Tensor],
+                             group_size: int, kv_block: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    # offsets, groups (the key-major index, None when no backward can follow) are inputs only to be saved for
+    # the backward.
     return sparse_attention_fwd_launch(q, k, v, indices, counts, group_size, kv_block, scale)
 
 
 @_sparse_attention_fwd_op.register_fake
-def _(q, k, v, indices, counts, group_size, kv_block, scale):
+def _(q, k, v, indices, counts, offsets, groups, group_size, kv_block, scale):
     B, H, S, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((B, H, S), dtype=torch.float32)
 
@@ -605,35 +642,69 @@ def _(q, k, v, indices, counts, group_size, kv_block, scale):
 @torch.library.custom_op("dsv::sparse_attention_bwd", mutates_args=())
 def _sparse_attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
-                             indices: torch.Tensor, counts: torch.Tensor, group_size: int, kv_block: int,
+                             indices: torch.Tensor, counts: torch.Tensor, offsets: Optional[torch.Tensor],
+                             groups: Optional[torch.Tensor], group_size: int, kv_block: int,
                              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return sparse_attention_bwd_launch(do, q, k, v, out, lse, dlse, indices, counts, group_size, kv_block, scale)
+    # The inputs are those the forward op checked (or its outputs), so the launcher's checks are skipped.
+    key_major_source = _given_or_built(offsets, groups, indices, _cdiv(q.shape[2], kv_block))
+    return _launch_bwd(do, q, k, v, out, lse, dlse, indices, counts, key_major_source, group_size, kv_block, scale)
 
 
 @_sparse_attention_bwd_op.register_fake
-def _(do, q, k, v, out, lse, dlse, indices, counts, group_size, kv_block, scale):
+def _(do, q, k, v, out, lse, dlse, indices, counts, offsets, groups, group_size, kv_block, scale):
     return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, indices, counts, group_size, kv_block, scale = inputs
+    q, k, v, indices, counts, offsets, groups, group_size, kv_block, scale = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, indices, counts)
+    ctx.save_for_backward(q, k, v, out, lse, indices, counts, offsets, groups)
     ctx.group_size, ctx.kv_block, ctx.scale = group_size, kv_block, scale
     # An unused LSE then arrives as None rather than as a zero tensor to fill and read.
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, indices, counts = ctx.saved_tensors
+    q, k, v, out, lse, indices, counts, offsets, groups = ctx.saved_tensors
     if dout is None:  # only the LSE was used downstream
         dout = torch.zeros_like(out)
-    dq, dk, dv = _sparse_attention_bwd_op(dout, q, k, v, out, lse, dlse, indices, counts,
+    dq, dk, dv = _sparse_attention_bwd_op(dout, q, k, v, out, lse, dlse, indices, counts, offsets, groups,
                                           ctx.group_size, ctx.kv_block, ctx.scale)
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 _sparse_attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _SparseAttentionEager(torch.autograd.Function):
+    """Eager calls' twin of the custom ops: the same launchers, without the dispatcher's Python layers
+    (custom_op's autograd and backend wrappers). Those cost ~45 us more host time per forward+backward (both
+    ways timed with the Triton launches stubbed out, on a CPU), and short sequences are host-bound.
+    torch.compile traces the custom ops instead, which it sees as single nodes."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, index, group_size, kv_block, scale):
+        # The ctx-taking form: with a separate setup_context, apply() binds the arguments through
+        # inspect.signature, which costs more host time than the whole forward's Python.
+        out, lse = sparse_attention_fwd_launch(q, k, v, index.indices, index.counts, group_size, kv_block, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        # The index itself rather than its key-major view: the backward asks for the view, built once per
+        # index, so a forward whose backward never runs (the first pass of a checkpointed layer) builds none.
+        ctx.index, ctx.group_size, ctx.kv_block, ctx.scale = index, group_size, kv_block, scale
+        # An unused LSE then arrives as None rather than as a zero tensor to fill and read.
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    @once_differentiable  # the kernels have no double backward: raise rather than return a wrong one
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:  # only the LSE was used downstream
+            dout = torch.zeros_like(out)
+        index = ctx.index
+        dq, dk, dv = _launch_bwd(dout, q, k, v, out, lse, dlse, index.indices, index.counts, index.key_major,
+                                 ctx.group_size, ctx.kv_block, ctx.scale)
+        return dq, dk, dv, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -654,7 +725,9 @@ def sparse_attention_triton_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.
     Args:
         q, k, v: ``[B, H, S, D]``, fp16/bf16 (fp32 runs in IEEE precision, for checks), in grouped token order.
             Any batch/head/sequence strides; D must be <= 256.
-        index: a ``SparseIndex`` with ``group_size`` and ``kv_block`` powers of two >= 16.
+        index: a ``SparseIndex`` with ``group_size`` and ``kv_block`` powers of two >= 16. The backward
+            uses its key-major view, built on first use and cached on the index (``SparseIndex.key_major``):
+            backward passes over one index build it once.
         scale: softmax scale, default ``D ** -0.5``.
 
     Returns:
@@ -662,7 +735,14 @@ def sparse_attention_triton_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.
     """
     indices, counts, group_size, kv_block = _unpack_index(q, index)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _sparse_attention_fwd_op(q, k, v, indices, counts, group_size, kv_block, scale)
+    if not torch.compiler.is_compiling():
+        return _SparseAttentionEager.apply(q, k, v, index, group_size, kv_block, scale)
+    # The graph builds the key-major index with traced ops, compiled with the rest, when a backward can
+    # follow: filling the index's cache while tracing would be a side effect on an object the graph need
+    # not own.
+    backward_possible = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    offsets, groups = key_major_csr(indices, index.num_kv_blocks) if backward_possible else (None, None)
+    return _sparse_attention_fwd_op(q, k, v, indices, counts, offsets, groups, group_size, kv_block, scale)
 
 
 def sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index,
@@ -672,6 +752,7 @@ def sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i
     Every query of group ``g`` attends to the keys of the blocks ``index.indices[b, h, g, :counts]``.
     q, k, v: ``[B, H, S, D]`` (see ``sparse_attention_triton_with_lse``). Differentiable in q, k, v;
     registered as the custom ops ``dsv::sparse_attention_fwd/bwd``, so torch.compile traces it without a
-    graph break and activation checkpointing recomputes it.
+    graph break (eager calls take an ``autograd.Function`` over the same launchers, with less host time),
+    and activation checkpointing recomputes it.
     """
     return sparse_attention_triton_with_lse(q, k, v, index, scale)[0]
