@@ -5,4 +5,12 @@ from dsv.modules.config import AttentionConfig
 from dsv.modules.controller import DSVController
 from dsv.modules.dit import ModelConfig, VideoDiT
 
-__all__ = ["AttentionConfig", "DSVAttention", "DSVAttentionCore", "DSVController", "ModelConfig", "VideoDiT", "model_parameters"]
+__all__ = [
+    "AttentionConfig",
+    "DSVAttention",
+    "DSVAttentionCore",
+    "DSVController",
+    "ModelConfig",
+    "VideoDiT",
+    "model_parameters",
+]

@@ -340,8 +340,8 @@ def observe_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clip
 
     ``cube_shapes`` that do not divide the grid (or hold one token) are skipped and listed as such; ``rows``
     query rows per layer are sampled for the power-law, locality and sparsity statistics, and at most
-    ``max_cubes`` cubes per shape for the overlap. ``overlap_threshold`` picks the recommended cube. Returns the numbers of
-    ``observations.json`` plus ``files`` (paths written) and ``summary`` (the markdown).
+    ``max_cubes`` cubes per shape for the overlap. ``overlap_threshold`` picks the recommended cube. Returns the
+    numbers of ``observations.json`` plus ``files`` (paths written) and ``summary`` (the markdown).
     """
     if clips < 1:
         raise ValueError(f"clips must be >= 1, got {clips}")

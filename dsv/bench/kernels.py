@@ -15,6 +15,7 @@ must not decorate the Triton kernels before a test process sets ``TRITON_INTERPR
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 from pathlib import Path
@@ -244,24 +245,24 @@ def _bench_seq_len(S: int, args, dtype: torch.dtype, flex) -> list[dict]:
         pairs = kept_pairs(index)
         kept = pairs / (B * H * float(S) * S)
         flops = attention_flops(pairs, D, backward=True)
-        estimate = lambda: estimate_index_triton(q_lr, k_lr, keep, G, kv)  # noqa: E731
+        # functools.partial binds this iteration's keep/index/... at once (no late-bound loop variables).
+        estimate = functools.partial(estimate_index_triton, q_lr, k_lr, keep, G, kv)
         est_ms, est_gpu_ms = _bench_ms(estimate, args.rep_ms), _gpu_kernel_ms(estimate)
-        est_ref_ms = _bench_ms(lambda: estimate_index(q_lr, k_lr, keep, G, kv), args.rep_ms)
-        attention = lambda q, k, v: sparse_attention_triton(q, k, v, index)  # noqa: E731
+        est_ref_ms = _bench_ms(functools.partial(estimate_index, q_lr, k_lr, keep, G, kv), args.rep_ms)
+        attention = functools.partial(sparse_attention_triton, index=index)
         step = _fwd_bwd(attention, q, k, v, grad_out)
         dsv_ms, dsv_mem, dsv_gpu_ms = _bench_ms(step, args.rep_ms), _peak_gib(step), _gpu_kernel_ms(step)
         with torch.no_grad():
-            dsv_fwd_ms = _bench_ms(lambda: attention(q, k, v), args.rep_ms)
+            dsv_fwd_ms = _bench_ms(functools.partial(attention, q, k, v), args.rep_ms)
         flex_ms = flex_gpu_ms = None
         if not args.skip_flex:
             block_mask = _flex_block_mask(index)
-            flex_attention = lambda q, k, v: flex(q, k, v, block_mask=block_mask,  # noqa: E731
-                                                  kernel_options=kernel_options)
+            flex_attention = functools.partial(flex, block_mask=block_mask, kernel_options=kernel_options)
             with torch.no_grad():
                 # Two independent implementations of one mask must agree (DESIGN §4: an ignored
                 # BlockMask computes dense attention silently).
                 agree = _rel_err(flex_attention(q, k, v), attention(q, k, v))
-                flex_fwd_ms = _bench_ms(lambda: flex_attention(q, k, v), args.rep_ms)
+                flex_fwd_ms = _bench_ms(functools.partial(flex_attention, q, k, v), args.rep_ms)
             step = _fwd_bwd(flex_attention, q, k, v, grad_out)
             flex_ms, flex_mem, flex_gpu_ms = _bench_ms(step, args.rep_ms), _peak_gib(step), _gpu_kernel_ms(step)
             rows.append(dict(S=S, method="FlexAttention", kept=kept, fwd_ms=flex_fwd_ms, ms=flex_ms,

@@ -190,7 +190,8 @@ def dsv_facts(curves: dict, switch_step: int, attention) -> dict:
     keep = [statistics.fmean(curves["final_layers"][i]["keep"]) for i in final_sparse]
     return {"switch_step": None if switch_step < 0 else switch_step,
             "mean_sparse_blocks_in_stage2": statistics.fmean(stage2) if stage2 else 0.0,
-            "final_sparse_blocks": final_sparse, "final_keep_in_sparse_blocks": statistics.fmean(keep) if keep else None,
+            "final_sparse_blocks": final_sparse,
+            "final_keep_in_sparse_blocks": statistics.fmean(keep) if keep else None,
             "final_sparsity": curves["sparsity"][-1], "final_recall": final_recall,
             "sparse_threshold": attention.sparse_threshold, "theta": attention.theta,
             "recall_in_sparse_blocks": mean_recall,
@@ -496,7 +497,8 @@ def render_report(results: dict) -> str:
     lines += [f"| {t['target']} | {t['measured']} | {_mark(t['met'])} | {t['context']} |" for t in results["targets"]]
     lines += ["", "## Held-out loss at equal steps (losses.png)", "", "| step | dense | DSV | window | DSV vs dense |",
               "|---|---|---|---|---|"]
-    lines += [f"| {r['step']} | {r['dense']:.4f} | {r['dsv']:.4f} | {r['window']:.4f} | {r['dsv'] / r['dense'] - 1:+.2%} |"
+    lines += [f"| {r['step']} | {r['dense']:.4f} | {r['dsv']:.4f} | {r['window']:.4f} | "
+              f"{r['dsv'] / r['dense'] - 1:+.2%} |"
               for r in results["heldout"]]
     lines += ["", "Training wall time per run (process start to exit, data loading included): "
               + ", ".join(f"{m} {s:.0f} s" for m, s in results["train_seconds"].items()) + ".", "",
@@ -541,8 +543,9 @@ def render_report(results: dict) -> str:
                   f"{statistics.fmean(h):.2f}" for h in obs["sparsity"]) + "; per-head range "
               + f"{min(min(h) for h in obs['sparsity']):.2f}–{max(max(h) for h in obs['sparsity']):.2f}",
               "- dynamics (sparsity.png, the DSV run's profiler EMA): mean over blocks "
-              + " → ".join(f"{statistics.fmean(v for v in results['curves']['dsv']['sparsity'][i] if v is not None):.2f}"
-                           f" at step {results['curves']['dsv']['steps'][i]}" for i in (0, -1)),
+              + " → ".join(
+                  f"{statistics.fmean(v for v in results['curves']['dsv']['sparsity'][i] if v is not None):.2f}"
+                  f" at step {results['curves']['dsv']['steps'][i]}" for i in (0, -1)),
               "- neighbours share: mean overlap per cube "
               + ", ".join(f"{'×'.join(map(str, c))} {o:.2f}" for c, o in zip(obs["neighbours"]["cubes"],
                                                                           obs["neighbours"]["mean_overlap"])),
@@ -557,7 +560,8 @@ def render_report(results: dict) -> str:
                   "| kept fraction | token-level | key cubes |", "|---|---|---|"]
         lines += [f"| {g['kept_fraction']:.2f} | {g['token_level']:.3f} | {g['key_cubes']:.3f} |"
                   for g in results["granularity"]]
-    lines += ["", "## Files", "", ", ".join(["report.md", "results.json", "training.json", *FIGURES]) + "; wall seconds per phase: "
+    lines += ["", "## Files", "",
+              ", ".join(["report.md", "results.json", "training.json", *FIGURES]) + "; wall seconds per phase: "
               + ", ".join(f"{k} {v:.0f}" for k, v in results["wall_seconds"].items()) + "."]
     return "\n".join(lines) + "\n"
 
@@ -704,7 +708,8 @@ def run(args) -> int:
         "recipe": args.recipe, "overrides": args.set,
         "model": (f"{model.depth} blocks, hidden {model.hidden} ({model.heads} heads), {cfg.data.frames}×"
                   f"{cfg.data.size}×{cfg.data.size} px, patch {'×'.join(map(str, model.patch))} → grid "
-                  f"{'×'.join(map(str, grid))} = {math.prod(grid)} tokens, cube {'×'.join(map(str, cfg.attention.cube))}"),
+                  f"{'×'.join(map(str, grid))} = {math.prod(grid)} tokens, "
+                  f"cube {'×'.join(map(str, cfg.attention.cube))}"),
         "steps": cfg.train.steps, "batch_size": cfg.train.batch_size, "seed": cfg.train.seed,
         "command": _command_line(args), "train_commands": {mode: shlex.join(c) for mode, c in commands.items()},
         "train_seconds": train_seconds, "same_initial_weights": same_initial_weights(cfg),

@@ -268,14 +268,16 @@ def run(args) -> int:
                 torch.cuda.empty_cache()
     lines = [f"# Training step time, {args.recipe} shape, {machine}", "",
              f"torch {torch.__version__}; batch 1, {'bf16 autocast' if device.type == 'cuda' else 'fp32'}, "
-             f"activation checkpointing, AdamW{', blocks compiled (' + cfg.model.compile + ')' if cfg.model.compile else ''}; random "
+             "activation checkpointing, "
+             f"AdamW{', blocks compiled (' + cfg.model.compile + ')' if cfg.model.compile else ''}; random "
              f"latents of {cfg.model.in_channels} channels, patch {cfg.model.patch}; DSV in stage 2 with the "
              f"{'paper 2.7B' if args.profile == 'paper' else args.profile} sparsity profile; median of "
              f"{args.steps} steps after {args.warmup} warm-up. DSV dispatch: sparse from mean sparsity "
              f"{cfg.attention.sparse_threshold} where the kernel-speed model says it pays; predictor update every "
              f"{cfg.attention.learn_every_stage2} step(s) on "
              f"{cfg.attention.predictor_keys or 'all'} keys.", "",
-             "| tokens | mode | ms/step | × dense | peak GiB (timed steps) | sparse blocks | DSV overheads |", "|---|---|---|---|---|---|---|"]
+             "| tokens | mode | ms/step | × dense | peak GiB (timed steps) | sparse blocks | DSV overheads |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['tokens']} | {r['mode']} | {r['ms']:.1f} | {r['speedup']:.2f} | {r['peak_gib']:.1f} | "
                      f"{r['sparse_blocks']} | {r['notes']} |")

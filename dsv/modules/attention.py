@@ -149,7 +149,8 @@ class DSVAttentionCore(nn.Module):
             mean_keep = float(keep.mean())
             shape = (batch, self.heads, seq_len, self.head_dim)
             sparse = model.pays(mean_keep, *shape)
-            self.dispatch_reason += (f"; {self._last_backend} speed model: sparse {model.sparse_ms(mean_keep, *shape):.2f}"
+            self.dispatch_reason += (f"; {self._last_backend} speed model: "
+                                     f"sparse {model.sparse_ms(mean_keep, *shape):.2f}"
                                      f" ms vs dense {model.dense_ms(*shape):.2f} ms")
         self.use_sparse.fill_(sparse)
         self._refresh_host_state()

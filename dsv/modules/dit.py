@@ -14,7 +14,6 @@ from dsv.modules.attention import DSVAttention
 from dsv.modules.config import AttentionConfig
 from dsv.modules.controller import DSVController
 
-
 MODEL_ARCHS = ("dit", "wan")
 
 
@@ -87,7 +86,9 @@ class DiTBlock(nn.Module):
         self.attn = DSVAttention(hidden, cfg.heads, cfg.attention_head_dim, attn_cfg)
         self.norm2 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
         mlp_hidden = int(hidden * cfg.mlp_ratio)
-        self.mlp = nn.Sequential(nn.Linear(hidden, mlp_hidden), nn.GELU(approximate="tanh"), nn.Linear(mlp_hidden, hidden))
+        self.mlp = nn.Sequential(
+            nn.Linear(hidden, mlp_hidden), nn.GELU(approximate="tanh"), nn.Linear(mlp_hidden, hidden)
+        )
         # adaLN-single (PixArt-α): one shared timestep MLP, plus a learned per-block table.
         self.scale_shift_table = nn.Parameter(torch.randn(6, hidden) / hidden**0.5)
 

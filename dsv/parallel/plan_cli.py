@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dsv.parallel.placement import METHODS
 from dsv.parallel.planner import (
     AttentionShape,
     BlockPlan,
@@ -19,7 +20,6 @@ from dsv.parallel.planner import (
     paper_profile,
     plan_model,
 )
-from dsv.parallel.placement import METHODS
 
 # The paper's 2.7B model (DESIGN §2) and the H200 anchors of DESIGN §3.
 DEFAULT_LAYERS, DEFAULT_HEADS, DEFAULT_HEAD_DIM = 32, 16, 128

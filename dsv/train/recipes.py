@@ -81,8 +81,8 @@ def quality_gpu() -> Config:
 
     On one H200, in the 600-step run of benchmarks/results/2026-11-29-h200-quality, a stage-2 step took
     118 ms dense, 138 ms window and 208 ms DSV (predictor update, estimation and profiling at this small
-    size), plus ~15 s of start-up per run: the three runs one after another took 328 s. DSV learns its predictors densely for
-    100–400 steps (at most a third of the run) and trains sparse from then on where a block's sparsity
+    size), plus ~15 s of start-up per run: the three runs one after another took 328 s. DSV learns its predictors
+    densely for 100–400 steps (at most a third of the run) and trains sparse from then on where a block's sparsity
     reaches 0.5 and the kernel-speed model says sparse pays. Profiling every 10 steps in stage 1 and every
     25 in stage 2 lets the sparsity EMA (momentum 0.9) follow the rising sparsity of so short a run. 64
     held-out clips give the held-out loss and the FVD's real set. The recall floor (`recall_target=0.95`)

@@ -11,7 +11,8 @@ def _bench(rank, world, out):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--device", "cpu", "--tokens", "512", "--heads", "4", "--head-dim", "16",
-                              "--block", "16", "--steps", "1", "--out", str(out), "--op-profile", str(out.parent / "ops")])
+                              "--block", "16", "--steps", "1", "--out", str(out),
+                              "--op-profile", str(out.parent / "ops")])
     return run(args)
 
 

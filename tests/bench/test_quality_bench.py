@@ -67,11 +67,13 @@ def test_quality_bench_writes_a_complete_report(tmp_path, capsys):
     # Equal budgets: every run evaluated at the same steps, the last one the final step.
     assert [row["step"] for row in results["heldout"]] == [3, 6]
     assert all(0 < row[mode] < 10 for row in results["heldout"] for mode in ("dense", "dsv", "window"))
-    assert {mode: c["steps"] for mode, c in results["curves"].items()} == {m: [2, 4, 6] for m in ("dense", "dsv", "window")}
+    assert ({mode: c["steps"] for mode, c in results["curves"].items()}
+            == {m: [2, 4, 6] for m in ("dense", "dsv", "window")})
     # DSV went sparse in every block and its recall was measured there.
     assert results["dsv"]["final_sparse_blocks"] == [0, 1]
     assert 0 < results["dsv"]["recall_in_sparse_blocks"] <= 1
-    assert results["sampling"]["dsv_paths"] == ["sparse:reference"] and results["sampling"]["dense_paths"] == ["dense:sdpa"]
+    assert (results["sampling"]["dsv_paths"] == ["sparse:reference"]
+            and results["sampling"]["dense_paths"] == ["dense:sdpa"])
     assert results["sampling"]["dsv_seconds"] > 0 and 0 < results["sampling"]["ssim"] <= 1
     # FVD: every set measured with a spread; after 6 steps the samples are far from real video, real clips are not.
     fvd = results["fvd"]

@@ -74,7 +74,7 @@ def assert_matches_dense(q, k, v, index, scale=None, chunk_groups=None):
     for name, got, want in zip(("out", "dq", "dk", "dv"), ours, expected):
         assert got.dtype == q.dtype, name
         assert torch.isfinite(got).all(), name
-        torch.testing.assert_close(got.double(), want, **TOLERANCES[q.dtype], msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got.double(), want, **TOLERANCES[q.dtype], msg=lambda m, name=name: f"{name}: {m}")
 
 
 CASES = {
@@ -120,7 +120,7 @@ def test_keeping_every_block_equals_sdpa(S, group_size, kv_block):
     ours = forward_and_grads(lambda *qkv: sparse_attention(*qkv, index), q, k, v, grad_out)
     expected = forward_and_grads(F.scaled_dot_product_attention, q, k, v, grad_out)
     for name, got, want in zip(("out", "dq", "dk", "dv"), ours, expected):
-        torch.testing.assert_close(got, want, **TOLERANCES[torch.float64], msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got, want, **TOLERANCES[torch.float64], msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_lse_matches_dense_and_every_output_is_written():

@@ -24,19 +24,19 @@ if not HAS_CUDA and not TRITON_PREIMPORTED:
     os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton", reason="triton not installed: pip install -e '.[triton]'")
 
-from dsv.ops.estimate.naive import estimate_index  # noqa: E402  (the reference)
-from dsv.ops.estimate.naive import segment_means  # noqa: E402
+# Late imports (E402): TRITON_INTERPRET must be set above before these first import triton.
+from dsv.ops.estimate.naive import estimate_index, segment_means  # noqa: E402  (estimate_index: the reference)
 from dsv.ops.estimate.triton_kernels import estimate_index_triton  # noqa: E402
 from dsv.ops.index import SparseIndex  # noqa: E402
 from dsv.ops.sparse_attention import sparse_attention_reference, sparse_attention_reference_with_lse  # noqa: E402
 from dsv.ops.sparse_attention import triton_kernels as tk  # noqa: E402
-from tests import assert_opcheck_passes  # noqa: E402
 from dsv.ops.sparse_attention.triton_kernels import (  # noqa: E402
     KernelConfig,
     SparseAttentionConfig,
     sparse_attention_triton,
     sparse_attention_triton_with_lse,
 )
+from tests import assert_opcheck_passes  # noqa: E402
 
 interpreter = pytest.mark.skipif(
     HAS_CUDA or TRITON_PREIMPORTED,

@@ -60,7 +60,7 @@ def _worker(rank, world, mode, cp_mode, hcp_size, checkpointing, predictor_keys=
         for name, grad in grads_n.items():
             # Each rank holds `world` x its tokens' share (the gathered output's backward sums over ranks).
             dist.all_reduce(grad)
-            torch.testing.assert_close(grad / world, grads_1[name], **TOL, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(grad / world, grads_1[name], **TOL, msg=lambda m, name=name: f"{name}: {m}")
     layers = model.controller.layers
     # The predictors stepped on the whole-sequence loss of their heads: the same updates as one process.
     for layer, single_layer in zip(layers, single_model.controller.layers):

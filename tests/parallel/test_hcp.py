@@ -83,7 +83,8 @@ def test_hcp_matches_single_process(tmp_path, world, heads, seq_len):
         tol = TOLERANCES[case["q"].dtype]
         for rank, results in enumerate(per_rank):
             for name, got, want in zip(("out", "dq", "dk", "dv"), results[case_id], expected):
-                torch.testing.assert_close(got, shard(want, rank, world), **tol, msg=lambda m: f"{name}: {m}")
+                torch.testing.assert_close(got, shard(want, rank, world), **tol,
+                                           msg=lambda m, name=name: f"{name}: {m}")
 
 
 def errors_worker(rank, world):

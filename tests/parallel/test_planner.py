@@ -43,7 +43,7 @@ def test_factorisations_are_valid_and_node_aligned(gpus, per_node, heads):
 @pytest.mark.parametrize("gpus", [2, 4, 8, 16, 32])
 def test_hybrid_never_slower_than_either_baseline_and_always_valid(gpus):
     c = cluster(gpus)
-    for trial in range(5):
+    for _trial in range(5):
         sparsity = torch.rand(SHAPE.heads).mul(0.999).tolist()
         for sparse in (False, True):
             hybrid = hybrid_plan(sparsity, SHAPE, c, sparse)

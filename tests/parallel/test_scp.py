@@ -97,7 +97,7 @@ def test_scp_matches_single_process(tmp_path, world):
         for rank, results in enumerate(per_rank):
             got, stats = results[case_id]
             for name, g, want in zip(("out", "dq", "dk", "dv"), got, expected):
-                torch.testing.assert_close(g, shard(want, rank, world), **tol, msg=lambda m: f"{name}: {m}")
+                torch.testing.assert_close(g, shard(want, rank, world), **tol, msg=lambda m, name=name: f"{name}: {m}")
             assert stats.fetched_blocks == expected_fetches(case["index"], rank, world)
         # Every block one rank fetched, another rank served.
         assert sum(r[case_id][1].fetched_blocks for r in per_rank) == sum(r[case_id][1].served_blocks for r in per_rank)
@@ -187,7 +187,7 @@ def test_hcp_and_scp_run_on_subgroups(tmp_path):
             expected = (out.detach(), *torch.autograd.grad(out, (q, k, v), case["grad_out"]))
             for name, got, want in zip(("out", "dq", "dk", "dv"), results[kind], expected):
                 torch.testing.assert_close(got, shard(want, local_rank, 2), **TOLERANCES[torch.float64],
-                                           msg=lambda m: f"{kind} {name}: {m}")
+                                           msg=lambda m, kind=kind, name=name: f"{kind} {name}: {m}")
 
 
 def test_fetched_fraction_counts_each_ranks_distinct_remote_blocks():
