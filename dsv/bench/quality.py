@@ -2,9 +2,11 @@
 
 One DiT (a recipe, default ``quality_gpu``) is trained from scratch three times on the bundled real video —
 dense, DSV and 3-D window attention — with the same recipe, seed, data order and number of steps, each run
-in its own ``dsv train`` process (with several GPUs visible, one run per GPU at a time). Then:
+in its own ``dsv train`` process (with several GPUs visible, one run per GPU at a time). With several
+``--train-seeds`` every mode is trained once per seed. Then:
 
-- held-out flow-matching loss at fixed (t, noise) at equal steps, from each run's ``metrics.jsonl``;
+- held-out flow-matching loss at fixed (t, noise) at equal steps, from each run's ``metrics.jsonl``; with
+  several seeds the loss target is judged on the mean over seeds, each seed's gap listed beside it;
 - FVD (Kinetics-400 I3D of ``dsv.eval``) of each run's samples against the held-out real clips, samples of
   every run drawn from the same noise, with a paired bootstrap spread; the I3D's classes on bundled clips
   show that it is the real network;
@@ -13,14 +15,19 @@ in its own ``dsv train`` process (with several GPUs visible, one run per GPU at 
 - the DSV run's predictor recall (profiler EMA) in its sparse blocks, and ``dsv observe``/``dsv profile`` on
   its checkpoint.
 
+FVD, sampling, observations and profile use the models of the first training seed only (the evaluation
+takes as long as with one seed).
+
 Everything goes under ``--out``: at its top only ``report.md``, ``results.json`` and five PNGs (losses,
-sparsity, samples, observations, speed), so the whole result is one small set of files; ``runs/`` (the three
-runs with logs and checkpoints), ``observe/`` and ``profile/`` hold the rest.
+sparsity, samples, observations, speed), so the whole result is one small set of files; ``runs/`` (the
+runs with logs and checkpoints: ``dense``, ``dsv``, ``window`` for the first seed, ``<mode>-seed<seed>`` for
+the others), ``observe/`` and ``profile/`` hold the rest.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib.metadata
 import importlib.util
@@ -71,18 +78,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "each run's own step time rises)")
     parser.add_argument("--train-step-json", type=Path, default=Path(TRAIN_STEP_JSON),
                         help="measured training-step times to plot beside this run's (skipped if absent)")
+    parser.add_argument("--train-seeds", type=int, nargs="+", metavar="SEED",
+                        help="train every mode once per seed (train.seed: initial weights, data order and noise) "
+                             "and judge the loss target on the mean over seeds; distinct non-negative integers "
+                             "(default: the recipe's train.seed alone)")
+
+
+def resolve_train_seeds(listed: list[int] | None, recipe_seed: int) -> list[int]:
+    """The training seeds: ``--train-seeds`` as given, or the recipe's ``train.seed`` alone when it is absent."""
+    if listed is None:
+        return [recipe_seed]
+    given = " ".join(map(str, listed))
+    negative = [seed for seed in listed if seed < 0]
+    if negative:
+        raise ValueError(f"--train-seeds {given}: expected distinct non-negative integers, got {negative[0]}")
+    repeated = sorted({seed for seed in listed if listed.count(seed) > 1})
+    if repeated:
+        raise ValueError(f"--train-seeds {given}: expected distinct non-negative integers, "
+                         f"{', '.join(map(str, repeated))} listed more than once")
+    return list(listed)
 
 
 # ----------------------------------------------------------------------------------------------- training
 
 
-def training_commands(recipe: str, overrides: list[str], runs_dir: Path) -> dict[str, list[str]]:
-    """The ``dsv train`` command of each mode: the same recipe and overrides, only the mode and folder differ."""
+def run_name(mode: str, seed: int, first_seed: int) -> str:
+    """A run's folder and log name: the mode alone for the first seed, so that a one-seed bench keeps the
+    names it always had; ``<mode>-seed<seed>`` for the other seeds."""
+    return mode if seed == first_seed else f"{mode}-seed{seed}"
+
+
+def training_commands(recipe: str, overrides: list[str], runs_dir: Path, seeds: list[int]) -> dict[str, list[str]]:
+    """The ``dsv train`` command of each run (every mode for each seed, the first seed's runs first), by run
+    name: the same recipe and overrides, only the seed, mode and folder differ. The seed comes after
+    ``overrides``, so it wins over a ``train.seed`` among them."""
     base = [sys.executable, "-m", "dsv.cli", "train", "--recipe", recipe]
     for item in overrides:
         base += ["--set", item]
-    return {mode: base + ["--set", f"attention.mode={mode}", "--set", f"train.out_dir={runs_dir / mode}"]
-            for mode in MODES}
+    commands = {}
+    for seed in seeds:
+        for mode in MODES:
+            name = run_name(mode, seed, seeds[0])
+            commands[name] = base + ["--set", f"train.seed={seed}", "--set", f"attention.mode={mode}",
+                                     "--set", f"train.out_dir={runs_dir / name}"]
+    return commands
 
 
 def visible_gpus() -> list[str]:
@@ -95,17 +134,17 @@ def visible_gpus() -> list[str]:
 
 def train_all(commands: dict[str, list[str]], logs_dir: Path, gpus: list[str], runs_per_gpu: int = 1
               ) -> dict[str, float]:
-    """Run the training commands as subprocesses, each logging to ``logs_dir/<mode>.log``, in waves of
-    ``runs_per_gpu`` runs per visible GPU (one after another on the CPU). Returns each run's wall seconds;
-    raises with the end of the log if a run fails."""
+    """Run the training commands (by run name) as subprocesses, each logging to ``logs_dir/<name>.log``, in
+    waves of ``runs_per_gpu`` runs per visible GPU (one after another on the CPU), in the order given. Returns
+    each run's wall seconds by name; raises with the end of the log if a run fails."""
     if runs_per_gpu < 1:
         raise ValueError(f"runs_per_gpu={runs_per_gpu}: expected a positive number of runs per GPU")
     per_wave = max(1, len(gpus)) * runs_per_gpu if gpus else 1
-    modes = list(commands)
+    names = list(commands)
     seconds: dict[str, float] = {}
-    for first in range(0, len(modes), per_wave):
+    for first in range(0, len(names), per_wave):
         running = {}
-        for slot, mode in enumerate(modes[first:first + per_wave]):
+        for slot, name in enumerate(names[first:first + per_wave]):
             env = {**os.environ, "PYTHONUNBUFFERED": "1"}
             if per_wave > 1 and "OMP_NUM_THREADS" not in os.environ:
                 # Runs sharing the machine split its cores: three runs on one H200 host, each with all 16
@@ -113,26 +152,26 @@ def train_all(commands: dict[str, list[str]], logs_dir: Path, gpus: list[str], r
                 env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // per_wave))
             if len(gpus) >= 2:
                 env["CUDA_VISIBLE_DEVICES"] = gpus[slot % len(gpus)]
-            log = open(logs_dir / f"{mode}.log", "w")
-            print(f"[quality] training {mode}" + (f" on GPU {gpus[slot % len(gpus)]}" if len(gpus) >= 2 else ""),
+            log = open(logs_dir / f"{name}.log", "w")
+            print(f"[quality] training {name}" + (f" on GPU {gpus[slot % len(gpus)]}" if len(gpus) >= 2 else ""),
                   flush=True)
-            running[mode] = (subprocess.Popen(commands[mode], stdout=log, stderr=subprocess.STDOUT, env=env), log,
+            running[name] = (subprocess.Popen(commands[name], stdout=log, stderr=subprocess.STDOUT, env=env), log,
                              time.perf_counter())
         while running:  # poll, so that each run's time ends when it does, not when the wave does
-            for mode, (process, log, start) in list(running.items()):
+            for name, (process, log, start) in list(running.items()):
                 if process.poll() is None:
                     continue
                 log.close()
-                del running[mode]
-                seconds[mode] = time.perf_counter() - start
+                del running[name]
+                seconds[name] = time.perf_counter() - start
                 if process.returncode != 0:
                     for other, other_log, _ in running.values():
                         other.kill()
                         other.wait()
                         other_log.close()
-                    tail = "\n".join((logs_dir / f"{mode}.log").read_text().splitlines()[-30:])
-                    raise RuntimeError(f"training {mode} failed (exit {process.returncode}); end of its log:\n{tail}")
-                print(f"[quality] {mode} trained in {seconds[mode]:.0f} s", flush=True)
+                    tail = "\n".join((logs_dir / f"{name}.log").read_text().splitlines()[-30:])
+                    raise RuntimeError(f"training {name} failed (exit {process.returncode}); end of its log:\n{tail}")
+                print(f"[quality] {name} trained in {seconds[name]:.0f} s", flush=True)
             time.sleep(0.2)
     return seconds
 
@@ -179,16 +218,45 @@ def late_run_means(heldout: list[dict], steps: int) -> dict:
             **{mode: statistics.fmean(r[mode] for r in rows) for mode in modes}}
 
 
-def dsv_facts(curves: dict, switch_step: int, attention) -> dict:
+def seed_late_means(heldout_by_seed: dict[str, list[dict]], steps: int) -> dict:
+    """Late-run means (``late_run_means``) of every training seed's held-out table, with each seed's DSV- and
+    window-vs-dense gaps, and the mean over seeds of each mode's late mean with the gaps of those means, on
+    which the loss target is judged: one seed's gap swings by a few percent between identical runs. Returns
+    ``{"first", "last", "count", "per_seed": {seed: {<mode>: mean, "dsv_gap", "window_gap"}}, <mode>: mean
+    over seeds, "dsv_gap", "window_gap"}``; every seed's runs evaluate at the same steps (one recipe)."""
+    per_seed = {}
+    for seed, table in heldout_by_seed.items():
+        late = late_run_means(table, steps)
+        per_seed[seed] = {**{mode: late[mode] for mode in MODES}, "dsv_gap": late["dsv"] / late["dense"] - 1,
+                          "window_gap": late["window"] / late["dense"] - 1}
+    means = {mode: statistics.fmean(p[mode] for p in per_seed.values()) for mode in MODES}
+    return {**{key: late[key] for key in ("first", "last", "count")}, "per_seed": per_seed, **means,
+            "dsv_gap": means["dsv"] / means["dense"] - 1, "window_gap": means["window"] / means["dense"] - 1}
+
+
+def switch_step_of(run_dir: Path) -> int | None:
+    """The step at which a DSV run switched to stage 2 (None: it never did), read from its last checkpoint's
+    weights alone: loading the model or the optimizer state for one number would cost seconds per run."""
+    from safetensors import safe_open
+
+    from dsv.train.checkpoint import WEIGHTS, resolve_checkpoint
+
+    with safe_open(resolve_checkpoint(run_dir) / WEIGHTS, "pt") as weights:
+        # The controller's buffer: "controller.switch_step" on the DiT, under the transformer on Wan.
+        step = int(weights.get_tensor(next(k for k in weights.keys() if k.endswith("switch_step"))))
+    return None if step < 0 else step
+
+
+def dsv_facts(curves: dict, switch_step: int | None, attention) -> dict:
     """Stage switch, sparse blocks, their kept fraction and the predictor's recall in them at the end of the
-    DSV run (``switch_step`` from its checkpoint, -1 if it never switched)."""
+    DSV run (``switch_step`` from its checkpoint, None if it never switched)."""
     stage2 = [n for n, stage in zip(curves["sparse_blocks"], curves["stage"]) if stage == 2]
     final_recall = curves["recall"][-1]
     final_sparse = [i for i, layer in enumerate(curves["final_layers"]) if layer["sparse"]]
     recalls = [final_recall[i] for i in final_sparse if final_recall[i] is not None]
     mean_recall = statistics.fmean(recalls) if recalls else None
     keep = [statistics.fmean(curves["final_layers"][i]["keep"]) for i in final_sparse]
-    return {"switch_step": None if switch_step < 0 else switch_step,
+    return {"switch_step": switch_step,
             "mean_sparse_blocks_in_stage2": statistics.fmean(stage2) if stage2 else 0.0,
             "final_sparse_blocks": final_sparse,
             "final_keep_in_sparse_blocks": statistics.fmean(keep) if keep else None,
@@ -291,16 +359,22 @@ def i3d_on_bundled_clips(i3d) -> list[dict]:
 # -------------------------------------------------------------------------------------------------- plots
 
 
-def _plot_losses(curves: dict[str, dict], switch_step: int | None, path: Path) -> None:
+def _plot_losses(curves: dict[str, dict], other_seeds: dict[str, list[dict]], switch_step: int | None,
+                 path: Path) -> None:
+    """Training and held-out loss of the first seed's runs (``curves``), the held-out tables of the other
+    training seeds faint in the same colours, so that the spread between seeds is seen beside the gaps."""
     import matplotlib.pyplot as plt
 
     fig, (train_ax, held_ax) = plt.subplots(1, 2, figsize=(11, 3.8))
     for mode, c in curves.items():
         train_ax.plot(c["steps"], c["loss"], label=mode)
         held = np.array(c["heldout"], dtype=float)
-        held_ax.plot(held[:, 0], held[:, 1], marker="o", ms=3, label=mode)
-    for ax, title in ((train_ax, "training loss (mean over log window)"),
-                      (held_ax, "held-out loss, fixed (t, noise)")):
+        (line,) = held_ax.plot(held[:, 0], held[:, 1], marker="o", ms=3, label=mode)
+        for table in other_seeds.values():
+            held_ax.plot([r["step"] for r in table], [r[mode] for r in table], color=line.get_color(), lw=1,
+                         alpha=0.35)
+    held_title = "held-out loss, fixed (t, noise)" + ("\n(faint: the other training seeds)" if other_seeds else "")
+    for ax, title in ((train_ax, "training loss (mean over log window)"), (held_ax, held_title)):
         if switch_step is not None:
             ax.axvline(switch_step, color="grey", ls=":", lw=1, label="DSV stage 2")
         ax.set_xlabel("step")
@@ -420,25 +494,61 @@ def _mark(met: bool | None) -> str:
     return "n/a" if met is None else ("met" if met else "**missed**")
 
 
+def _late_steps(late: dict) -> str:
+    """The evaluations that late-run means average, in words."""
+    return f"steps {late['first']}–{late['last']}" if late["count"] > 1 else f"step {late['last']}"
+
+
+def loss_target(late: dict, heldout_by_seed: dict[str, list[dict]], switch_by_seed: dict[str, int | None],
+                context: str) -> dict:
+    """The held-out loss target, judged on the gap of the seed means in ``late`` (``seed_late_means`` of
+    ``heldout_by_seed``); with several seeds the measured text lists each seed's gap and their range. The
+    context is ``context`` followed by each seed's DSV-vs-dense range before its stage switch
+    (``switch_by_seed``, None: never switched)."""
+    several = len(heldout_by_seed) > 1
+    finals = [table[-1] for table in heldout_by_seed.values()]
+    final_gap = statistics.fmean(r["dsv"] for r in finals) / statistics.fmean(r["dense"] for r in finals) - 1
+    measured = (f"DSV {late['dsv']:.4f}, dense {late['dense']:.4f}: {late['dsv_gap']:+.2%} "
+                f"(at step {finals[0]['step']} alone: {final_gap:+.2%})")
+    if several:
+        seed_gaps = [p["dsv_gap"] for p in late["per_seed"].values()]
+        measured = (f"means over {len(seed_gaps)} seeds: {measured}; per seed: "
+                    + ", ".join(f"seed {seed} {p['dsv_gap']:+.2%}" for seed, p in late["per_seed"].items())
+                    + f" (min {min(seed_gaps):+.2%}, max {max(seed_gaps):+.2%})")
+    # Before the switch DSV computes dense attention: its gap to dense there is the comparison's own noise.
+    ranges = []
+    for seed, table in heldout_by_seed.items():
+        switch = switch_by_seed[seed]
+        stage1_gaps = [r["dsv"] / r["dense"] - 1 for r in table if switch is not None and r["step"] <= switch]
+        if stage1_gaps:
+            ranges.append(f"{min(stage1_gaps):+.2%}…{max(stage1_gaps):+.2%} "
+                          f"({f'seed {seed}, ' if several else ''}steps ≤ {switch})")
+    noise = ("; in stage 1 (DSV attention dense) the same comparison ranged " + ", ".join(ranges)
+             + ": the noise of one evaluation") if ranges else ""
+    return {"target": f"DSV held-out loss within {LOSS_TOLERANCE:.0%} of dense (mean of the {late['count']} "
+                      f"evaluations of {_late_steps(late)}"
+                      + (f", then over {len(heldout_by_seed)} training seeds" if several else "") + ")",
+            "measured": measured, "met": abs(late["dsv_gap"]) <= LOSS_TOLERANCE, "context": context + noise}
+
+
 def targets(results: dict) -> list[dict]:
     """The issue's targets with the measured values, met or missed, and the context that explains them."""
-    final = results["heldout"][-1]
-    late = late_run_means(results["heldout"], results["steps"])
+    late = results["late_means"]
     dense, dsv, window = late["dense"], late["dsv"], late["window"]
+    several = len(results["seeds"]) > 1
     fvd = results["fvd"]
     facts = results["dsv"]
-    loss_gap = dsv / dense - 1
-    final_gap = final["dsv"] / final["dense"] - 1
-    late_steps = f"steps {late['first']}–{late['last']}" if late["count"] > 1 else f"step {late['last']}"
     fvd_gap = fvd["dsv"]["fvd"] / fvd["dense"]["fvd"] - 1
     spread = (f"paired bootstrap ({results['bootstrap']} draws) of DSV/dense: "
               f"{fvd['dsv'].get('ratio_to_dense_p05', float('nan')):.3f}–"
               f"{fvd['dsv'].get('ratio_to_dense_p95', float('nan')):.3f} (5–95%); "
               f"within tolerance in {100 * fvd['dsv'].get('share_within_tolerance', float('nan')):.0f}% of draws")
+    # The DSV facts come from the first seed's run alone.
+    first_seed = f" (seed {results['seed']})" if several else ""
     if facts["switch_step"] is None or not facts["mean_sparse_blocks_in_stage2"]:
-        stage2 = "no block ran sparse: DSV trained densely, so any gap is run-to-run noise"
+        stage2 = f"no block ran sparse{first_seed}: DSV trained densely, so any gap is run-to-run noise"
     else:
-        stage2 = (f"DSV in stage 2 from step {facts['switch_step']} with on average "
+        stage2 = (f"DSV{first_seed} in stage 2 from step {facts['switch_step']} with on average "
                   f"{facts['mean_sparse_blocks_in_stage2']:.1f} of {len(facts['final_sparsity'])} blocks sparse")
     init = "" if results["same_initial_weights"] else (
         "; the DSV model's initial DiT weights differ from dense's (its predictors draw from the same RNG "
@@ -446,23 +556,15 @@ def targets(results: dict) -> list[dict]:
     recall = facts["recall_of_critical_mass"]
     heldout_recalls = [r for r in results["profile_recall_in_sparse_blocks"] or [] if r is not None]
     heldout_recall = statistics.fmean(heldout_recalls) / facts["theta"] if heldout_recalls else None
-    # Before the switch DSV computes dense attention: its gap to dense there is the comparison's own noise.
-    stage1_gaps = [r["dsv"] / r["dense"] - 1 for r in results["heldout"]
-                   if facts["switch_step"] is not None and r["step"] <= facts["switch_step"]]
-    noise = (f"; in stage 1 (DSV attention dense, steps ≤ {facts['switch_step']}) the same comparison ranged "
-             f"{min(stage1_gaps):+.2%}…{max(stage1_gaps):+.2%}: the noise of one evaluation") if stage1_gaps else ""
     return [
-        {"target": f"DSV held-out loss within {LOSS_TOLERANCE:.0%} of dense (mean of the {late['count']} "
-                   f"evaluations of {late_steps})",
-         "measured": f"DSV {dsv:.4f}, dense {dense:.4f}: {loss_gap:+.2%} (at step {final['step']} alone: "
-                     f"{final_gap:+.2%})", "met": abs(loss_gap) <= LOSS_TOLERANCE,
-         "context": stage2 + noise + init},
+        loss_target(late, results["heldout_by_seed"], results["switch_step_by_seed"], stage2 + init),
         {"target": f"DSV FVD within {FVD_TOLERANCE:.0%} of dense",
          "measured": f"DSV {fvd['dsv']['fvd']:.1f}, dense {fvd['dense']['fvd']:.1f}: {fvd_gap:+.1%}",
          "met": abs(fvd_gap) <= FVD_TOLERANCE,
          "context": f"{results['videos']} videos per set; {spread}; {stage2}"},
         {"target": "window worse than both (held-out loss and FVD)",
-         "measured": f"loss {window:.4f} (mean of {late_steps}), FVD {fvd['window']['fvd']:.1f}",
+         "measured": f"loss {window:.4f} (mean of {_late_steps(late)}{', then over seeds' if several else ''}), "
+                     f"FVD {fvd['window']['fvd']:.1f}",
          "met": window > max(dense, dsv) and fvd["window"]["fvd"] > max(fvd["dense"]["fvd"], fvd["dsv"]["fvd"]),
          "context": f"window keeps {results['window_keep']:.0%} of the keys; DSV at the end keeps "
                     + ("none (no sparse block)" if facts["final_keep_in_sparse_blocks"] is None else
@@ -484,19 +586,36 @@ def _fmt(value, digits: int = 3) -> str:
 
 def render_report(results: dict) -> str:
     facts, sampling = results["dsv"], results["sampling"]
+    seeds, late = results["seeds"], results["late_means"]
+    if len(seeds) > 1:
+        seeds_text = (f"training seeds {', '.join(map(str, seeds))}: every mode trained once per seed, the same "
+                      f"data order for every mode of a seed; initial DiT weights the same in all three modes "
+                      f"(seed {results['seed']}): {'yes' if results['same_initial_weights'] else 'no'}. The "
+                      f"held-out loss uses every seed; FVD, sampling, observations and profile use the models of "
+                      f"seed {results['seed']}.")
+    else:
+        seeds_text = (f"seed {results['seed']}, the same data order for every run; initial DiT weights the same "
+                      f"in all three runs: {'yes' if results['same_initial_weights'] else 'no'}.")
     lines = [f"# Quality: dense vs DSV vs window from scratch, {results['machine']}, {results['date']}", "",
              f"torch {results['torch']}, triton {results['triton']}; {results['gpus']} GPU(s) used for training"
              + (f", {results['runs_per_gpu']} runs at a time on each (their step times include the sharing)"
                 if results["runs_per_gpu"] > 1 else "") + ". "
              f"Recipe `{results['recipe']}`: {results['model']}; {results['steps']} steps of batch "
-             f"{results['batch_size']}, seed {results['seed']}, the same data order for every run; initial DiT "
-             f"weights the same in all three runs: {'yes' if results['same_initial_weights'] else 'no'}.", "",
+             f"{results['batch_size']}, {seeds_text}", "",
              "## Commands", "", "```", results["command"], "```", "", "Training (run by the command above):", "",
              "```", *results["train_commands"].values(), "```", "",
              "## Targets", "", "| target | measured | result | context |", "|---|---|---|---|"]
     lines += [f"| {t['target']} | {t['measured']} | {_mark(t['met'])} | {t['context']} |" for t in results["targets"]]
-    lines += ["", "## Held-out loss at equal steps (losses.png)", "", "| step | dense | DSV | window | DSV vs dense |",
-              "|---|---|---|---|---|"]
+    lines += ["", "## Held-out loss at equal steps (losses.png)", ""]
+    if len(seeds) > 1:
+        lines += [f"Per training seed, the mean of the evaluations of {_late_steps(late)} (the loss target's); "
+                  "the target is judged on the means over seeds:", "",
+                  "| seed | dense | DSV | window | DSV vs dense | window vs dense |", "|---|---|---|---|---|---|"]
+        rows = [*((f"seed {seed}", p) for seed, p in late["per_seed"].items()), ("mean over seeds", late)]
+        lines += [f"| {label} | {p['dense']:.4f} | {p['dsv']:.4f} | {p['window']:.4f} | {p['dsv_gap']:+.2%} | "
+                  f"{p['window_gap']:+.2%} |" for label, p in rows]
+        lines += ["", f"Every evaluation of seed {results['seed']}:", ""]
+    lines += ["| step | dense | DSV | window | DSV vs dense |", "|---|---|---|---|---|"]
     lines += [f"| {r['step']} | {r['dense']:.4f} | {r['dsv']:.4f} | {r['window']:.4f} | "
               f"{r['dsv'] / r['dense'] - 1:+.2%} |"
               for r in results["heldout"]]
@@ -577,6 +696,8 @@ def _command_line(args) -> str:
               "--bootstrap", str(args.bootstrap), "--timing-repeats", str(args.timing_repeats),
               "--observe-clips", str(args.observe_clips), "--device", args.device,
               "--runs-per-gpu", str(args.runs_per_gpu)]
+    if args.train_seeds is not None:
+        parts += ["--train-seeds", *map(str, args.train_seeds)]
     return shlex.join(parts)
 
 
@@ -587,20 +708,19 @@ def _version(package: str) -> str:
         return "absent"
 
 
-def sample_runs(runs_dir: Path, num: int, args, device: torch.device) -> tuple[dict, dict, int]:
-    """Samples of every run from the same noise, the DSV run also with the same weights densely; returns
-    ``(samples by name, DSV-vs-dense sampling facts, the DSV run's switch step)``."""
+def sample_runs(runs_dir: Path, num: int, args, device: torch.device) -> tuple[dict, dict]:
+    """Samples of every mode's run of the first seed from the same noise, the DSV run also with the same
+    weights densely; returns ``(samples by name, DSV-vs-dense sampling facts)``."""
     from dsv.analysis.checkpointed_model import load_model
     from dsv.analysis.sample import attention_paths, similarity
 
-    samples, sampling, switch_step = {}, {}, -1
+    samples, sampling = {}, {}
     for mode in MODES:
         model, cfg, _ = load_model(str(runs_dir / mode), str(device))
         # Only DSV's sparse-vs-dense sampling is compared in time; the other runs are sampled once.
         repeats = args.timing_repeats if mode == "dsv" else 1
         samples[mode], passes = timed_samples(model, cfg, num, args.sample_steps, args.seed, repeats)
         if mode == "dsv":
-            switch_step = int(model.controller.switch_step)
             dense_view, _, _ = load_model(str(runs_dir / mode), str(device), attention_mode="dense")
             samples["dsv, dense sampling"], dense_passes = timed_samples(
                 dense_view, cfg, num, args.sample_steps, args.seed, args.timing_repeats)
@@ -609,7 +729,7 @@ def sample_runs(runs_dir: Path, num: int, args, device: torch.device) -> tuple[d
                         "dsv_paths": attention_paths(model), "dense_paths": attention_paths(dense_view),
                         **similarity(samples["dsv"], samples["dsv, dense sampling"])}
             sampling["speedup"] = sampling["dense_seconds"] / sampling["dsv_seconds"]
-    return samples, sampling, switch_step
+    return samples, sampling
 
 
 def run(args) -> int:
@@ -626,6 +746,9 @@ def run(args) -> int:
     if runs_dir.exists() and any(runs_dir.iterdir()):
         raise FileExistsError(f"{runs_dir} already holds runs; choose a new --out (nothing was overwritten)")
     cfg = apply_overrides(get_recipe(args.recipe), args.set)  # validates the overrides before any run starts
+    seeds = resolve_train_seeds(args.train_seeds, cfg.train.seed)
+    # The evaluation's config is the first seed's runs' (the initial-weights check builds models from it).
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=seeds[0]))
     from dsv.eval.i3d import MIN_FRAMES
 
     if cfg.data.frames < MIN_FRAMES:  # found before minutes of training, not after
@@ -635,28 +758,41 @@ def run(args) -> int:
     wall: dict[str, float] = {}
     start = phase = time.perf_counter()
     gpus = visible_gpus()
-    commands = training_commands(args.recipe, args.set, runs_dir)
+    commands = training_commands(args.recipe, args.set, runs_dir, seeds)
     train_seconds = train_all(commands, runs_dir, gpus, args.runs_per_gpu)
-    curves = {mode: run_curves(read_metrics(runs_dir / mode)) for mode in MODES}
-    table = heldout_table(curves)
-    if not table or table[-1]["step"] != cfg.train.steps:
-        raise RuntimeError(f"the runs have no common held-out evaluation at their last step {cfg.train.steps}")
+    # Keyed by the seed as text, as results.json writes it, so that the results read back compare equal.
+    run_dirs = {str(seed): {mode: runs_dir / run_name(mode, seed, seeds[0]) for mode in MODES} for seed in seeds}
+    first = str(seeds[0])
+    curves_by_seed = {seed: {mode: run_curves(read_metrics(d)) for mode, d in dirs.items()}
+                      for seed, dirs in run_dirs.items()}
+    curves = curves_by_seed[first]
+    heldout_by_seed = {seed: heldout_table(c) for seed, c in curves_by_seed.items()}
+    for seed, seed_table in heldout_by_seed.items():
+        if not seed_table or seed_table[-1]["step"] != cfg.train.steps:
+            raise RuntimeError(f"the runs of seed {seed} have no common held-out evaluation at their last step "
+                               f"{cfg.train.steps}")
+    table = heldout_by_seed[first]
+    switch_by_seed = {seed: switch_step_of(dirs["dsv"]) for seed, dirs in run_dirs.items()}
+    late = seed_late_means(heldout_by_seed, cfg.train.steps)
     wall["training"] = time.perf_counter() - phase
     # Progress on stdout as each phase ends, and the training's numbers on disk: a run cut short in the
     # evaluation still leaves what it measured.
-    (out / "training.json").write_text(json.dumps({"heldout": table, "train_seconds": train_seconds,
-                                                   "curves": curves}, indent=1))
-    print(f"[quality] training done in {wall['training']:.0f} s; held-out loss at step {table[-1]['step']}: "
-          + json.dumps({k: v for k, v in table[-1].items() if k != "step"}), flush=True)
+    (out / "training.json").write_text(json.dumps(
+        {"seeds": seeds, "heldout": table, "heldout_by_seed": heldout_by_seed, "switch_step_by_seed": switch_by_seed,
+         "late_means": late, "train_seconds": train_seconds, "curves": curves}, indent=1))
+    print(f"[quality] training done in {wall['training']:.0f} s; held-out loss at step {table[-1]['step']} by "
+          "seed: " + json.dumps({seed: {k: v for k, v in t[-1].items() if k != "step"}
+                                 for seed, t in heldout_by_seed.items()})
+          + f"; DSV vs dense over the late evaluations, mean over seeds: {late['dsv_gap']:+.2%}", flush=True)
 
     phase = time.perf_counter()
     device = resolve_device(args.device)
     data = build_dataset(cfg.data)
     real = data.heldout_batch()
-    samples, sampling, switch_step = sample_runs(runs_dir, real.shape[0], args, device)
-    facts = dsv_facts(curves["dsv"], switch_step, cfg.attention)
+    samples, sampling = sample_runs(runs_dir, real.shape[0], args, device)
+    facts = dsv_facts(curves["dsv"], switch_by_seed[first], cfg.attention)
     wall["sampling"] = time.perf_counter() - phase
-    print(f"[quality] sampling done in {wall['sampling']:.0f} s; DSV switch step {switch_step}, sparse blocks "
+    print(f"[quality] sampling done in {wall['sampling']:.0f} s; DSV switch step {facts['switch_step']}, sparse blocks "
           f"{facts['final_sparse_blocks']}; sparse inference {json.dumps(sampling, default=str)}", flush=True)
 
     phase = time.perf_counter()
@@ -687,7 +823,8 @@ def run(args) -> int:
     stage2_speed = {mode: statistics.fmean(v for s, v in zip(c["steps"], c["steps_per_s"]) if s > after)
                     for mode, c in curves.items()}
     reference = json.loads(args.train_step_json.read_text()) if args.train_step_json.is_file() else None
-    _plot_losses(curves, facts["switch_step"], out / "losses.png")
+    _plot_losses(curves, {seed: t for seed, t in heldout_by_seed.items() if seed != first}, facts["switch_step"],
+                 out / "losses.png")
     _plot_sparsity(curves["dsv"], curves["dense"], facts, out / "sparsity.png")
     _plot_samples({"held-out real clips": real, **{f"samples: {name}": v for name, v in samples.items()}},
                   out / "samples.png")
@@ -713,7 +850,9 @@ def run(args) -> int:
         "steps": cfg.train.steps, "batch_size": cfg.train.batch_size, "seed": cfg.train.seed,
         "command": _command_line(args), "train_commands": {mode: shlex.join(c) for mode, c in commands.items()},
         "train_seconds": train_seconds, "same_initial_weights": same_initial_weights(cfg),
-        "heldout": table, "curves": curves, "dsv": facts, "window_keep": window_keep_fraction(cfg, grid),
+        "heldout": table, "curves": curves, "seeds": seeds, "heldout_by_seed": heldout_by_seed,
+        "switch_step_by_seed": switch_by_seed, "late_means": late, "dsv": facts,
+        "window_keep": window_keep_fraction(cfg, grid),
         "videos": real.shape[0], "sample_steps": args.sample_steps, "bootstrap": args.bootstrap, "fvd": fvd,
         "i3d_check": i3d_check, "sampling": sampling, "profile_recall_in_sparse_blocks": profile_recall,
         "stage2_steps_per_s": stage2_speed,

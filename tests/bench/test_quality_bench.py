@@ -8,7 +8,14 @@ import time
 
 import pytest
 
-from dsv.bench.quality import late_run_means, train_all
+from dsv.bench.quality import (
+    late_run_means,
+    loss_target,
+    resolve_train_seeds,
+    seed_late_means,
+    train_all,
+    training_commands,
+)
 from dsv.cli import main
 from tests.eval.test_fvd import needs_i3d
 
@@ -97,6 +104,75 @@ def test_late_run_means_average_the_second_half_of_the_run():
     # A run evaluated only at its end: the last row alone.
     assert late_run_means(heldout[:1], steps=400) == {"first": 100, "last": 100, "count": 1, "dense": 0.01,
                                                       "dsv": 0.02}
+
+
+def _heldout(rows):
+    return [{"step": step, "dense": dense, "dsv": dsv, "window": window} for step, dense, dsv, window in rows]
+
+
+def test_loss_target_is_judged_on_the_mean_over_seeds_and_lists_each_seed():
+    # Seed 0: DSV +5% over dense in the second half, seed 1: -2% at a dense loss three times higher. The gap
+    # of the seed means is -0.25% (met); seed 0 alone (+5%) or the mean of the two gaps (+1.5%) would miss.
+    # Steps 100 and 200 lie outside the late window and carry other gaps: the stage-1 noise.
+    tables = {"0": _heldout([(100, 2.0, 2.02, 2.2), (200, 1.5, 1.47, 1.6), (300, 1.0, 1.05, 1.2),
+                             (400, 1.0, 1.05, 1.2)]),
+              "1": _heldout([(100, 4.0, 4.4, 4.4), (200, 3.5, 3.5, 3.9), (300, 3.0, 2.94, 3.3),
+                             (400, 3.0, 2.94, 3.3)])}
+    late = seed_late_means(tables, steps=400)
+    assert (late["first"], late["last"], late["count"]) == (300, 400, 2)
+    assert math.isclose(late["dense"], 2.0) and math.isclose(late["dsv"], 1.995) and math.isclose(late["window"], 2.25)
+    assert math.isclose(late["dsv_gap"], -0.0025) and math.isclose(late["window_gap"], 0.125)
+    per_seed = late["per_seed"]
+    assert math.isclose(per_seed["0"]["dsv_gap"], 0.05) and math.isclose(per_seed["1"]["dsv_gap"], -0.02)
+    assert math.isclose(per_seed["0"]["window_gap"], 0.2) and math.isclose(per_seed["1"]["window_gap"], 0.1)
+
+    target = loss_target(late, tables, {"0": 100, "1": 200}, "what DSV ran")
+    assert target["met"] is True
+    assert "then over 2 training seeds" in target["target"]
+    assert target["measured"] == ("means over 2 seeds: DSV 1.9950, dense 2.0000: -0.25% (at step 400 alone: -0.25%); "
+                                  "per seed: seed 0 +5.00%, seed 1 -2.00% (min -2.00%, max +5.00%)")
+    # Each seed's gaps up to its own switch: seed 0 at step 100 only, seed 1 at steps 100 and 200.
+    assert target["context"] == ("what DSV ran; in stage 1 (DSV attention dense) the same comparison ranged "
+                                 "+1.00%…+1.00% (seed 0, steps ≤ 100), +0.00%…+10.00% (seed 1, steps ≤ 200): "
+                                 "the noise of one evaluation")
+
+    # Seed 1 at +2% instead: the seed means are +2.75% apart, missed.
+    tables["1"] = [{**row, "dsv": row["dense"] * 1.02} for row in tables["1"]]
+    assert loss_target(seed_late_means(tables, steps=400), tables, {"0": 100, "1": None}, "")["met"] is False
+
+    # One seed: the measured text of a one-seed bench, no per-seed list; a run that never switched has no
+    # stage-1 comparison.
+    one = {"0": tables["0"]}
+    target = loss_target(seed_late_means(one, steps=400), one, {"0": None}, "what DSV ran")
+    assert target["measured"] == "DSV 1.0500, dense 1.0000: +5.00% (at step 400 alone: +5.00%)"
+    assert target["met"] is False and target["context"] == "what DSV ran"
+    assert target["target"] == "DSV held-out loss within 1% of dense (mean of the 2 evaluations of steps 300–400)"
+
+
+def test_each_seed_trains_every_mode_with_its_seed_in_its_own_folder(tmp_path):
+    from dsv.train.config import apply_overrides
+    from dsv.train.recipes import get_recipe
+
+    # A train.seed among the overrides is overridden by each run's own seed.
+    commands = training_commands("debug_cpu", ["train.steps=6", "train.seed=7"], tmp_path, [3, 1])
+    assert list(commands) == ["dense", "dsv", "window", "dense-seed1", "dsv-seed1", "window-seed1"]
+    for name, command in commands.items():
+        cfg = apply_overrides(get_recipe("debug_cpu"),
+                              [command[i + 1] for i, arg in enumerate(command) if arg == "--set"])
+        mode, _, seed = name.partition("-seed")
+        assert (cfg.train.seed, cfg.attention.mode, cfg.train.steps) == (int(seed or 3), mode, 6), name
+        assert cfg.train.out_dir == str(tmp_path / name)
+
+
+def test_train_seeds_must_be_distinct_and_non_negative(tmp_path, capsys):
+    assert resolve_train_seeds(None, recipe_seed=5) == [5]
+    assert resolve_train_seeds([2, 0], recipe_seed=5) == [2, 0]
+    for seeds, problem in ((["0", "1", "0"], "0 listed more than once"), (["1", "-2"], "got -2")):
+        out = tmp_path / f"quality-{'-'.join(seeds)}"
+        assert main(["bench", "quality", "--out", str(out), "--train-seeds", *seeds]) == 2
+        err = capsys.readouterr().err
+        assert f"--train-seeds {' '.join(seeds)}: expected distinct non-negative integers" in err and problem in err
+        assert not (out / "runs").exists()  # refused before any training
 
 
 def test_clips_too_short_for_the_i3d_are_refused_before_training(tmp_path, capsys):
