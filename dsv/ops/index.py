@@ -103,9 +103,10 @@ class SparseIndex:
     def key_major(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(offsets, groups)``: the index by key block (``key_major_csr``), built on first use, then cached.
 
-        The dk/dv pass of every backward walks it. A layer's forward, its checkpoint recompute and its
-        backward share one index (and a static index serves many steps), so building it once per index
-        instead of once per backward saves its ~20 small launches each time.
+        The dk/dv pass of every backward walks it. Backward passes over one index object build it once
+        instead of once each, which saves its ~20 small launches wherever an index is reused (a benchmark
+        loop, a fixed mask). Training builds a new index every forward, so there it is built once per
+        backward, as before.
         """
         if self._key_major is None:
             # The one field set after construction: frozen guards the index itself, not this derived view.

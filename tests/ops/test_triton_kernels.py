@@ -263,6 +263,34 @@ def test_interpreter_key_major_index_built_once_per_index(monkeypatch):
 
 
 @interpreter
+def test_interpreter_checkpoint_recompute_with_another_index_is_caught():
+    """The eager path saves the index tensors like the activations: a checkpoint recompute that selects
+    other blocks (here another K_max) raises rather than pairing the first pass's index with the
+    recompute's outputs."""
+    B, H, S, D = 1, 1, 64, 16
+    indices = iter([random_index(B, H, S, 16, 16, keep=[1]), random_index(B, H, S, 16, 16, keep=[3])])
+    q, k, v = leaf_inputs(B, H, S, D, torch.float32)
+    out = torch.utils.checkpoint.checkpoint(lambda *x: sparse_attention_triton(*x, next(indices)), q, k, v,
+                                            use_reentrant=False)
+    with pytest.raises(torch.utils.checkpoint.CheckpointError):
+        out.sum().backward()
+
+
+@interpreter
+def test_interpreter_eager_calls_take_the_function_and_meta_inputs_the_custom_op():
+    """Plain tensors take the eager autograd.Function; meta inputs (shape propagation) reach the custom op,
+    whose fake implementation answers without launching a kernel."""
+    index = random_index(1, 2, 64, 16, 16, keep=[1, 2])
+    q, k, v = leaf_inputs(1, 2, 64, 16, torch.float32)
+    out, lse = sparse_attention_triton_with_lse(q, k, v, index)
+    assert type(out.grad_fn).__name__ == "_SparseAttentionEagerBackward"
+    meta = [x.detach().to("meta") for x in (q, k, v)]
+    meta_index = SparseIndex(index.indices.to("meta"), index.counts.to("meta"), 16, 16, 64)
+    out, lse = sparse_attention_triton_with_lse(*meta, meta_index)
+    assert out.device.type == "meta" and out.shape == q.shape and lse.shape == (1, 2, 64)
+
+
+@interpreter
 def test_interpreter_double_backward_raises():
     """The kernels have no double backward: a loss on the gradients raises instead of dropping that term."""
     index = random_index(1, 1, 32, 16, 16, keep=[1])

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dsv.ops.index import key_major_csr
@@ -590,7 +591,7 @@ def _given_or_built(offsets, groups, indices, num_kv_blocks: int) -> KeyMajorSou
         raise ValueError("offsets and groups (the key-major index) must be given together or both be None")
     if offsets is None:
         return functools.partial(key_major_csr, indices, num_kv_blocks)
-    return lambda: (offsets, groups)
+    return lambda: (offsets.contiguous(), groups.contiguous())  # the kernel indexes them as flat arrays
 
 
 def _launch_bwd(do, q, k, v, out, lse, dlse, indices, counts, key_major: KeyMajorSource, group_size, kv_block, scale,
@@ -687,9 +688,11 @@ class _SparseAttentionEager(torch.autograd.Function):
         # The ctx-taking form: with a separate setup_context, apply() binds the arguments through
         # inspect.signature, which costs more host time than the whole forward's Python.
         out, lse = sparse_attention_fwd_launch(q, k, v, index.indices, index.counts, group_size, kv_block, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        # The index itself rather than its key-major view: the backward asks for the view, built once per
-        # index, so a forward whose backward never runs (the first pass of a checkpointed layer) builds none.
+        # The index tensors are saved like the rest, so that a checkpoint recompute hands the backward its
+        # own index (and checkpointing checks that it matches the first pass's shapes).
+        ctx.save_for_backward(q, k, v, out, lse, index.indices, index.counts)
+        # The index object too, for its cached key-major view; the backward asks for the view, so a forward
+        # whose backward never runs (the first pass of a checkpointed layer) builds none.
         ctx.index, ctx.group_size, ctx.kv_block, ctx.scale = index, group_size, kv_block, scale
         # An unused LSE then arrives as None rather than as a zero tensor to fill and read.
         ctx.set_materialize_grads(False)
@@ -698,13 +701,31 @@ class _SparseAttentionEager(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # the kernels have no double backward: raise rather than return a wrong one
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, indices, counts = ctx.saved_tensors
         if dout is None:  # only the LSE was used downstream
             dout = torch.zeros_like(out)
         index = ctx.index
-        dq, dk, dv = _launch_bwd(dout, q, k, v, out, lse, dlse, index.indices, index.counts, index.key_major,
+        # The cached view belongs to the saved index only if the tensors are the same; a recompute that
+        # selected other blocks gets a view built from what it saved.
+        key_major = index.key_major if _same_tensor(indices, index.indices) else _given_or_built(
+            None, None, indices, index.num_kv_blocks)
+        dq, dk, dv = _launch_bwd(dout, q, k, v, out, lse, dlse, indices, counts, key_major,
                                  ctx.group_size, ctx.kv_block, ctx.scale)
         return dq, dk, dv, None, None, None, None
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same memory, shape and strides (saved tensors may come back as new tensor objects)."""
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+                      and a.dtype == b.dtype and a.device == b.device)
+
+
+def _eager_path_applies(q: torch.Tensor) -> bool:
+    """Whether a call may take `_SparseAttentionEager`: plain tensors with data, outside torch.compile and
+    dispatch modes. Elsewhere the custom ops run: their fake implementations serve meta and fake tensors,
+    and dispatch modes (selective checkpointing policies, FakeTensorMode) see `dsv::sparse_attention_fwd`."""
+    return (not torch.compiler.is_compiling() and type(q) is torch.Tensor and q.device.type != "meta"
+            and _get_current_dispatch_mode() is None)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -735,10 +756,10 @@ def sparse_attention_triton_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.
     """
     indices, counts, group_size, kv_block = _unpack_index(q, index)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    if not torch.compiler.is_compiling():
+    if _eager_path_applies(q):
         return _SparseAttentionEager.apply(q, k, v, index, group_size, kv_block, scale)
-    # The graph builds the key-major index with traced ops, compiled with the rest, when a backward can
-    # follow: filling the index's cache while tracing would be a side effect on an object the graph need
+    # A compiled graph builds the key-major index with traced ops, compiled with the rest, when a backward
+    # can follow: filling the index's cache while tracing would be a side effect on an object the graph need
     # not own.
     backward_possible = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     offsets, groups = key_major_csr(indices, index.num_kv_blocks) if backward_possible else (None, None)
