@@ -7,8 +7,10 @@ from pathlib import Path
 
 import torch
 
-PROFILER_OVERHEAD = ("Command Buffer Full",)
-"""Device-side records of the profiler itself (the host stalled on a full launch queue), not GPU work."""
+DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+"""Kineto activity types that occupy the GPU. The profiler's CUDA-side records also hold annotation ranges
+(`record_function`, compiled regions) and its own overhead records ("Command Buffer Full"), which span idle
+time too: only these types count."""
 
 
 def covered_ns(intervals: list[tuple[int, int]]) -> int:
@@ -44,16 +46,15 @@ def write_op_profile(step, device: torch.device, path: Path) -> None:
     sort_by = "cuda_time_total" if cuda else "cpu_time_total"
     head = ""
     if cuda:
-        try:
-            # Kernels, copies and memsets are the profiler's CUDA-side events (torch 2.11 exposes no
-            # activity type to tell them apart further).
-            busy_ms = covered_ns([(e.start_ns(), e.start_ns() + e.duration_ns())
-                                  for e in prof.profiler.kineto_results.events()
-                                  if e.device_type() == torch.autograd.DeviceType.CUDA
-                                  and e.name() not in PROFILER_OVERHEAD]) / 1e6
+        events = prof.profiler.kineto_results.events()
+        if events and not hasattr(events[0], "activity_type"):
+            # torch 2.11's events carry no activity type, and without it annotation ranges would count as
+            # busy: say so rather than print a figure that hides idle time.
+            head = "GPU busy time not measured: this torch's profiler events carry no activity type\n"
+        else:
+            busy_ms = covered_ns([(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events
+                                  if e.activity_type() in DEVICE_WORK]) / 1e6
             head = (f"GPU busy {busy_ms:.1f} ms of the step's {wall_ms:.1f} ms wall time under the profiler "
                     f"(idle {wall_ms - busy_ms:.1f} ms, {1 - busy_ms / wall_ms:.1%})\n")
-        except AttributeError as err:  # the profiler's event API differs between torch versions
-            head = f"GPU busy time not measured: {err}\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(head + prof.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=70))
