@@ -381,6 +381,17 @@ class DSVAttentionCore(nn.Module):
             )
 
 
+class HeadRMSNorm(nn.RMSNorm):
+    """RMSNorm over the head dimension that computes in the input's dtype (fp32 accumulation inside).
+
+    The weight is cast to the input's dtype: under bf16 autocast an fp32 weight sends `rms_norm` to its
+    unfused composite path, several fp32 kernels per call and fp32 intermediates at the size of q.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
+
+
 class DSVAttention(DSVAttentionCore):
     """Multi-head self-attention over a `(T, H, W)` token grid, dense or dynamically sparse.
 
@@ -405,8 +416,8 @@ class DSVAttention(DSVAttentionCore):
         inner = heads * head_dim
         self.to_qkv = nn.Linear(dim, 3 * inner, bias=bias)
         self.to_out = nn.Linear(inner, dim, bias=bias)
-        self.q_norm = nn.RMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.q_norm = HeadRMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.k_norm = HeadRMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
         self._permutation_cache: tuple | None = None
         # Set by `VideoDiT.enable_context_parallel`: the layer then sees this rank's chunk of the sequence.
         self.context_parallel = None
@@ -431,8 +442,7 @@ class DSVAttention(DSVAttentionCore):
         hidden = x.index_select(1, perm)
         qkv = self.to_qkv(hidden).view(batch, seq_len, 3, self.heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, S, D]
-        # Norms may run in fp32 under autocast; attention takes one dtype.
-        q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
+        q, k = self.q_norm(q), self.k_norm(k)
         index = self.prepare_index(hidden, q, k, grid)
         out = self.attend(q, k, v, index)
         out = out.transpose(1, 2).reshape(batch, seq_len, self.heads * self.head_dim)

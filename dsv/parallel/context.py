@@ -246,7 +246,7 @@ class ContextParallel:
         check_sequence_split(seq_len, self.size, cfg.group_size, cfg.key_block)
         qkv = layer.to_qkv(x).view(batch, local_len, 3, layer.heads, layer.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-        q, k = layer.q_norm(q).to(v.dtype), layer.k_norm(k).to(v.dtype)
+        q, k = layer.q_norm(q), layer.k_norm(k)
         layer.resolve_backends(q, seq_len)
         layout = self.layout(layer, seq_len, batch)
         # This rank's heads over its HCP group's S / scp tokens.
