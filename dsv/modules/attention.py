@@ -509,17 +509,36 @@ def _select_kernel(
     check_finite: bool,
     autocast_dtype: torch.dtype | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`DSVAttentionCore._select` (after the finite check, when asked): the index's `(indices, counts)`."""
+    """`DSVAttentionCore._select` (after the finite check, when asked): the index's `(indices, counts)`.
+
+    Eager mode shares them with the layer's selection cache (nothing writes an index in place)."""
     layer = _registered_layer(layer_id)
     if check_finite:
         layer._check_finite(hidden)
     with _autocast(q.device.type, autocast_dtype):
         index = layer._select(hidden, q, k, tuple(grid), training)
-    # Copies: a compiled graph owns what an op returns (and may reuse its memory); the layer keeps caches.
-    return index.indices.clone(), index.counts.clone()
+    return index.indices, index.counts
 
 
-_layer_select = torch.library.custom_op("dsv::layer_select", _select_kernel, mutates_args=())
+def _select_op_kernel(
+    layer_id: torch.Tensor,
+    hidden: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    grid: list[int],
+    group_size: int,
+    training: bool,
+    check_finite: bool,
+    autocast_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_select_kernel` as a custom op returns copies: a compiled graph owns what an op returns (and may
+    reuse its memory), while the layer keeps the selection for the checkpointing recompute."""
+    indices, counts = _select_kernel(layer_id, hidden, q, k, grid, group_size, training, check_finite,
+                                     autocast_dtype)
+    return indices.clone(), counts.clone()
+
+
+_layer_select = torch.library.custom_op("dsv::layer_select", _select_op_kernel, mutates_args=())
 
 
 @_layer_select.register_fake
