@@ -9,10 +9,12 @@ import time
 import pytest
 
 from dsv.bench.quality import (
+    CONTROL,
     late_run_means,
     loss_target,
     resolve_train_seeds,
     seed_late_means,
+    targets,
     train_all,
     training_commands,
 )
@@ -94,6 +96,46 @@ def test_quality_bench_writes_a_complete_report(tmp_path, capsys):
     report = (out / "report.md").read_text()
     assert "dsv bench quality --recipe debug_cpu" in report and "attention.mode=window" in report
     assert report.count("| met |") + report.count("| **missed** |") == 4
+    assert "No DSV verdict" not in report and "dense control" not in report
+
+
+@needs_i3d
+# Without a sparse block the DSV model samples exactly as densely: their PSNR is infinite.
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in scalar divide:RuntimeWarning")
+def test_dense_control_is_evaluated_like_the_others_and_no_sparse_block_is_not_judged(tmp_path, capsys):
+    # Threshold 2 (above any sparsity): DSV switches at step 2 but dispatches no block sparse, so it trains dense
+    # attention and its rows compare dense with dense, like the control's.
+    out = tmp_path / "quality"
+    overrides = [item for o in [*TINY, "attention.sparse_threshold=2.0"] for item in ("--set", o)]
+    assert main(["bench", "quality", "--recipe", "debug_cpu", *overrides, "--out", str(out), "--sample-steps", "2",
+                 "--bootstrap", "3", "--timing-repeats", "1", "--observe-clips", "1", "--dense-control"]) == 0
+    capsys.readouterr()
+
+    results = json.loads((out / "results.json").read_text())
+    assert results["dense_control"] is True and results["command"].endswith("--dense-control")
+    assert list(results["train_commands"]) == ["dense", "dsv", "window", CONTROL]
+    assert list(results["train_seconds"]) == ["dense", "dsv", "window", CONTROL]
+    control_command = results["train_commands"][CONTROL]
+    assert "attention.mode=dense" in control_command and f"train.out_dir={out / 'runs' / CONTROL}" in control_command
+    # The report names the interpreter, not its path on the machine that ran the bench.
+    assert all(c.startswith("python -m dsv.cli train ") for c in results["train_commands"].values())
+    # Held-out loss at every evaluation and FVD with its paired bootstrap, like the other runs.
+    assert [row["step"] for row in results["heldout"]] == [3, 6]
+    assert all(0 < row[CONTROL] < 10 for row in results["heldout"])
+    late = results["late_means"]
+    assert math.isclose(late["control_gap"], late[CONTROL] / late["dense"] - 1)
+    assert results["fvd"][CONTROL]["fvd"] >= 0 and "ratio_to_dense_p05" in results["fvd"][CONTROL]
+
+    assert list(results["mean_sparse_blocks_in_stage2_by_seed"].values()) == [0.0]
+    loss, fvd, window, recall = results["targets"]
+    assert [loss["met"], fvd["met"], window["met"], recall["met"]] == [None] * 4
+    assert "dense control vs dense (a second dense run, the same command)" in loss["context"]
+    assert "dense control" in fvd["context"] and "paired bootstrap of control/dense" in fvd["context"]
+    report = (out / "report.md").read_text()
+    assert report.count("| met |") + report.count("| **missed** |") == 0
+    assert "**No DSV verdict.** DSV ran no sparse block (on average 0.00 of 2 blocks sparse in stage 2)" in report
+    assert f"train.out_dir={out / 'runs' / CONTROL}" in report
+    assert report.count("| dense control | dense control vs dense |") == 2  # the late means and every evaluation
 
 
 def test_late_run_means_average_the_second_half_of_the_run():
@@ -125,6 +167,7 @@ def test_loss_target_is_judged_on_the_mean_over_seeds_and_lists_each_seed():
     per_seed = late["per_seed"]
     assert math.isclose(per_seed["0"]["dsv_gap"], 0.05) and math.isclose(per_seed["1"]["dsv_gap"], -0.02)
     assert math.isclose(per_seed["0"]["window_gap"], 0.2) and math.isclose(per_seed["1"]["window_gap"], 0.1)
+    assert "control_gap" not in late and all("control_gap" not in p for p in per_seed.values())  # no control run
 
     target = loss_target(late, tables, {"0": 100, "1": 200}, "what DSV ran")
     assert target["met"] is True
@@ -195,3 +238,105 @@ def test_runs_share_a_gpu_in_waves_of_runs_per_gpu(tmp_path):
     with pytest.raises(SystemExit):  # refused by the command line before anything runs
         main(["bench", "quality", "--out", str(tmp_path / "q"), "--runs-per-gpu", "0"])
     assert not (tmp_path / "q").exists()
+
+
+def test_dense_control_trains_the_dense_command_once_more_per_seed_in_its_own_folder(tmp_path):
+    commands = training_commands("debug_cpu", ["train.steps=6"], tmp_path, [3, 1], dense_control=True)
+    assert list(commands) == ["dense", "dsv", "window", CONTROL, "dense-seed1", "dsv-seed1", "window-seed1",
+                              f"{CONTROL}-seed1"]
+    for seed_suffix in ("", "-seed1"):
+        dense, control = commands[f"dense{seed_suffix}"], commands[f"{CONTROL}{seed_suffix}"]
+        # The same command but for its folder.
+        assert control[:-1] == dense[:-1] and control[-1] == f"train.out_dir={tmp_path / (CONTROL + seed_suffix)}"
+    # The control is one more run of the schedule: each run logs and is timed under its name.
+    quick = {name: [sys.executable, "-c", "pass"] for name in commands}
+    seconds = train_all(quick, tmp_path, gpus=["0"], runs_per_gpu=4)
+    assert list(seconds) == list(commands) and (tmp_path / f"{CONTROL}-seed1.log").is_file()
+
+
+def _targets_results(sparse_by_seed: dict[str, float], switch_by_seed: dict[str, int | None],
+                     dense_control: bool = False) -> dict:
+    """The inputs of ``targets``: the two-seed held-out tables of the loss-target test (DSV -0.25% from dense on
+    the seed means), FVD of the θ=0.95 GPU run (DSV +5.6%), a 12-block DSV run of the first seed; with
+    ``dense_control``, a control 2% under dense in seed 0 and 0.4% over in seed 1."""
+    tables = {"0": _heldout([(100, 2.0, 2.02, 2.2), (200, 1.5, 1.47, 1.6), (300, 1.0, 1.05, 1.2),
+                             (400, 1.0, 1.05, 1.2)]),
+              "1": _heldout([(100, 4.0, 4.4, 4.4), (200, 3.5, 3.5, 3.9), (300, 3.0, 2.94, 3.3),
+                             (400, 3.0, 2.94, 3.3)])}
+    fvd = {"dense": {"fvd": 2703.3}, "window": {"fvd": 2892.3},
+           "dsv": {"fvd": 2855.0, "ratio_to_dense_p05": 1.041, "ratio_to_dense_p95": 1.074,
+                   "share_within_tolerance": 0.31}}
+    if dense_control:
+        for seed, factor in (("0", 0.98), ("1", 1.004)):
+            tables[seed] = [{**row, CONTROL: row["dense"] * factor} for row in tables[seed]]
+        fvd[CONTROL] = {"fvd": 2800.0, "ratio_to_dense_p05": 1.01, "ratio_to_dense_p95": 1.06}
+    return {"seeds": [0, 1], "seed": 0, "late_means": seed_late_means(tables, steps=400), "heldout_by_seed": tables,
+            "switch_step_by_seed": switch_by_seed, "mean_sparse_blocks_in_stage2_by_seed": sparse_by_seed,
+            "dense_control": dense_control, "fvd": fvd, "bootstrap": 100, "videos": 64, "window_keep": 0.42,
+            "same_initial_weights": True, "profile_recall_in_sparse_blocks": [],
+            "dsv": {"switch_step": switch_by_seed["0"], "mean_sparse_blocks_in_stage2": sparse_by_seed["0"],
+                    "final_sparsity": [0.5] * 12, "final_keep_in_sparse_blocks": None, "theta": 0.95,
+                    "recall_in_sparse_blocks": None, "recall_of_critical_mass": None}}
+
+
+def test_dsv_without_a_sparse_block_is_compared_with_dense_but_not_judged():
+    # The θ=0.95 GPU run: seed 0 dispatched one block sparse at its switch and none after (0.04 of 12 on
+    # average); here seed 1 never switches. Both trained dense attention: dense against dense, not judged.
+    results = _targets_results({"0": 0.04, "1": 0.0}, {"0": 100, "1": None})
+    loss, fvd, window, recall = targets(results)
+    assert [loss["met"], fvd["met"], window["met"], recall["met"]] == [None] * 4
+    # The measured numbers stay.
+    assert loss["measured"].startswith("means over 2 seeds: DSV 1.9950, dense 2.0000: -0.25%")
+    assert fvd["measured"] == "DSV 2855.0, dense 2703.3: +5.6%" and window["measured"].startswith("loss 2.2500")
+    both = ("DSV ran no sparse block in seed 0 (on average 0.04 of 12 blocks sparse in stage 2), seed 1 (never "
+            "reached stage 2): it trained dense attention, so for those seeds this row compares dense attention "
+            "with dense attention (run-to-run noise) and is not judged")
+    assert loss["context"].startswith(both + "; in stage 1 (DSV attention dense)")
+    assert window["context"].startswith(both + "; window keeps 42% of the keys")
+    # The FVD uses the first seed's models alone, and claims no stage-2 DSV of it.
+    assert ("DSV ran no sparse block in seed 0 (on average 0.04 of 12 blocks sparse in stage 2): it trained dense "
+            "attention, so for that seed this row compares dense attention with dense attention") in fvd["context"]
+    assert "in stage 2 from step" not in fvd["context"] + loss["context"]
+
+    # One seed: no seed named.
+    one = {**results, "seeds": [0], "heldout_by_seed": {"0": results["heldout_by_seed"]["0"]},
+           "late_means": seed_late_means({"0": results["heldout_by_seed"]["0"]}, steps=400),
+           "mean_sparse_blocks_in_stage2_by_seed": {"0": 0.04}}
+    loss, fvd, window, _ = targets(one)
+    assert [loss["met"], fvd["met"], window["met"]] == [None] * 3
+    assert loss["context"].startswith("DSV ran no sparse block (on average 0.04 of 12 blocks sparse in stage 2): it "
+                                      "trained dense attention, so this row compares dense attention with dense")
+
+
+def test_one_seed_without_a_sparse_block_leaves_the_targets_of_that_seed_unjudged():
+    # Seed 0 ran 3 blocks sparse, seed 1 0.2 on average (rounds to none). The loss mean and the window target
+    # include seed 1: not judged. The FVD uses seed 0's models alone: judged (+5.6%, missed).
+    loss, fvd, window, _ = targets(_targets_results({"0": 3.0, "1": 0.2}, {"0": 100, "1": 200}))
+    assert (loss["met"], fvd["met"], window["met"]) == (None, False, None)
+    assert loss["context"].startswith("DSV ran no sparse block in seed 1 (on average 0.20 of 12 blocks sparse in "
+                                      "stage 2): it trained dense attention, so for that seed this row compares "
+                                      "dense attention with dense attention (run-to-run noise) and is not judged; "
+                                      "DSV (seed 0) in stage 2 from step 100 with on average 3.0 of 12 blocks sparse")
+    assert "no sparse block" not in fvd["context"]
+    assert fvd["context"].endswith("DSV (seed 0) in stage 2 from step 100 with on average 3.0 of 12 blocks sparse")
+    # Every DSV run sparse: judged as before, with the same context.
+    loss, fvd, window, _ = targets(_targets_results({"0": 3.0, "1": 2.5}, {"0": 100, "1": 200}))
+    assert (loss["met"], fvd["met"], window["met"]) == (True, False, True)
+    assert loss["context"].startswith("DSV (seed 0) in stage 2 from step 100 with on average 3.0 of 12 blocks "
+                                      "sparse; in stage 1")
+
+
+def test_dense_control_gap_is_the_noise_floor_beside_each_loss_and_fvd_target():
+    results = _targets_results({"0": 3.0, "1": 2.5}, {"0": 100, "1": 200}, dense_control=True)
+    late = results["late_means"]
+    assert math.isclose(late["per_seed"]["0"]["control_gap"], -0.02)
+    assert math.isclose(late["per_seed"]["1"]["control_gap"], 0.004)
+    assert math.isclose(late[CONTROL], 1.996) and math.isclose(late["control_gap"], -0.002)
+    loss, fvd, window, _ = targets(results)
+    # Judged as without the control: its gap is context, not a criterion.
+    assert (loss["met"], fvd["met"], window["met"]) == (True, False, True)
+    assert ("; dense control vs dense (a second dense run, the same command): -0.20% on the means over seeds (per "
+            "seed: seed 0 -2.00%, seed 1 +0.40%): the noise floor of this comparison; in stage 1") in loss["context"]
+    assert fvd["context"].endswith("; dense control 2800.0: +3.6% vs dense, paired bootstrap of control/dense "
+                                   "1.010–1.060 (5–95%): the noise floor of this comparison")
+    assert "dense control" not in targets(_targets_results({"0": 3.0, "1": 2.5}, {"0": 100, "1": 200}))[0]["context"]
