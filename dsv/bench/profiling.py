@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
-"""Kineto activity types that occupy the GPU. The profiler's CUDA-side records also hold annotation ranges
-(`record_function`, compiled regions) and its own overhead records ("Command Buffer Full"), which span idle
-time too: only these types count."""
+"""Trace categories (Kineto activity types) that occupy the GPU. The profiler's GPU-side records also hold
+annotation ranges (`record_function`, compiled regions) and its own overhead records ("Command Buffer Full"),
+which span idle time too: only these categories count."""
 
 
 def covered_ns(intervals: list[tuple[int, int]]) -> int:
@@ -25,6 +27,16 @@ def covered_ns(intervals: list[tuple[int, int]]) -> int:
             covered += end - reach
             reach = end
     return covered
+
+
+def device_busy_us(trace: dict) -> float:
+    """Time in µs during which the device ran at least one kernel, copy or memset, from a profiler trace
+    (``export_chrome_trace``'s JSON): the union of those events' spans. Read from the exported trace because
+    its categories are there in every torch version, while the in-memory events of some (2.11) lack them."""
+    # Trace times are µs with ns digits after the point: integers in ns keep the union exact.
+    spans = [(round(e["ts"] * 1e3), round((e["ts"] + e["dur"]) * 1e3)) for e in trace.get("traceEvents", [])
+             if e.get("cat") in DEVICE_WORK and e.get("ph") == "X"]
+    return covered_ns(spans) / 1e3
 
 
 def write_op_profile(step, device: torch.device, path: Path) -> None:
@@ -46,15 +58,11 @@ def write_op_profile(step, device: torch.device, path: Path) -> None:
     sort_by = "cuda_time_total" if cuda else "cpu_time_total"
     head = ""
     if cuda:
-        events = prof.profiler.kineto_results.events()
-        if events and not hasattr(events[0], "activity_type"):
-            # torch 2.11's events carry no activity type, and without it annotation ranges would count as
-            # busy: say so rather than print a figure that hides idle time.
-            head = "GPU busy time not measured: this torch's profiler events carry no activity type\n"
-        else:
-            busy_ms = covered_ns([(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events
-                                  if e.activity_type() in DEVICE_WORK]) / 1e6
-            head = (f"GPU busy {busy_ms:.1f} ms of the step's {wall_ms:.1f} ms wall time under the profiler "
-                    f"(idle {wall_ms - busy_ms:.1f} ms, {1 - busy_ms / wall_ms:.1%})\n")
+        with tempfile.TemporaryDirectory() as tmp:
+            trace_path = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(trace_path))
+            busy_ms = device_busy_us(json.loads(trace_path.read_text())) / 1e3
+        head = (f"GPU busy {busy_ms:.1f} ms of the step's {wall_ms:.1f} ms wall time under the profiler "
+                f"(idle {wall_ms - busy_ms:.1f} ms, {1 - busy_ms / wall_ms:.1%})\n")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(head + prof.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=70))
