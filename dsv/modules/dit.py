@@ -158,7 +158,10 @@ class VideoDiT(nn.Module):
         grid = self.token_grid(x.shape)
         # Under FSDP mixed precision the weights arrive in bf16 and the inputs are not cast for us.
         x = x.to(self.patch_embed.weight.dtype) if not torch.is_autocast_enabled(x.device.type) else x
-        tokens = self.patch_embed(x).flatten(2).transpose(1, 2)  # [B, S, hidden], raster order
+        # [B, S, hidden] in raster order, made contiguous once: the transposed view's strides would otherwise
+        # carry through every elementwise op of the residual stream, and each norm, linear and gather would
+        # copy it to a contiguous layout again, in every block.
+        tokens = self.patch_embed(x).flatten(2).transpose(1, 2).contiguous()
         tokens = tokens + sincos_position_3d(grid, self.cfg.hidden, x.device).to(tokens.dtype)
         cond = self.t_embed(timestep_embedding(t, 256).to(tokens.dtype))
         if self.y_embed is not None:

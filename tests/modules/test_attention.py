@@ -182,6 +182,19 @@ def test_model_builds_on_the_meta_device():
     assert model.controller.current_stage == 1 and not model.controller.layers[0].runs_sparse()
 
 
+def test_residual_stream_is_contiguous_in_every_block():
+    """The patch embedding's transposed view must not become the residual stream's layout: its strides carry
+    through every elementwise op, and each norm, linear and gather then copies the stream again."""
+    from dsv.modules.dit import ModelConfig, VideoDiT
+
+    model = VideoDiT(ModelConfig(hidden=32, depth=2, heads=2), AttentionConfig(mode="dense", cube=(2, 2, 2)))
+    layouts = []
+    for block in model.blocks:
+        block.register_forward_hook(lambda _, args, out: layouts.append((args[0].is_contiguous(), out.is_contiguous())))
+    model(torch.randn(1, 3, 4, 16, 16), torch.rand(1)).sum().backward()
+    assert layouts == [(True, True)] * 2
+
+
 def test_each_forward_of_a_step_selects_its_own_keys():
     """Gradient accumulation: a second training forward in the same step must not reuse the first's keys."""
     model = make("dsv", max_stage1_steps=1, sparse_threshold=0.0, profile_every_stage1=1, keep_floor_blocks=2)
