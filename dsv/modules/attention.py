@@ -382,14 +382,17 @@ class DSVAttentionCore(nn.Module):
 
 
 class HeadRMSNorm(nn.RMSNorm):
-    """RMSNorm over the head dimension that computes in the input's dtype (fp32 accumulation inside).
+    """RMSNorm over the head dimension that computes in the input's dtype (fp32 accumulation inside), with
+    autocast off: one fused kernel whose output has q's dtype, as attention needs.
 
-    The weight is cast to the input's dtype: under bf16 autocast an fp32 weight sends `rms_norm` to its
-    unfused composite path, several fp32 kernels per call and fp32 intermediates at the size of q.
+    Under bf16 autocast PyTorch either keeps `rms_norm` in the input's dtype, where an fp32 weight sends it to
+    the unfused composite path (torch 2.11: several fp32 kernels and fp32 intermediates at the size of q), or
+    lists it among the ops it runs in fp32 (torch >= 2.12 on CUDA: fp32 q and k, while v stays bf16).
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
 
 
 class DSVAttention(DSVAttentionCore):

@@ -182,6 +182,27 @@ def test_model_builds_on_the_meta_device():
     assert model.controller.current_stage == 1 and not model.controller.layers[0].runs_sparse()
 
 
+def test_head_rms_norm_keeps_the_input_dtype_under_autocast():
+    """q and k must leave the norm in v's dtype whatever autocast's policy for rms_norm (fp32 on CUDA from
+    torch 2.12), and the fp32 weight must still learn."""
+    from dsv.modules.attention import HeadRMSNorm
+
+    norm = HeadRMSNorm(16, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 3, 40, 16, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = norm(x)
+    assert out.dtype == torch.bfloat16
+    x64 = x.double()
+    expected = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.double()
+    # bf16 output of an fp32-accumulated norm, with a bf16-rounded weight: a few bf16 ulps (2^-8 relative).
+    torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
+    out.float().sum().backward()
+    assert norm.weight.grad is not None and norm.weight.grad.dtype == torch.float32
+    assert torch.isfinite(norm.weight.grad).all() and norm.weight.grad.abs().sum() > 0
+
+
 def test_residual_stream_is_contiguous_in_every_block():
     """The patch embedding's transposed view must not become the residual stream's layout: its strides carry
     through every elementwise op, and each norm, linear and gather then copies the stream again."""
