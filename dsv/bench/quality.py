@@ -564,9 +564,11 @@ def loss_target(late: dict, heldout_by_seed: dict[str, list[dict]], switch_by_se
 
 def seeds_without_sparse_block(results: dict) -> list[str]:
     """The training seeds whose DSV run trained dense attention: it never reached stage 2, or its mean number
-    of sparse blocks there rounds to no whole block (``MIN_MEAN_SPARSE_BLOCKS``)."""
+    of sparse blocks there rounds to no whole block (``MIN_MEAN_SPARSE_BLOCKS``) and it ends with none. A run
+    whose blocks turn sparse late has a small mean but samples sparse at the end: it is judged."""
+    final = results["final_sparse_blocks_by_seed"]
     return [seed for seed, mean in results["mean_sparse_blocks_in_stage2_by_seed"].items()
-            if mean < MIN_MEAN_SPARSE_BLOCKS]
+            if mean < MIN_MEAN_SPARSE_BLOCKS and not final[seed]]
 
 
 def no_sparse_block_text(results: dict, seeds: list[str]) -> str:
@@ -699,7 +701,8 @@ def render_report(results: dict) -> str:
         from_seeds = "" if len(seeds) == 1 else " from " + ", ".join(f"seed {seed}" for seed in dense_only)
         lines += ["", f"**No DSV verdict{from_seeds}.** {no_sparse_block_text(results, dense_only)}: it trained dense "
                   "attention, so its DSV-vs-dense numbers below compare dense attention with dense attention "
-                  "(run-to-run noise), and the targets that compare DSV with dense say n/a."]
+                  "(run-to-run noise), and the targets that use "
+                  + ("its" if len(dense_only) == 1 else "their") + " runs say n/a."]
     lines += ["", "## Held-out loss at equal steps (losses.png)", ""]
     control_head = " dense control | dense control vs dense |" if control else ""
     if len(seeds) > 1 or control:
@@ -877,13 +880,16 @@ def run(args) -> int:
     table = heldout_by_seed[first]
     switch_by_seed = {seed: switch_step_of(dirs["dsv"]) for seed, dirs in run_dirs.items()}
     sparse_by_seed = {seed: mean_sparse_blocks_in_stage2(c["dsv"]) for seed, c in curves_by_seed.items()}
+    final_sparse_by_seed = {seed: [i for i, layer in enumerate(c["dsv"]["final_layers"]) if layer["sparse"]]
+                            for seed, c in curves_by_seed.items()}
     late = seed_late_means(heldout_by_seed, cfg.train.steps)
     wall["training"] = time.perf_counter() - phase
     # Progress on stdout as each phase ends, and the training's numbers on disk: a run cut short in the
     # evaluation still leaves what it measured.
     (out / "training.json").write_text(json.dumps(
         {"seeds": seeds, "heldout": table, "heldout_by_seed": heldout_by_seed, "switch_step_by_seed": switch_by_seed,
-         "mean_sparse_blocks_in_stage2_by_seed": sparse_by_seed, "late_means": late, "train_seconds": train_seconds,
+         "mean_sparse_blocks_in_stage2_by_seed": sparse_by_seed, "final_sparse_blocks_by_seed": final_sparse_by_seed,
+         "late_means": late, "train_seconds": train_seconds,
          "curves": curves}, indent=1))
     print(f"[quality] training done in {wall['training']:.0f} s; held-out loss at step {table[-1]['step']} by "
           "seed: " + json.dumps({seed: {k: v for k, v in t[-1].items() if k != "step"}
@@ -960,6 +966,7 @@ def run(args) -> int:
         "train_seconds": train_seconds, "same_initial_weights": same_initial_weights(cfg),
         "heldout": table, "curves": curves, "seeds": seeds, "heldout_by_seed": heldout_by_seed,
         "switch_step_by_seed": switch_by_seed, "mean_sparse_blocks_in_stage2_by_seed": sparse_by_seed,
+        "final_sparse_blocks_by_seed": final_sparse_by_seed,
         "dense_control": args.dense_control, "late_means": late, "dsv": facts,
         "window_keep": window_keep_fraction(cfg, grid),
         "videos": real.shape[0], "sample_steps": args.sample_steps, "bootstrap": args.bootstrap, "fvd": fvd,

@@ -127,6 +127,7 @@ def test_dense_control_is_evaluated_like_the_others_and_no_sparse_block_is_not_j
     assert results["fvd"][CONTROL]["fvd"] >= 0 and "ratio_to_dense_p05" in results["fvd"][CONTROL]
 
     assert list(results["mean_sparse_blocks_in_stage2_by_seed"].values()) == [0.0]
+    assert list(results["final_sparse_blocks_by_seed"].values()) == [[]]
     loss, fvd, window, recall = results["targets"]
     assert [loss["met"], fvd["met"], window["met"], recall["met"]] == [None] * 4
     assert "dense control vs dense (a second dense run, the same command)" in loss["context"]
@@ -255,7 +256,7 @@ def test_dense_control_trains_the_dense_command_once_more_per_seed_in_its_own_fo
 
 
 def _targets_results(sparse_by_seed: dict[str, float], switch_by_seed: dict[str, int | None],
-                     dense_control: bool = False) -> dict:
+                     dense_control: bool = False, final_sparse_by_seed: dict[str, list[int]] | None = None) -> dict:
     """The inputs of ``targets``: the two-seed held-out tables of the loss-target test (DSV -0.25% from dense on
     the seed means), FVD of the θ=0.95 GPU run (DSV +5.6%), a 12-block DSV run of the first seed; with
     ``dense_control``, a control 2% under dense in seed 0 and 0.4% over in seed 1."""
@@ -272,6 +273,7 @@ def _targets_results(sparse_by_seed: dict[str, float], switch_by_seed: dict[str,
         fvd[CONTROL] = {"fvd": 2800.0, "ratio_to_dense_p05": 1.01, "ratio_to_dense_p95": 1.06}
     return {"seeds": [0, 1], "seed": 0, "late_means": seed_late_means(tables, steps=400), "heldout_by_seed": tables,
             "switch_step_by_seed": switch_by_seed, "mean_sparse_blocks_in_stage2_by_seed": sparse_by_seed,
+            "final_sparse_blocks_by_seed": final_sparse_by_seed or {seed: [] for seed in sparse_by_seed},
             "dense_control": dense_control, "fvd": fvd, "bootstrap": 100, "videos": 64, "window_keep": 0.42,
             "same_initial_weights": True, "profile_recall_in_sparse_blocks": [],
             "dsv": {"switch_step": switch_by_seed["0"], "mean_sparse_blocks_in_stage2": sparse_by_seed["0"],
@@ -301,11 +303,20 @@ def test_dsv_without_a_sparse_block_is_compared_with_dense_but_not_judged():
     # One seed: no seed named.
     one = {**results, "seeds": [0], "heldout_by_seed": {"0": results["heldout_by_seed"]["0"]},
            "late_means": seed_late_means({"0": results["heldout_by_seed"]["0"]}, steps=400),
-           "mean_sparse_blocks_in_stage2_by_seed": {"0": 0.04}}
+           "mean_sparse_blocks_in_stage2_by_seed": {"0": 0.04}, "final_sparse_blocks_by_seed": {"0": []}}
     loss, fvd, window, _ = targets(one)
     assert [loss["met"], fvd["met"], window["met"]] == [None] * 3
     assert loss["context"].startswith("DSV ran no sparse block (on average 0.04 of 12 blocks sparse in stage 2): it "
                                       "trained dense attention, so this row compares dense attention with dense")
+
+
+def test_dsv_whose_blocks_turn_sparse_late_is_judged():
+    # Seed 1's block turned sparse near the end (0.06 blocks on average in stage 2) and the final model samples
+    # with it: DSV, not dense, so every target is judged.
+    loss, fvd, window, _ = targets(_targets_results({"0": 3.0, "1": 0.06}, {"0": 100, "1": 200},
+                                                    final_sparse_by_seed={"0": [0, 1, 2], "1": [5]}))
+    assert (loss["met"], fvd["met"], window["met"]) == (True, False, True)
+    assert "DSV ran no sparse block" not in loss["context"] + fvd["context"] + window["context"]
 
 
 def test_one_seed_without_a_sparse_block_leaves_the_targets_of_that_seed_unjudged():
