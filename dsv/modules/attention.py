@@ -30,7 +30,7 @@ from dsv.ops import (
     window_index,
 )
 from dsv.ops.estimate import triton_estimation_unsupported
-from dsv.ops.grouping import check_sequence_matches_grid
+from dsv.ops.grouping import check_sequence_matches_grid, outside_inference_mode
 from dsv.ops.sparse_attention import resolve_backend
 
 
@@ -294,8 +294,10 @@ class DSVAttentionCore(nn.Module):
     def _window(self, grid, batch: int, device: torch.device) -> SparseIndex:
         key = (tuple(grid), batch, device)
         if self._window_cache is None or self._window_cache[0] != key:
-            cpu = window_index(tuple(grid), self.cfg.cube, self.cfg.key_block, batch, self.heads, self.cfg.window_frac)
-            index = dataclasses.replace(cpu, indices=cpu.indices.to(device), counts=cpu.counts.to(device))
+            with outside_inference_mode():
+                cpu = window_index(tuple(grid), self.cfg.cube, self.cfg.key_block, batch, self.heads,
+                                   self.cfg.window_frac)
+                index = dataclasses.replace(cpu, indices=cpu.indices.to(device), counts=cpu.counts.to(device))
             self._window_cache = (key, index)
         return self._window_cache[1]
 
@@ -432,8 +434,9 @@ class DSVAttention(DSVAttentionCore):
             return cube_permutation(grid, self.cfg.cube, device)
         # Cached on the device: a host-to-device copy per layer and forward would stall the GPU stream.
         if self._permutation_cache is None or self._permutation_cache[0] != (grid, device):
-            perm, inv = cube_permutation(grid, self.cfg.cube)
-            self._permutation_cache = ((grid, device), perm.to(device), inv.to(device))
+            with outside_inference_mode():
+                perm, inv = cube_permutation(grid, self.cfg.cube)
+                self._permutation_cache = ((grid, device), perm.to(device), inv.to(device))
         return self._permutation_cache[1], self._permutation_cache[2]
 
     def forward(self, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:

@@ -8,12 +8,20 @@ coordinates and, inside a cube, its tokens in raster order.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
 import torch
 
 _DIM_NAMES = ("T", "H", "W")
+
+
+def outside_inference_mode():
+    """Context for filling a cache of tensors that outlives the call: tensors made under
+    ``torch.inference_mode`` can never be saved for a backward pass, so a cache filled while sampling or
+    evaluating would break the training that follows."""
+    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
 
 
 def _as_shape(value, name: str) -> tuple[int, int, int]:
@@ -56,7 +64,8 @@ def _build_permutation(
 def _cached_permutation(
     grid: tuple[int, int, int], cube: tuple[int, int, int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _build_permutation(grid, cube, "cpu")
+    with outside_inference_mode():
+        return _build_permutation(grid, cube, "cpu")
 
 
 def cube_permutation(

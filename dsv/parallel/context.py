@@ -48,6 +48,7 @@ from dsv.ops import (
     sample_query_rows,
     sparse_attention,
 )
+from dsv.ops.grouping import outside_inference_mode
 from dsv.parallel.hcp import heads_to_sequence, select_heads, sequence_to_heads
 from dsv.parallel.placement import place_heads
 from dsv.parallel.planner import AttentionShape, Cluster, hybrid_plan
@@ -176,8 +177,9 @@ class ContextParallel:
     @staticmethod
     @lru_cache(maxsize=8)
     def _permutation(grid, cube, device):
-        perm, inv = cube_permutation(grid, cube)
-        return perm.to(device), inv.to(device)
+        with outside_inference_mode():
+            perm, inv = cube_permutation(grid, cube)
+            return perm.to(device), inv.to(device)
 
     # ----- per-block layout -----
     def layout(self, layer: DSVAttention, seq_len: int, batch: int) -> Layout:

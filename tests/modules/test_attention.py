@@ -203,6 +203,19 @@ def test_head_rms_norm_keeps_the_input_dtype_under_autocast():
     assert torch.isfinite(norm.weight.grad).all() and norm.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("mode", ["dense", "window"])
+def test_training_after_a_forward_under_inference_mode(mode):
+    """Sampling under torch.inference_mode fills the layer's caches (permutation, window index); tensors made
+    there can never be saved for backward, so the training that follows must not find them in the caches."""
+    layer = DSVAttention(DIM, HEADS, cfg=AttentionConfig(mode=mode, cube=(2, 2, 2)))
+    x = torch.randn(1, 64, DIM)
+    with torch.inference_mode():
+        layer(x, GRID)
+    x = x.clone().requires_grad_(True)
+    layer(x, GRID).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
 def test_residual_stream_is_contiguous_in_every_block():
     """The patch embedding's transposed view must not become the residual stream's layout: its strides carry
     through every elementwise op, and each norm, linear and gather then copies the stream again."""
