@@ -17,7 +17,7 @@ done
 for part in $parts; do
   echo "== $part ($(date +%T))"
   case $part in
-    tests) python3 -m pytest tests/ops tests/modules -m gpu -q -rs 2>&1 | tail -15 ;;
+    tests) python3 -m pytest tests/ops tests/modules tests/bench -m gpu -q -rs 2>&1 | tail -15 ;;
     sweep) python3 benchmarks/kernel_sweep.py --out "$out/sweep" --quick 2>&1 | cut -c1-300 | tail -60 ;;
     train) python3 -m dsv.cli bench train --tokens 32768 65536 --steps 2 --out "$out/train-step.md" \
              --op-profile "$out/ops" 2>&1 | grep -v "it/s\]\|s/it\]\|rms_norm" | tail -20 ;;
