@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import math
 import warnings
@@ -526,21 +527,11 @@ def _select_kernel(
     return index.indices, index.counts
 
 
-def _select_op_kernel(
-    layer_id: torch.Tensor,
-    hidden: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    grid: list[int],
-    group_size: int,
-    training: bool,
-    check_finite: bool,
-    autocast_dtype: torch.dtype | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@functools.wraps(_select_kernel)  # the custom op reads its schema from `_select_kernel`'s signature
+def _select_op_kernel(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """`_select_kernel` as a custom op returns copies: a compiled graph owns what an op returns (and may
     reuse its memory), while the layer keeps the selection for the checkpointing recompute."""
-    indices, counts = _select_kernel(layer_id, hidden, q, k, grid, group_size, training, check_finite,
-                                     autocast_dtype)
+    indices, counts = _select_kernel(*args, **kwargs)
     return indices.clone(), counts.clone()
 
 
