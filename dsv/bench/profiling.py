@@ -40,8 +40,9 @@ def device_busy_us(trace: dict) -> float:
 
 
 def write_op_profile(step, device: torch.device, path: Path) -> None:
-    """Run `step()` once under torch.profiler and write its operators by total device time (host time
-    off CUDA) to `path` as a table. On CUDA the first line says how much of the step's wall time the GPU
+    """Run `step()` once under torch.profiler and write its operators by self device time (the kernels
+    themselves, so a parent op's time is not counted again in its children; total host time off CUDA) to
+    `path` as a table. On CUDA the first line says how much of the step's wall time the GPU
     was busy: the rest is time it waited for the host (launches, Python, synchronisation)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -55,7 +56,7 @@ def write_op_profile(step, device: torch.device, path: Path) -> None:
         if cuda:
             torch.cuda.synchronize(device)
         wall_ms = (time.perf_counter() - start) * 1e3
-    sort_by = "cuda_time_total" if cuda else "cpu_time_total"
+    sort_by = "self_cuda_time_total" if cuda else "cpu_time_total"
     head = ""
     if cuda:
         with tempfile.TemporaryDirectory() as tmp:
@@ -65,4 +66,4 @@ def write_op_profile(step, device: torch.device, path: Path) -> None:
         head = (f"GPU busy {busy_ms:.1f} ms of the step's {wall_ms:.1f} ms wall time under the profiler "
                 f"(idle {wall_ms - busy_ms:.1f} ms, {1 - busy_ms / wall_ms:.1%})\n")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(head + prof.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=70))
+    path.write_text(head + prof.key_averages().table(sort_by=sort_by, row_limit=50, max_name_column_width=70))

@@ -19,8 +19,7 @@ from dsv.modules.dispatch import SPEED_MODELS
 from dsv.modules.predictor import LowRankPredictor
 from dsv.ops import (
     SparseIndex,
-    cube_permutation,
-    estimate_index,
+    estimate_index_from_means,
     head_sparsity,
     index_recall,
     keep_blocks_from_sparsity,
@@ -31,7 +30,7 @@ from dsv.ops import (
     window_index,
 )
 from dsv.ops.estimate import triton_estimation_unsupported
-from dsv.ops.grouping import check_sequence_matches_grid, outside_inference_mode
+from dsv.ops.grouping import check_sequence_matches_grid, cube_permutation_on, outside_inference_mode
 from dsv.ops.sparse_attention import resolve_backend
 
 
@@ -330,8 +329,9 @@ class DSVAttentionCore(nn.Module):
         with torch.no_grad():
             if cfg.mode == "oracle":
                 return oracle_index(q, k, keep_blocks, cfg.group_size, kv_block, scale=self.scale)
-            q_lr, k_lr = self.predictor.project(hidden.detach().to(self.predictor.q_proj.weight.dtype))
-            return estimate_index(q_lr, k_lr, keep_blocks, cfg.group_size, kv_block, backend=cfg.backend)
+            proxies, block_keys = self.predictor.pooled_project(hidden.detach(), cfg.group_size, kv_block)
+            return estimate_index_from_means(proxies, block_keys, keep_blocks, cfg.group_size, kv_block, seq_len,
+                                             backend=cfg.backend)
 
     def _learn_and_profile(self, hidden, q, k, grid, loss_ema, sparsity_ema, recall_ema, keep_boost) -> None:
         """Once per training step (a checkpointing recompute skips it): one predictor step, and on
@@ -424,36 +424,28 @@ class DSVAttention(DSVAttentionCore):
         self.to_out = nn.Linear(inner, dim, bias=bias)
         self.q_norm = HeadRMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
         self.k_norm = HeadRMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
-        self._permutation_cache: tuple | None = None
         # Set by `VideoDiT.enable_context_parallel`: the layer then sees this rank's chunk of the sequence.
         self.context_parallel = None
 
-    def _permutation(self, grid: tuple[int, int, int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if torch.compiler.is_compiling():
-            # Computed inside the graph, on the device: a cache filled by the first compiled call would
-            # change what the graph guards on, and recompile it.
-            return cube_permutation(grid, self.cfg.cube, device)
-        # Cached on the device: a host-to-device copy per layer and forward would stall the GPU stream.
-        if self._permutation_cache is None or self._permutation_cache[0] != (grid, device):
-            with outside_inference_mode():
-                perm, inv = cube_permutation(grid, self.cfg.cube)
-                self._permutation_cache = ((grid, device), perm.to(device), inv.to(device))
-        return self._permutation_cache[1], self._permutation_cache[2]
-
-    def forward(self, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, grid: tuple[int, int, int], grouped: bool = False) -> torch.Tensor:
+        """`grouped=True`: `x` (and the output) are already in grouped order (`cube_permutation`), as a model
+        that permutes its tokens once for all its layers passes them; else raster order."""
         if self.context_parallel is not None:
             return self.context_parallel.attention(self, x, grid)
         self.check_input(x, grid)
         batch, seq_len, _ = x.shape
-        perm, inv = self._permutation(tuple(grid), x.device)
-        hidden = x.index_select(1, perm)
+        if grouped:
+            hidden = x
+        else:
+            perm, inv = cube_permutation_on(tuple(grid), self.cfg.cube, x.device)
+            hidden = x.index_select(1, perm)
         qkv = self.to_qkv(hidden).view(batch, seq_len, 3, self.heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, S, D]
         q, k = self.q_norm(q), self.k_norm(k)
         index = self.prepare_index(hidden, q, k, grid)
         out = self.attend(q, k, v, index)
-        out = out.transpose(1, 2).reshape(batch, seq_len, self.heads * self.head_dim)
-        return self.to_out(out).index_select(1, inv)
+        out = self.to_out(out.transpose(1, 2).reshape(batch, seq_len, self.heads * self.head_dim))
+        return out if grouped else out.index_select(1, inv)
 
 def model_parameters(model: nn.Module) -> list[nn.Parameter]:
     """Parameters for the model's optimizer: all but the sparsity predictors, which step themselves."""

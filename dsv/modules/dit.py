@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 from dsv.modules.attention import DSVAttention
 from dsv.modules.config import AttentionConfig
 from dsv.modules.controller import DSVController
+from dsv.ops.grouping import cube_permutation_on
 
 MODEL_ARCHS = ("dit", "wan")
 
@@ -93,8 +94,10 @@ class DiTBlock(nn.Module):
         self.scale_shift_table = nn.Parameter(torch.randn(6, hidden) / hidden**0.5)
 
     def forward(self, x: torch.Tensor, t_mod: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """`x [B, S, C]` in grouped order (`cube_permutation` of the attention's cube): every op but the
+        attention is per token, so the model permutes its tokens once instead of each layer twice."""
         shift1, scale1, gate1, shift2, scale2, gate2 = (self.scale_shift_table[None] + t_mod).unbind(1)
-        x = x + gate1[:, None] * self.attn(modulate(self.norm1(x), shift1, scale1), grid)
+        x = x + gate1[:, None] * self.attn(modulate(self.norm1(x), shift1, scale1), grid, grouped=True)
         return x + gate2[:, None] * self.mlp(modulate(self.norm2(x), shift2, scale2))
 
 
@@ -172,6 +175,9 @@ class VideoDiT(nn.Module):
         cp, attn_cfg = self.context_parallel, self.blocks[0].attn.cfg
         if cp is not None:
             tokens = cp.shard_tokens(tokens, grid, attn_cfg.cube, attn_cfg.group_size, attn_cfg.key_block)
+        else:
+            perm, inv = cube_permutation_on(grid, attn_cfg.cube, tokens.device)
+            tokens = tokens.index_select(1, perm)
         for block in self.blocks:
             if self.cfg.activation_checkpointing and self.training:
                 tokens = checkpoint(block, tokens, t_mod, grid, use_reentrant=False)
@@ -179,8 +185,7 @@ class VideoDiT(nn.Module):
                 tokens = block(tokens, t_mod, grid)
         shift, scale = (self.final_table[None] + cond[:, None]).unbind(1)
         out = self.final_linear(modulate(self.final_norm(tokens), shift, scale))
-        if cp is not None:
-            out = cp.gather_tokens(out, grid, attn_cfg.cube)
+        out = cp.gather_tokens(out, grid, attn_cfg.cube) if cp is not None else out.index_select(1, inv)
         return self.unpatchify(out, grid)
 
     def unpatchify(self, tokens: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:

@@ -113,6 +113,36 @@ class LowRankPredictor(nn.Module):
         k_lr = self.k_proj(hidden).view(b, s, self.heads, self.rank).transpose(1, 2)
         return q_lr, k_lr
 
+    def pooled_project(self, hidden: torch.Tensor, group_size: int, kv_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The estimation's inputs: each query group's mean `q_lr` row and each key block's mean `k_lr` row,
+        `[B, H, NG, rank]` and `[B, H, NKB, rank]` in the predictor's dtype (a partial tail averages its valid
+        rows).
+
+        The projections are linear without bias, so the mean of projected rows is the projection of the mean
+        hidden state: pooling `hidden [B, S, C]` first (one read, accumulated in fp32 or fp64) replaces the
+        `S x C x 2r` projection of every token by one of `NG + NKB` rows, with autocast off."""
+        accumulate = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+
+        def means(segment: int) -> torch.Tensor:
+            b, s, c = hidden.shape
+            full = s // segment
+            parts = []
+            if full:
+                parts.append(hidden[:, :full * segment].reshape(b, full, segment, c).sum(2, dtype=accumulate)
+                             / segment)
+            if s % segment:
+                parts.append(hidden[:, full * segment:].sum(1, keepdim=True, dtype=accumulate) / (s % segment))
+            return torch.cat(parts, 1) if len(parts) > 1 else parts[0]
+
+        dtype = self.q_proj.weight.dtype
+        pooled_queries = means(group_size).to(dtype)
+        pooled_keys = pooled_queries if kv_block == group_size else means(kv_block).to(dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            proxies, block_keys = self.q_proj(pooled_queries), self.k_proj(pooled_keys)
+        b = hidden.shape[0]
+        return (proxies.view(b, -1, self.heads, self.rank).transpose(1, 2),
+                block_keys.view(b, -1, self.heads, self.rank).transpose(1, 2))
+
     def loss(
         self, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, scale: float,
         keys: torch.Tensor | None = None,

@@ -98,6 +98,27 @@ def cube_permutation(
     return perm.clone(), inv.clone()
 
 
+def cube_permutation_on(
+    grid: tuple[int, int, int], cube: tuple[int, int, int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cube_permutation(grid, cube)`` as tensors on ``device``, shared by every caller: cached, so a layer
+    or model forward costs no host-to-device copy (which would stall the GPU stream); callers must not
+    modify them. Inside a ``torch.compile`` trace they are built in the graph instead: a cache filled by the
+    first compiled call would change what the graph guards on, and recompile it."""
+    if torch.compiler.is_compiling():
+        return cube_permutation(grid, cube, device)
+    return _cached_permutation_on(_as_shape(grid, "grid"), _as_shape(cube, "cube"), torch.device(device))
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_permutation_on(
+    grid: tuple[int, int, int], cube: tuple[int, int, int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    with outside_inference_mode():
+        perm, inv = cube_permutation(grid, cube)
+        return perm.to(device), inv.to(device)
+
+
 def check_sequence_matches_grid(seq_len: int, grid: tuple[int, int, int]) -> None:
     """Raise ValueError unless ``seq_len == T * H * W`` for ``grid = (T, H, W)``."""
     grid = _as_shape(grid, "grid")

@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from functools import lru_cache
 
 import torch
 import torch.distributed as dist
@@ -38,7 +37,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from dsv.modules.attention import DSVAttention, _ema, key_seed
 from dsv.ops import (
     SparseIndex,
-    cube_permutation,
     estimate_index,
     head_sparsity,
     index_recall,
@@ -48,7 +46,7 @@ from dsv.ops import (
     sample_query_rows,
     sparse_attention,
 )
-from dsv.ops.grouping import outside_inference_mode
+from dsv.ops.grouping import cube_permutation_on
 from dsv.parallel.hcp import heads_to_sequence, select_heads, sequence_to_heads
 from dsv.parallel.placement import place_heads
 from dsv.parallel.planner import AttentionShape, Cluster, hybrid_plan
@@ -163,7 +161,7 @@ class ContextParallel:
         """`tokens [B, S, C]` in raster order -> this rank's `[B, S / size, C]` chunk in grouped order."""
         seq_len = tokens.shape[1]
         local_len = check_sequence_split(seq_len, self.size, group_size, kv_block)
-        perm, _ = self._permutation(tuple(grid), tuple(cube), tokens.device)
+        perm, _ = cube_permutation_on(tuple(grid), tuple(cube), tokens.device)
         return tokens.index_select(1, perm[self.rank * local_len:(self.rank + 1) * local_len])
 
     def gather_tokens(self, tokens: torch.Tensor, grid: tuple[int, int, int], cube) -> torch.Tensor:
@@ -171,15 +169,8 @@ class ContextParallel:
         sums the ranks' gradients, so with the same loss on every rank of a CP group each rank's parameter
         gradients are `size` x its tokens' share; FSDP's average over all ranks then yields the gradient
         of one process (`dsv.train.trainer`)."""
-        _, inv = self._permutation(tuple(grid), tuple(cube), tokens.device)
+        _, inv = cube_permutation_on(tuple(grid), tuple(cube), tokens.device)
         return gather_sequence(tokens, self.group, dim=1).index_select(1, inv)
-
-    @staticmethod
-    @lru_cache(maxsize=8)
-    def _permutation(grid, cube, device):
-        with outside_inference_mode():
-            perm, inv = cube_permutation(grid, cube)
-            return perm.to(device), inv.to(device)
 
     # ----- per-block layout -----
     def layout(self, layer: DSVAttention, seq_len: int, batch: int) -> Layout:

@@ -53,6 +53,16 @@ def grads(model, x):
                                   if p.grad is not None and "predictor" not in n}
 
 
+@pytest.mark.parametrize("mode", ["dense", "window"])
+def test_grouped_input_is_the_raster_result_permuted(mode):
+    """`grouped=True` (a model that permutes its tokens once) skips the layer's own permutation only."""
+    model = make(mode)
+    x = torch.randn(2, 64, DIM, dtype=torch.float64)
+    perm, _ = cube_permutation(GRID, model.attn.cfg.cube)
+    torch.testing.assert_close(model.attn(x.index_select(1, perm), GRID, grouped=True),
+                               model.attn(x, GRID).index_select(1, perm), **TOL64)
+
+
 def test_dense_mode_equals_plain_attention():
     model = make("dense")
     x = torch.randn(2, 64, DIM, dtype=torch.float64)
@@ -139,7 +149,7 @@ def test_eager_selection_is_not_copied():
     model.controller.end_step()
     model.controller.begin_step(1)
     layer = model.attn
-    hidden = x.index_select(1, layer._permutation(GRID, x.device)[0])
+    hidden = x.index_select(1, cube_permutation(GRID, layer.cfg.cube)[0])
     q, k, _ = layer.to_qkv(hidden).view(1, 64, 3, HEADS, -1).permute(2, 0, 3, 1, 4).unbind(0)
     index = layer.prepare_index(hidden, q, k, GRID)
     assert index is not None, "stage 2 with threshold 0 must run sparse"

@@ -122,3 +122,28 @@ def test_loss_on_a_key_sample_is_the_loss_of_those_keys_and_tracks_the_full_grad
     # checks that M keys suffice for the loss, not the sampler (its uniformity: tests/ops/test_measure.py).
     assert abs(sampled_loss - full_loss) <= 0.02 * full_loss
     assert torch.nn.functional.cosine_similarity(sampled_grad, full_grad, dim=0) > 0.97
+
+
+@pytest.mark.parametrize("seq, group_size, kv_block", [(128, 8, 4), (45, 8, 8), (37, 5, 3)],
+                         ids=["even", "ragged-equal-blocks", "ragged-both"])
+def test_pooled_projection_selects_as_the_projected_rows(seq, group_size, kv_block):
+    """Pooling the hidden states before the (linear, bias-free) projections is the same selection as pooling
+    the projected rows, which is what `estimate_index` does with `project`'s output."""
+    from dsv.ops import estimate_index_from_means
+
+    torch.manual_seed(0)
+    predictor = LowRankPredictor(32, 3, rank=4).double()
+    hidden = torch.randn(2, seq, 32, dtype=torch.float64)
+    keep = torch.tensor([1, 3, 100])  # includes a count past NKB, which is clipped
+    with torch.no_grad():
+        proxies, block_keys = predictor.pooled_project(hidden, group_size, kv_block)
+        want = estimate_index(*predictor.project(hidden), keep, group_size, kv_block)
+        q_lr, k_lr = predictor.project(hidden)
+    # float64 end to end: the two summation orders differ by ~1e-15, far below any score gap of random data.
+    from dsv.ops.estimate.naive import segment_means
+
+    torch.testing.assert_close(proxies, segment_means(q_lr, group_size), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(block_keys, segment_means(k_lr, kv_block), rtol=1e-12, atol=1e-12)
+    got = estimate_index_from_means(proxies, block_keys, keep, group_size, kv_block, seq)
+    assert torch.equal(got.indices, want.indices) and torch.equal(got.counts, want.counts)
+    assert (got.group_size, got.kv_block, got.seq_len) == (group_size, kv_block, seq)

@@ -94,3 +94,18 @@ def test_bad_arguments_rejected(q_shape, k_shape, keep, kwargs, match):
 def test_dtype_mismatch_rejected():
     with pytest.raises(ValueError, match=r"k_lr has dtype torch.float64 but q_lr has torch.float32"):
         estimate_index(torch.randn(1, 1, 8, 4), torch.randn(1, 1, 8, 4).double(), torch.tensor([1]), 4, 4)
+
+
+@pytest.mark.parametrize(
+    "proxy_rows, key_rows, seq_len, match",
+    [
+        (5, 5, 40, r"proxies must have NG = ceil\(seq_len / group_size\) = 10 rows"),
+        (10, 4, 40, r"block_keys must have NKB = ceil\(seq_len / kv_block\) = 5 rows"),
+    ],
+)
+def test_from_means_rejects_row_counts_that_do_not_fit_seq_len(proxy_rows, key_rows, seq_len, match):
+    from dsv.ops.estimate.naive import estimate_index_from_means
+
+    with pytest.raises(ValueError, match=match):
+        estimate_index_from_means(torch.randn(1, 2, proxy_rows, 4), torch.randn(1, 2, key_rows, 4),
+                                  torch.tensor([1, 2]), 4, 8, seq_len)

@@ -5,21 +5,23 @@ from __future__ import annotations
 import torch
 
 from dsv.ops.estimate.naive import estimate_index as estimate_index_reference
+from dsv.ops.estimate.naive import estimate_index_from_means as estimate_index_from_means_reference
 from dsv.ops.index import SparseIndex
 from dsv.ops.sparse_attention import TRITON_INSTALLED
 
 BACKENDS = ("auto", "reference", "triton")
 
 
-def triton_estimation_unsupported(q_lr: torch.Tensor, kv_block: int) -> str | None:
-    """Why the fused Triton estimation cannot run on these inputs, or None when it can."""
+def triton_estimation_unsupported(q_lr: torch.Tensor, kv_block: int, seq_len: int | None = None) -> str | None:
+    """Why the fused Triton estimation cannot run on these inputs (`seq_len` defaults to `q_lr`'s rows), or
+    None when it can."""
     if not q_lr.is_cuda:
         return f"inputs are on {q_lr.device}; the Triton kernels need a CUDA device"
     if not TRITON_INSTALLED:
         return "triton is not installed (pip install 'dsv[triton]')"
     from dsv.ops.estimate.triton_kernels import MAX_KV_BLOCKS
 
-    if -(-q_lr.shape[2] // kv_block) > MAX_KV_BLOCKS:
+    if -(-(q_lr.shape[2] if seq_len is None else seq_len) // kv_block) > MAX_KV_BLOCKS:
         return f"more than {MAX_KV_BLOCKS} key blocks per row; use a larger kv_block"
     return None
 
@@ -38,16 +40,47 @@ def estimate_index(
     "triton" raises with the reason when it cannot run. Pass `keep_blocks` on the CPU: the kernel then
     needs no device synchronisation.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    reason = triton_estimation_unsupported(q_lr, kv_block) if backend != "reference" else "reference requested"
-    if backend == "triton" and reason is not None:
-        raise ValueError(f"backend='triton' cannot run: {reason}")
-    if reason is None:
+    if _use_triton(backend, q_lr, kv_block, q_lr.shape[2]):
         from dsv.ops.estimate.triton_kernels import estimate_index_triton
 
         return estimate_index_triton(q_lr, k_lr, keep_blocks, group_size, kv_block)
     return estimate_index_reference(q_lr, k_lr, keep_blocks, group_size, kv_block)
 
 
-__all__ = ["BACKENDS", "estimate_index", "estimate_index_reference", "triton_estimation_unsupported"]
+def estimate_index_from_means(
+    proxies: torch.Tensor,
+    block_keys: torch.Tensor,
+    keep_blocks: torch.Tensor,
+    group_size: int,
+    kv_block: int,
+    seq_len: int,
+    backend: str = "auto",
+) -> SparseIndex:
+    """`estimate_index` from already pooled rows: `proxies [B, H, NG, r]` (each query group's mean low-rank
+    query), `block_keys [B, H, NKB, r]` (each key block's mean low-rank key) of a `seq_len`-token sequence.
+    A caller whose low-rank rows are linear in a smaller input pools that input instead (see
+    `LowRankPredictor.pooled_project`). `backend` as in `estimate_index`."""
+    if _use_triton(backend, proxies, kv_block, seq_len):
+        from dsv.ops.estimate.triton_kernels import estimate_index_from_means_triton
+
+        return estimate_index_from_means_triton(proxies, block_keys, keep_blocks, group_size, kv_block, seq_len)
+    return estimate_index_from_means_reference(proxies, block_keys, keep_blocks, group_size, kv_block, seq_len)
+
+
+def _use_triton(backend: str, x: torch.Tensor, kv_block: int, seq_len: int) -> bool:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    reason = triton_estimation_unsupported(x, kv_block, seq_len) if backend != "reference" else "reference requested"
+    if backend == "triton" and reason is not None:
+        raise ValueError(f"backend='triton' cannot run: {reason}")
+    return reason is None
+
+
+__all__ = [
+    "BACKENDS",
+    "estimate_index",
+    "estimate_index_from_means",
+    "estimate_index_from_means_reference",
+    "estimate_index_reference",
+    "triton_estimation_unsupported",
+]

@@ -40,6 +40,69 @@ def segment_means(x: torch.Tensor, segment: int) -> torch.Tensor:
     return sums / lengths.to(x.dtype).view(num_segments, 1)
 
 
+def check_means(proxies: torch.Tensor, block_keys: torch.Tensor, group_size: int, kv_block: int,
+                seq_len: int) -> tuple[int, int, int, int]:
+    """Check the pooled inputs of ``estimate_index_from_means``; returns ``(B, H, NG, NKB)``."""
+    for name, value in (("group_size", group_size), ("kv_block", kv_block), ("seq_len", seq_len)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    for name, tensor in (("proxies", proxies), ("block_keys", block_keys)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4 or not tensor.dtype.is_floating_point:
+            raise ValueError(f"{name} must be a floating tensor [B, H, N, r], got "
+                             f"{getattr(tensor, 'shape', type(tensor).__name__)}")
+    num_groups, num_kv_blocks = math.ceil(seq_len / group_size), math.ceil(seq_len / kv_block)
+    expected = {"proxies": (num_groups, "NG = ceil(seq_len / group_size)"),
+                "block_keys": (num_kv_blocks, "NKB = ceil(seq_len / kv_block)")}
+    for name, tensor in (("proxies", proxies), ("block_keys", block_keys)):
+        rows, what = expected[name]
+        if tensor.shape[2] != rows:
+            raise ValueError(f"{name} must have {what} = {rows} rows for seq_len={seq_len}, got {tuple(tensor.shape)}")
+    if (proxies.shape[:2], proxies.shape[3]) != (block_keys.shape[:2], block_keys.shape[3]):
+        raise ValueError(f"proxies {tuple(proxies.shape)} and block_keys {tuple(block_keys.shape)} must share B, H "
+                         "and r")
+    if proxies.dtype != block_keys.dtype or proxies.device != block_keys.device:
+        raise ValueError(f"proxies ({proxies.dtype}, {proxies.device}) and block_keys ({block_keys.dtype}, "
+                         f"{block_keys.device}) must share dtype and device")
+    return proxies.shape[0], proxies.shape[1], num_groups, num_kv_blocks
+
+
+def estimate_index_from_means(
+    proxies: torch.Tensor,
+    block_keys: torch.Tensor,
+    keep_blocks: torch.Tensor,
+    group_size: int,
+    kv_block: int,
+    seq_len: int,
+    chunk_groups: int | None = None,
+) -> SparseIndex:
+    """The selection of ``estimate_index`` from already pooled rows.
+
+    Args:
+        proxies: ``[B, H, NG, r]`` each query group's mean low-rank query.
+        block_keys: ``[B, H, NKB, r]`` each key block's mean low-rank key.
+        keep_blocks, group_size, kv_block, chunk_groups: as ``estimate_index``.
+        seq_len: ``S``; ``NG = ceil(S / group_size)``, ``NKB = ceil(S / kv_block)``.
+
+    Returns:
+        ``SparseIndex`` with ``indices [B, H, NG, max(keep)]`` on the inputs' device.
+    """
+    batch, heads, num_groups, num_kv_blocks = check_means(proxies, block_keys, group_size, kv_block, seq_len)
+    keep = check_keep_blocks(keep_blocks, heads, num_kv_blocks, proxies.device)
+    # Per score element: the score itself plus the sort's values and int64 ids.
+    bytes_per_group = batch * heads * num_kv_blocks * (2 * 4 + 8)
+    chunk = resolve_chunk_size(chunk_groups, num_groups, bytes_per_group, "chunk_groups")
+    dtype = compute_dtype(proxies.dtype)
+    proxies, block_keys = proxies.to(dtype), block_keys.to(dtype)
+    indices = torch.full(
+        (batch, heads, num_groups, int(keep.max())), PAD, dtype=torch.int32, device=proxies.device
+    )
+    for start in range(0, num_groups, chunk):
+        scores = proxies[:, :, start : start + chunk] @ block_keys.transpose(-1, -2)
+        indices[:, :, start : start + chunk], _ = select_top_blocks(scores, keep)
+    counts = keep.to(torch.int32).view(1, heads, 1).expand(batch, heads, num_groups).contiguous()
+    return SparseIndex(indices, counts, group_size, kv_block, seq_len)
+
+
 def estimate_index(
     q_lr: torch.Tensor,
     k_lr: torch.Tensor,
@@ -64,26 +127,11 @@ def estimate_index(
     Returns:
         ``SparseIndex`` with ``indices [B, H, NG, max(keep)]`` on the inputs' device.
     """
-    batch, heads, seq_len, _ = check_bhsd({"q_lr": q_lr, "k_lr": k_lr})
+    seq_len = check_bhsd({"q_lr": q_lr, "k_lr": k_lr})[2]
     for name, value in (("group_size", group_size), ("kv_block", kv_block)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    num_groups = math.ceil(seq_len / group_size)
-    num_kv_blocks = math.ceil(seq_len / kv_block)
-    keep = check_keep_blocks(keep_blocks, heads, num_kv_blocks, q_lr.device)
-    # Per score element: the score itself plus the sort's values and int64 ids.
-    bytes_per_group = batch * heads * num_kv_blocks * (2 * 4 + 8)
-    chunk = resolve_chunk_size(chunk_groups, num_groups, bytes_per_group, "chunk_groups")
-
     dtype = compute_dtype(q_lr.dtype)
     proxies = segment_means(q_lr.to(dtype), group_size)
     block_keys = segment_means(k_lr.to(dtype), kv_block)
-
-    indices = torch.full(
-        (batch, heads, num_groups, int(keep.max())), PAD, dtype=torch.int32, device=q_lr.device
-    )
-    for start in range(0, num_groups, chunk):
-        scores = proxies[:, :, start : start + chunk] @ block_keys.transpose(-1, -2)
-        indices[:, :, start : start + chunk], _ = select_top_blocks(scores, keep)
-    counts = keep.to(torch.int32).view(1, heads, 1).expand(batch, heads, num_groups).contiguous()
-    return SparseIndex(indices, counts, group_size, kv_block, seq_len)
+    return estimate_index_from_means(proxies, block_keys, keep_blocks, group_size, kv_block, seq_len, chunk_groups)

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv.ops.estimate.naive import check_means
 from dsv.ops.index import SparseIndex, check_bhsd, check_keep_blocks
 
 MAX_TILE_ELEMENTS = 8192
@@ -116,6 +117,34 @@ def _segment_means_t(x: torch.Tensor, segment: int) -> torch.Tensor:
     return out
 
 
+def _check_num_kv_blocks(num_kv_blocks: int) -> None:
+    if num_kv_blocks > MAX_KV_BLOCKS:
+        raise ValueError(f"the fused estimation holds a row of NKB={num_kv_blocks} scores in registers, at most "
+                         f"{MAX_KV_BLOCKS}; use a larger kv_block or the reference estimation")
+
+
+def _select_from_means_t(proxies_t: torch.Tensor, keys_t: torch.Tensor, keep_blocks: torch.Tensor, B: int, H: int,
+                         group_size: int, kv_block: int, seq_len: int) -> SparseIndex:
+    """Top-k launch over transposed fp32 means ``proxies_t [B*H, r, NG]``, ``keys_t [B*H, r, NKB]``."""
+    R, NG, NKB = proxies_t.shape[1], proxies_t.shape[2], keys_t.shape[2]
+    # Checked and reduced where keep_blocks lives: a CPU tensor gives K_max without a device sync.
+    keep = check_keep_blocks(keep_blocks, H, NKB, torch.as_tensor(keep_blocks).device).to(torch.int32)
+    k_max = int(keep.max())
+    if proxies_t.is_cuda and not keep.is_cuda:
+        keep = keep.pin_memory().to(proxies_t.device, non_blocking=True)  # a pageable copy would sync the stream
+    keep32 = keep.to(proxies_t.device)
+    indices = torch.empty((B, H, NG, k_max), dtype=torch.int32, device=proxies_t.device)
+    counts = torch.empty((B, H, NG), dtype=torch.int32, device=proxies_t.device)
+    block_k = max(16, triton.next_power_of_2(NKB))
+    block_g = max(1, min(16, MAX_TILE_ELEMENTS // block_k))
+    _score_topk_kernel[(triton.cdiv(NG, block_g), B * H)](
+        proxies_t, keys_t, keep32, indices, counts, H, NG, NKB, k_max,
+        R=R, BLOCK_G=block_g, BLOCK_K=block_k, BLOCK_KMAX=triton.next_power_of_2(k_max),
+        num_warps=8 if block_g * block_k >= 4096 else 4,
+    )
+    return SparseIndex(indices, counts, group_size, kv_block, seq_len)
+
+
 def estimate_index_triton(q_lr: torch.Tensor, k_lr: torch.Tensor, keep_blocks: torch.Tensor,
                           group_size: int, kv_block: int) -> SparseIndex:
     """Fused estimation of the critical-KV index; same result as ``estimate_index``.
@@ -133,26 +162,20 @@ def estimate_index_triton(q_lr: torch.Tensor, k_lr: torch.Tensor, keep_blocks: t
     for name, value in (("group_size", group_size), ("kv_block", kv_block)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    NG, NKB = triton.cdiv(S, group_size), triton.cdiv(S, kv_block)
-    if NKB > MAX_KV_BLOCKS:
-        raise ValueError(f"estimate_index_triton holds a row of NKB={NKB} scores in registers, at most "
-                         f"{MAX_KV_BLOCKS}; use a larger kv_block or estimate_index")
-    # Checked and reduced where keep_blocks lives: a CPU tensor gives K_max without a device sync.
-    keep = check_keep_blocks(keep_blocks, H, NKB, torch.as_tensor(keep_blocks).device).to(torch.int32)
-    k_max = int(keep.max())
-    if q_lr.is_cuda and not keep.is_cuda:
-        keep = keep.pin_memory().to(q_lr.device, non_blocking=True)  # a pageable copy would sync the stream
-    keep32 = keep.to(q_lr.device)
+    _check_num_kv_blocks(triton.cdiv(S, kv_block))
+    return _select_from_means_t(_segment_means_t(q_lr, group_size), _segment_means_t(k_lr, kv_block), keep_blocks,
+                                B, H, group_size, kv_block, S)
 
-    proxies = _segment_means_t(q_lr, group_size)
-    block_keys = _segment_means_t(k_lr, kv_block)
-    indices = torch.empty((B, H, NG, k_max), dtype=torch.int32, device=q_lr.device)
-    counts = torch.empty((B, H, NG), dtype=torch.int32, device=q_lr.device)
-    block_k = max(16, triton.next_power_of_2(NKB))
-    block_g = max(1, min(16, MAX_TILE_ELEMENTS // block_k))
-    _score_topk_kernel[(triton.cdiv(NG, block_g), B * H)](
-        proxies, block_keys, keep32, indices, counts, H, NG, NKB, k_max,
-        R=R, BLOCK_G=block_g, BLOCK_K=block_k, BLOCK_KMAX=triton.next_power_of_2(k_max),
-        num_warps=8 if block_g * block_k >= 4096 else 4,
-    )
-    return SparseIndex(indices, counts, group_size, kv_block, S)
+
+def estimate_index_from_means_triton(proxies: torch.Tensor, block_keys: torch.Tensor, keep_blocks: torch.Tensor,
+                                     group_size: int, kv_block: int, seq_len: int) -> SparseIndex:
+    """The top-k launch of ``estimate_index_triton`` on already pooled rows; same result as
+    ``estimate_index_from_means`` (``proxies [B, H, NG, r]``, ``block_keys [B, H, NKB, r]``, scored in fp32)."""
+    B, H, NG, NKB = check_means(proxies, block_keys, group_size, kv_block, seq_len)
+    _check_num_kv_blocks(NKB)
+
+    def transposed(x: torch.Tensor) -> torch.Tensor:  # [B, H, N, r] -> [B*H, r, N] fp32, as the pooling writes
+        return x.to(torch.float32).flatten(0, 1).transpose(1, 2).contiguous()
+
+    return _select_from_means_t(transposed(proxies), transposed(block_keys), keep_blocks, B, H, group_size,
+                                kv_block, seq_len)
