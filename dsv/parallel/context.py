@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from dsv.modules.attention import DSVAttention, _ema, key_seed
 from dsv.ops import (
     SparseIndex,
-    estimate_index,
+    estimate_index_from_means,
     head_sparsity,
     index_recall,
     keep_blocks_from_sparsity,
@@ -285,6 +285,19 @@ class ContextParallel:
         q_lr, k_lr = layer.predictor.project(x.detach().to(layer.predictor.q_proj.weight.dtype))
         return self._whole(self.to_heads(torch.cat((q_lr, k_lr), -1), layout), layout)
 
+    def _pooled_low_rank(self, layer: DSVAttention, x: torch.Tensor,
+                         layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each query group's mean `q_lr` and each key block's mean `k_lr`, this rank's heads over the whole
+        sequence: `[B, H_r, NG, r]`, `[B, H_r, NKB, r]`. Pooled on this rank's chunk, which holds whole groups
+        and blocks (`check_sequence_split`), before the projections (`LowRankPredictor.pooled_project`) and
+        the exchange: the collectives move one row per group and block instead of one per token."""
+        cfg = layer.cfg
+        proxies, block_keys = layer.predictor.pooled_project(x.detach(), cfg.group_size, cfg.key_block)
+        if cfg.group_size == cfg.key_block:  # one exchange for both
+            both = self._whole(self.to_heads(torch.cat((proxies, block_keys), -1), layout), layout)
+            return both.chunk(2, dim=-1)
+        return tuple(self._whole(self.to_heads(t.contiguous(), layout), layout) for t in (proxies, block_keys))
+
     def _index(self, layer, x, q, k, layout, grid, keep_blocks: torch.Tensor) -> SparseIndex:
         """The whole-sequence index of this rank's heads (what one process selects for them)."""
         cfg, heads = layer.cfg, layout.heads
@@ -295,8 +308,9 @@ class ContextParallel:
             if cfg.mode == "oracle":
                 return oracle_index(self._whole(q, layout), self._whole(k, layout), keep, cfg.group_size,
                                     cfg.key_block, scale=layer.scale)
-            q_lr, k_lr = self._low_rank(layer, x, layout).chunk(2, dim=-1)
-            return estimate_index(q_lr, k_lr, keep, cfg.group_size, cfg.key_block, backend=cfg.backend)
+            proxies, block_keys = self._pooled_low_rank(layer, x, layout)
+            return estimate_index_from_means(proxies, block_keys, keep, cfg.group_size, cfg.key_block,
+                                             q.shape[2] * layout.scp, backend=cfg.backend)
 
     def _select(self, layer, x, q, k, layout, grid) -> SparseIndex | LocalIndex:
         # As `DSVAttentionCore._select`: a checkpointing recompute (inside backward) reuses the forward's keys.
