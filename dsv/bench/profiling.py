@@ -56,7 +56,7 @@ def write_op_profile(step, device: torch.device, path: Path) -> None:
         if cuda:
             torch.cuda.synchronize(device)
         wall_ms = (time.perf_counter() - start) * 1e3
-    sort_by = "self_cuda_time_total" if cuda else "cpu_time_total"
+    sort_by = "self_device_time_total" if cuda else "cpu_time_total"
     head = ""
     if cuda:
         with tempfile.TemporaryDirectory() as tmp:

@@ -9,6 +9,7 @@ import itertools
 import math
 import warnings
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -86,7 +87,8 @@ class DSVAttentionCore(nn.Module):
         self.controller = None
         self.layer_index = 0
         self.last_path = "none"
-        self._selection_cache: tuple[tuple, SparseIndex] | None = None
+        # (forward key, a call that gives the forward's selection again): for the checkpointing recompute.
+        self._selection_cache: tuple[tuple, Callable[[], SparseIndex]] | None = None
         self._warned_backend = False
         self._window_cache: tuple[tuple, SparseIndex] | None = None
         self._last_shape: tuple[int, int] | None = None
@@ -308,30 +310,43 @@ class DSVAttentionCore(nn.Module):
         # with grad enabled) comes from the caller: a compiled graph runs its ops with grad disabled.
         in_backward = torch._C._current_graph_task_id() != -1
         if in_backward and self._selection_cache is not None and self._selection_cache[0] == self._forward_key(q):
-            return self._selection_cache[1]
-        index = self.compute_index(hidden, q, k, grid)
+            return self._selection_cache[1]()
+        index, reselect = self._selection(hidden, q, k, grid)
         if training and not in_backward:
-            self._selection_cache = (self._forward_key(q), index)
+            self._selection_cache = (self._forward_key(q), reselect)
         return index
 
     def _forward_key(self, q: torch.Tensor) -> tuple:
         forward_id = self.controller.forward_id if self.controller is not None else None
         return forward_id, tuple(q.shape), q.device
 
-    def compute_index(self, hidden, q, k, grid, keep_blocks: torch.Tensor | None = None):
+    def compute_index(self, hidden, q, k, grid, keep_blocks: torch.Tensor | None = None) -> SparseIndex:
+        """This layer's key selection for `hidden [B, S, C]`, `q, k [B, H, S, D]` (grouped order), at its
+        dispatched budget or the given per-head `keep_blocks`."""
+        return self._selection(hidden, q, k, grid, keep_blocks)[0]
+
+    def _selection(self, hidden, q, k, grid, keep_blocks: torch.Tensor | None = None
+                   ) -> tuple[SparseIndex, Callable[[], SparseIndex]]:
+        """`compute_index`, and a call that gives the same selection again. For the learned selection that
+        call keeps the pooled low-rank rows and the budgets, not the index: the index grows with S² (e.g.
+        6.5 MB per layer at 64k tokens, ~0.4 GB at 500k), the pooled rows with S, and re-selecting from
+        them is the deterministic top-k kernel alone."""
         cfg = self.cfg
         seq_len = q.shape[2]
         kv_block = cfg.key_block
         if cfg.mode == "window":
-            return self._window(grid, q.shape[0], q.device)
+            index = self._window(grid, q.shape[0], q.device)
+            return index, lambda: index
         if keep_blocks is None:
             keep_blocks = self._keep_blocks(-(-seq_len // kv_block))
         with torch.no_grad():
             if cfg.mode == "oracle":
-                return oracle_index(q, k, keep_blocks, cfg.group_size, kv_block, scale=self.scale)
+                index = oracle_index(q, k, keep_blocks, cfg.group_size, kv_block, scale=self.scale)
+                return index, lambda: index
             proxies, block_keys = self.predictor.pooled_project(hidden.detach(), cfg.group_size, kv_block)
-            return estimate_index_from_means(proxies, block_keys, keep_blocks, cfg.group_size, kv_block, seq_len,
-                                             backend=cfg.backend)
+        reselect = functools.partial(estimate_index_from_means, proxies, block_keys, keep_blocks, cfg.group_size,
+                                     kv_block, seq_len, backend=cfg.backend)
+        return reselect(), reselect
 
     def _learn_and_profile(self, hidden, q, k, grid, loss_ema, sparsity_ema, recall_ema, keep_boost) -> None:
         """Once per training step (a checkpointing recompute skips it): one predictor step, and on
@@ -403,7 +418,8 @@ class DSVAttention(DSVAttentionCore):
 
     `forward(x [B, S, C], grid=(T, H, W)) -> [B, S, C]` with `S = T*H*W` tokens in raster order.
     Internally the tokens are permuted so that each query cube of `cfg.cube` is contiguous; the cube
-    shares one key selection.
+    shares one key selection. A model whose other ops are per token can permute once for all its layers
+    and pass `grouped=True` (tokens in and out already in grouped order), as `VideoDiT` does.
     """
 
     def __init__(
@@ -510,7 +526,8 @@ def _select_kernel(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`DSVAttentionCore._select` (after the finite check, when asked): the index's `(indices, counts)`.
 
-    Eager mode shares them with the layer's selection cache (nothing writes an index in place)."""
+    Eager mode hands them on as they are: the layer's recompute cache keeps them only where the selection is
+    fixed (window, oracle), and nothing writes an index in place."""
     layer = _registered_layer(layer_id)
     if check_finite:
         layer._check_finite(hidden)
@@ -522,7 +539,7 @@ def _select_kernel(
 @functools.wraps(_select_kernel)  # the custom op reads its schema from `_select_kernel`'s signature
 def _select_op_kernel(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """`_select_kernel` as a custom op returns copies: a compiled graph owns what an op returns (and may
-    reuse its memory), while the layer keeps the selection for the checkpointing recompute."""
+    reuse its memory), while a window or oracle layer keeps its selection for the checkpointing recompute."""
     indices, counts = _select_kernel(*args, **kwargs)
     return indices.clone(), counts.clone()
 

@@ -26,8 +26,9 @@ a CP group (per-head measurements are summed over the HCP group, each head measu
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -300,31 +301,43 @@ class ContextParallel:
 
     def _index(self, layer, x, q, k, layout, grid, keep_blocks: torch.Tensor) -> SparseIndex:
         """The whole-sequence index of this rank's heads (what one process selects for them)."""
+        return self._selection(layer, x, q, k, layout, grid, keep_blocks)()
+
+    def _selection(self, layer, x, q, k, layout, grid, keep_blocks: torch.Tensor) -> Callable[[], SparseIndex]:
+        """A call that gives `_index`, and gives it again in the checkpointing recompute: as in
+        `DSVAttentionCore._selection`, the learned selection keeps the pooled rows (after the exchange), not
+        the index."""
         cfg, heads = layer.cfg, layout.heads
         if cfg.mode == "window":
-            return select_heads(layer._window(grid, q.shape[0], q.device), heads)
+            index = select_heads(layer._window(grid, q.shape[0], q.device), heads)
+            return lambda: index
         keep = keep_blocks[heads]
         with torch.no_grad():
             if cfg.mode == "oracle":
-                return oracle_index(self._whole(q, layout), self._whole(k, layout), keep, cfg.group_size,
-                                    cfg.key_block, scale=layer.scale)
+                index = oracle_index(self._whole(q, layout), self._whole(k, layout), keep, cfg.group_size,
+                                     cfg.key_block, scale=layer.scale)
+                return lambda: index
             proxies, block_keys = self._pooled_low_rank(layer, x, layout)
-            return estimate_index_from_means(proxies, block_keys, keep, cfg.group_size, cfg.key_block,
-                                             q.shape[2] * layout.scp, backend=cfg.backend)
+        return functools.partial(estimate_index_from_means, proxies, block_keys, keep, cfg.group_size,
+                                 cfg.key_block, q.shape[2] * layout.scp, backend=cfg.backend)
 
     def _select(self, layer, x, q, k, layout, grid) -> SparseIndex | LocalIndex:
         # As `DSVAttentionCore._select`: a checkpointing recompute (inside backward) reuses the forward's keys.
         in_backward = torch._C._current_graph_task_id() != -1
         key = (layer._forward_key(q), layout)
         if in_backward and layer._selection_cache is not None and layer._selection_cache[0] == key:
-            return layer._selection_cache[1]
+            return layer._selection_cache[1]()
         seq_len = q.shape[2] * layout.scp
-        index = self._index(layer, x, q, k, layout, grid, layer._keep_blocks(-(-seq_len // layer.cfg.key_block)))
-        if layout.scp > 1:
-            index = LocalIndex.from_global(index, layout.scp_rank, layout.scp)
+        select_whole = self._selection(layer, x, q, k, layout, grid,
+                                       layer._keep_blocks(-(-seq_len // layer.cfg.key_block)))
+
+        def select() -> SparseIndex | LocalIndex:
+            index = select_whole()
+            return LocalIndex.from_global(index, layout.scp_rank, layout.scp) if layout.scp > 1 else index
+
         if layer.training and torch.is_grad_enabled() and not in_backward:
-            layer._selection_cache = (key, index)
-        return index
+            layer._selection_cache = (key, select)
+        return select()
 
     def attend(self, q, k, v, index: SparseIndex | LocalIndex | None, layout: Layout, scale: float,
                backend: str) -> torch.Tensor:

@@ -53,14 +53,24 @@ def grads(model, x):
                                   if p.grad is not None and "predictor" not in n}
 
 
-@pytest.mark.parametrize("mode", ["dense", "window"])
+@pytest.mark.parametrize("mode", ["dense", "window", "dsv"])
 def test_grouped_input_is_the_raster_result_permuted(mode):
-    """`grouped=True` (a model that permutes its tokens once) skips the layer's own permutation only."""
-    model = make(mode)
+    """`grouped=True` (a model that permutes its tokens once) skips the layer's own permutation only; in
+    dsv mode the layer runs sparse in stage 2, its selection read from the grouped hidden states."""
+    model = make(mode, max_stage1_steps=0, sparse_threshold=0.0)
     x = torch.randn(2, 64, DIM, dtype=torch.float64)
+    if mode == "dsv":
+        model.attn.sparsity_ema.fill_(0.5)
+        model.controller.stage.fill_(2)
+        model.controller._refresh_host_state()
+        model.attn.dispatch()
+        assert model.attn.runs_sparse()
     perm, _ = cube_permutation(GRID, model.attn.cfg.cube)
-    torch.testing.assert_close(model.attn(x.index_select(1, perm), GRID, grouped=True),
-                               model.attn(x, GRID).index_select(1, perm), **TOL64)
+    with torch.no_grad():  # no predictor step between the two calls
+        torch.testing.assert_close(model.attn(x.index_select(1, perm), GRID, grouped=True),
+                                   model.attn(x, GRID).index_select(1, perm), **TOL64)
+    if mode == "dsv":
+        assert model.attn.last_path == "sparse:reference"
 
 
 def test_dense_mode_equals_plain_attention():
@@ -139,9 +149,10 @@ def test_stage2_sparse_with_checkpointing_matches_plain_backward():
         torch.testing.assert_close(a, b, **TOL64)
 
 
-def test_eager_selection_is_not_copied():
-    """Eager mode hands attention the selection the layer caches for the recompute, not a copy: one copy per
-    sparse layer would stay alive from the forward to the backward (0.18 GiB at 64k tokens, 28 layers)."""
+def test_recompute_reselects_the_forward_keys_without_keeping_the_index():
+    """For the checkpointing recompute the layer keeps the pooled low-rank rows and budgets, not the index
+    (which grows with S²): re-selecting from them gives the forward's keys, also after the predictor's step
+    in that forward, and shares no memory with the forward's index."""
     model = make("dsv", max_stage1_steps=1, sparse_threshold=0.0, profile_every_stage1=1)
     x = torch.randn(1, 64, DIM, dtype=torch.float64)
     model.controller.begin_step(0)
@@ -151,11 +162,13 @@ def test_eager_selection_is_not_copied():
     layer = model.attn
     hidden = x.index_select(1, cube_permutation(GRID, layer.cfg.cube)[0])
     q, k, _ = layer.to_qkv(hidden).view(1, 64, 3, HEADS, -1).permute(2, 0, 3, 1, 4).unbind(0)
+    weights = layer.predictor.q_proj.weight.detach().clone()
     index = layer.prepare_index(hidden, q, k, GRID)
     assert index is not None, "stage 2 with threshold 0 must run sparse"
-    cached = layer._selection_cache[1]
-    assert index.indices.data_ptr() == cached.indices.data_ptr()
-    assert index.counts.data_ptr() == cached.counts.data_ptr()
+    assert not torch.equal(weights, layer.predictor.q_proj.weight), "the predictor must have stepped in between"
+    again = layer._selection_cache[1]()
+    assert torch.equal(again.indices, index.indices) and torch.equal(again.counts, index.counts)
+    assert again.indices.data_ptr() != index.indices.data_ptr()
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -217,6 +230,12 @@ def test_head_rms_norm_keeps_the_input_dtype_under_autocast():
 def test_training_after_a_forward_under_inference_mode(mode):
     """Sampling under torch.inference_mode fills the layer's caches (permutation, window index); tensors made
     there can never be saved for backward, so the training that follows must not find them in the caches."""
+    from dsv.modules.dit import ModelConfig, VideoDiT
+    from dsv.ops.grouping import _cached_permutation_on
+
+    # The device permutations are one cache shared by every layer and model: empty it, so that this test
+    # fills it under inference mode whatever ran before.
+    _cached_permutation_on.cache_clear()
     layer = DSVAttention(DIM, HEADS, cfg=AttentionConfig(mode=mode, cube=(2, 2, 2)))
     x = torch.randn(1, 64, DIM)
     with torch.inference_mode():
@@ -224,6 +243,41 @@ def test_training_after_a_forward_under_inference_mode(mode):
     x = x.clone().requires_grad_(True)
     layer(x, GRID).sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
+    # The same through a model, which permutes its tokens once for all blocks.
+    _cached_permutation_on.cache_clear()
+    model = VideoDiT(ModelConfig(hidden=DIM, depth=1, heads=HEADS), AttentionConfig(mode=mode, cube=(2, 2, 2)))
+    video, t = torch.randn(1, 3, 4, 16, 16), torch.rand(1)
+    with torch.inference_mode():
+        model(video, t)
+    video = video.clone().requires_grad_(True)
+    model(video, t).sum().backward()
+    assert video.grad is not None and torch.isfinite(video.grad).all()
+
+
+def test_model_permuting_once_equals_every_layer_permuting():
+    """`VideoDiT` runs its blocks on tokens in grouped order: the same output as a raster-order model whose
+    every attention layer permutes its own input and output (float64: only summation order differs)."""
+    from dsv.modules.dit import ModelConfig, VideoDiT, modulate, sincos_position_3d, timestep_embedding
+
+    torch.manual_seed(0)
+    model = VideoDiT(ModelConfig(hidden=32, depth=2, heads=2, patch=(1, 2, 2)),
+                     AttentionConfig(mode="dense", cube=(1, 2, 2))).double()
+    for p in model.parameters():  # the zero-initialised output paths would hide a wrong order
+        if not p.abs().sum():
+            torch.nn.init.normal_(p, std=0.1)
+    video, t = torch.randn(2, 3, 2, 12, 8, dtype=torch.float64), torch.rand(2, dtype=torch.float64)
+    grid = model.token_grid(video.shape)
+    tokens = model.patch_embed(video).flatten(2).transpose(1, 2)
+    tokens = tokens + sincos_position_3d(grid, 32, video.device).to(tokens.dtype)
+    cond = model.t_embed(timestep_embedding(t, 256).to(tokens.dtype))
+    t_mod = model.t_block(cond).view(-1, 6, 32)
+    for block in model.blocks:
+        shift1, scale1, gate1, shift2, scale2, gate2 = (block.scale_shift_table[None] + t_mod).unbind(1)
+        tokens = tokens + gate1[:, None] * block.attn(modulate(block.norm1(tokens), shift1, scale1), grid)
+        tokens = tokens + gate2[:, None] * block.mlp(modulate(block.norm2(tokens), shift2, scale2))
+    shift, scale = (model.final_table[None] + cond[:, None]).unbind(1)
+    reference = model.unpatchify(model.final_linear(modulate(model.final_norm(tokens), shift, scale)), grid)
+    torch.testing.assert_close(model(video, t), reference, **TOL64)
 
 
 def test_residual_stream_is_contiguous_in_every_block():

@@ -147,3 +147,20 @@ def test_pooled_projection_selects_as_the_projected_rows(seq, group_size, kv_blo
     got = estimate_index_from_means(proxies, block_keys, keep, group_size, kv_block, seq)
     assert torch.equal(got.indices, want.indices) and torch.equal(got.counts, want.counts)
     assert (got.group_size, got.kv_block, got.seq_len) == (group_size, kv_block, seq)
+
+
+def test_pooled_projection_ignores_autocast():
+    """Under bf16 autocast the pooled rows still come out in the predictor's fp32, from an fp32 projection:
+    the selection must not depend on the caller's autocast (context parallelism and one process agree)."""
+    from dsv.ops.estimate.naive import segment_means
+
+    torch.manual_seed(0)
+    predictor = LowRankPredictor(32, 2, rank=4)
+    hidden = torch.randn(1, 40, 32).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        proxies, block_keys = predictor.pooled_project(hidden, 8, 8)
+    assert proxies.dtype == block_keys.dtype == torch.float32
+    q_lr, k_lr = predictor.project(hidden.float())
+    # fp32 throughout: only summation order differs (pooling before or after the projection).
+    torch.testing.assert_close(proxies, segment_means(q_lr, 8), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(block_keys, segment_means(k_lr, 8), rtol=1e-5, atol=1e-6)
