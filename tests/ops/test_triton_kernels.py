@@ -277,6 +277,29 @@ def test_interpreter_checkpoint_recompute_with_another_index_is_caught():
 
 
 @interpreter
+def test_interpreter_eager_graph_does_not_keep_the_index_object():
+    """The eager autograd node keeps the index tensors as saved tensors (which a checkpoint drops until its
+    recompute), not the index object: in a checkpointed layer's first pass the object would otherwise stay
+    alive until the backward. A backward whose index object is gone builds the key-major view itself."""
+    import gc
+    import weakref
+
+    B, H, S, D = 1, 2, 64, 16
+    index = random_index(B, H, S, 16, 16, keep=[1, 3])
+    q, k, v = leaf_inputs(B, H, S, D, torch.float32)
+    grad_out = torch.randn(B, H, S, D)
+    want = outputs_and_grads(lambda *x: sparse_attention_triton(*x, index), q, k, v, grad_out)
+    out = sparse_attention_triton(q, k, v, index)
+    alive = weakref.ref(index)
+    del index
+    gc.collect()
+    assert alive() is None, "the autograd graph holds the SparseIndex object"
+    out.backward(grad_out)
+    for name, got, expected in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), want[1:]):
+        assert torch.equal(got, expected), name
+
+
+@interpreter
 def test_interpreter_eager_calls_take_the_function_and_meta_inputs_the_custom_op():
     """Plain tensors take the eager autograd.Function; meta inputs (shape propagation) reach the custom op,
     whose fake implementation answers without launching a kernel."""

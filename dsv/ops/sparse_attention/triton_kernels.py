@@ -27,6 +27,7 @@ divides ``kv_block``; a listed block is walked in ``kv_block // BLOCK_N`` sub-ti
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -692,8 +693,11 @@ class _SparseAttentionEager(torch.autograd.Function):
         # own index (and checkpointing checks that it matches the first pass's shapes).
         ctx.save_for_backward(q, k, v, out, lse, index.indices, index.counts)
         # The index object too, for its cached key-major view; the backward asks for the view, so a forward
-        # whose backward never runs (the first pass of a checkpointed layer) builds none.
-        ctx.index, ctx.group_size, ctx.kv_block, ctx.scale = index, group_size, kv_block, scale
+        # whose backward never runs (the first pass of a checkpointed layer) builds none. Weakly: a strong
+        # reference would keep the index alive from the first pass to the backward, which checkpointing
+        # exists to avoid (the recompute brings its own); an index that outlives the step (a window
+        # layer's) still lends its cached view.
+        ctx.index_ref, ctx.group_size, ctx.kv_block, ctx.scale = weakref.ref(index), group_size, kv_block, scale
         # An unused LSE then arrives as None rather than as a zero tensor to fill and read.
         ctx.set_materialize_grads(False)
         return out, lse
@@ -704,11 +708,13 @@ class _SparseAttentionEager(torch.autograd.Function):
         q, k, v, out, lse, indices, counts = ctx.saved_tensors
         if dout is None:  # only the LSE was used downstream
             dout = torch.zeros_like(out)
-        index = ctx.index
+        index = ctx.index_ref()
         # The cached view belongs to the saved index only if the tensors are the same; a recompute that
-        # selected other blocks gets a view built from what it saved.
-        key_major = index.key_major if _same_tensor(indices, index.indices) else _given_or_built(
-            None, None, indices, index.num_kv_blocks)
+        # selected other blocks, or an index no longer alive, gets a view built from what was saved.
+        if index is not None and _same_tensor(indices, index.indices):
+            key_major = index.key_major
+        else:
+            key_major = _given_or_built(None, None, indices, -(-k.shape[2] // ctx.kv_block))
         dq, dk, dv = _launch_bwd(dout, q, k, v, out, lse, dlse, indices, counts, key_major,
                                  ctx.group_size, ctx.kv_block, ctx.scale)
         return dq, dk, dv, None, None, None, None
