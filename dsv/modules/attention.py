@@ -87,8 +87,9 @@ class DSVAttentionCore(nn.Module):
         self.controller = None
         self.layer_index = 0
         self.last_path = "none"
-        # (forward key, a call that gives the forward's selection again): for the checkpointing recompute.
-        self._selection_cache: tuple[tuple, Callable[[], SparseIndex]] | None = None
+        # Forward key -> [(input fingerprint, a call that gives that forward's selection again)], for the
+        # checkpointing recompute; this step's training forwards only.
+        self._selection_cache: dict[tuple, list[tuple[torch.Tensor, Callable[[], SparseIndex]]]] = {}
         self._warned_backend = False
         self._window_cache: tuple[tuple, SparseIndex] | None = None
         self._last_shape: tuple[int, int] | None = None
@@ -308,13 +309,44 @@ class DSVAttentionCore(nn.Module):
         # the original forward (the predictor has stepped since). Every other forward selects afresh, so
         # gradient-accumulation micro-batches each get their own keys. `training` (a training forward
         # with grad enabled) comes from the caller: a compiled graph runs its ops with grad disabled.
-        in_backward = torch._C._current_graph_task_id() != -1
-        if in_backward and self._selection_cache is not None and self._selection_cache[0] == self._forward_key(q):
-            return self._selection_cache[1]()
+        key = self._forward_key(q)
+        if torch._C._current_graph_task_id() != -1:
+            return self.recall_selection(key, hidden, lambda: self._selection(hidden, q, k, grid)[0])
         index, reselect = self._selection(hidden, q, k, grid)
-        if training and not in_backward:
-            self._selection_cache = (self._forward_key(q), reselect)
+        if training:
+            self.remember_selection(key, hidden, reselect)
         return index
+
+    def remember_selection(self, key: tuple, hidden: torch.Tensor, reselect: Callable) -> None:
+        """Keep `reselect` (what gives this training forward's keys again) for its checkpointing recompute,
+        under the forward's `key` and a fingerprint of its input `hidden`: several forwards of one step
+        (the same key) can run before their backward, e.g. a loss over two model calls."""
+        forward_id = self.controller.forward_id if self.controller is not None else None
+        if any(cached[0] != forward_id for cached in self._selection_cache):
+            self._selection_cache.clear()  # a new step: the previous one's backward is done
+        self._selection_cache.setdefault(key, []).append((_fingerprint(hidden), reselect))
+
+    def recall_selection(self, key: tuple, hidden: torch.Tensor, select_again: Callable) -> SparseIndex:
+        """In a checkpointing recompute: the keys its training forward selected (`remember_selection`).
+        Without a remembered forward the keys are selected again (`select_again()`) only while the predictor
+        has not stepped since; otherwise raises, as the gradients would belong to other keys."""
+        entries = self._selection_cache.get(key, [])
+        if len(entries) == 1:
+            return entries[0][1]()
+        if entries:
+            # Several training forwards of this step before their backward: this one's by its input. A host
+            # sync, in this case only; the recompute's input equals the forward's up to kernel rounding.
+            fingerprint = _fingerprint(hidden)
+            for saved, reselect in entries:
+                if torch.allclose(saved, fingerprint, rtol=1e-4, atol=1e-6):
+                    return reselect()
+        elif self._learned_id != key[0] or key[0] is None:
+            return select_again()
+        raise RuntimeError(
+            f"{type(self).__name__} layer {self.layer_index}: a checkpointing recompute found no selection of "
+            f"its forward among {len(entries)} of this step, and the predictor has stepped since, so selecting "
+            "again would give other keys than the forward used. Run each training forward's backward before "
+            "the next step's forward (call controller.begin_step once per optimizer step)")
 
     def _forward_key(self, q: torch.Tensor) -> tuple:
         forward_id = self.controller.forward_id if self.controller is not None else None
@@ -462,6 +494,14 @@ class DSVAttention(DSVAttentionCore):
         out = self.attend(q, k, v, index)
         out = self.to_out(out.transpose(1, 2).reshape(batch, seq_len, self.heads * self.head_dim))
         return out if grouped else out.index_select(1, inv)
+
+def _fingerprint(hidden: torch.Tensor) -> torch.Tensor:
+    """A 0-d float64 summary of a layer input, from a strided sample of at most ~4096 elements per batch row
+    (a view: no copy), to tell the training forwards of one step apart."""
+    _, seq_len, channels = hidden.shape
+    sample = hidden.detach()[:, ::max(1, seq_len // 64), ::max(1, channels // 64)]
+    return sample.sum(dtype=torch.float64)
+
 
 def model_parameters(model: nn.Module) -> list[nn.Parameter]:
     """Parameters for the model's optimizer: all but the sparsity predictors, which step themselves."""

@@ -323,20 +323,24 @@ class ContextParallel:
 
     def _select(self, layer, x, q, k, layout, grid) -> SparseIndex | LocalIndex:
         # As `DSVAttentionCore._select`: a checkpointing recompute (inside backward) reuses the forward's keys.
-        in_backward = torch._C._current_graph_task_id() != -1
-        key = (layer._forward_key(q), layout)
-        if in_backward and layer._selection_cache is not None and layer._selection_cache[0] == key:
-            return layer._selection_cache[1]()
+        key = (*layer._forward_key(q), layout)
         seq_len = q.shape[2] * layout.scp
-        select_whole = self._selection(layer, x, q, k, layout, grid,
-                                       layer._keep_blocks(-(-seq_len // layer.cfg.key_block)))
 
-        def select() -> SparseIndex | LocalIndex:
-            index = select_whole()
-            return LocalIndex.from_global(index, layout.scp_rank, layout.scp) if layout.scp > 1 else index
+        def selection() -> Callable[[], SparseIndex | LocalIndex]:
+            select_whole = self._selection(layer, x, q, k, layout, grid,
+                                           layer._keep_blocks(-(-seq_len // layer.cfg.key_block)))
 
-        if layer.training and torch.is_grad_enabled() and not in_backward:
-            layer._selection_cache = (key, select)
+            def select() -> SparseIndex | LocalIndex:
+                index = select_whole()
+                return LocalIndex.from_global(index, layout.scp_rank, layout.scp) if layout.scp > 1 else index
+
+            return select
+
+        if torch._C._current_graph_task_id() != -1:
+            return layer.recall_selection(key, x, lambda: selection()())
+        select = selection()
+        if layer.training and torch.is_grad_enabled():
+            layer.remember_selection(key, x, select)
         return select()
 
     def attend(self, q, k, v, index: SparseIndex | LocalIndex | None, layout: Layout, scale: float,

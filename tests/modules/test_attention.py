@@ -149,6 +149,45 @@ def test_stage2_sparse_with_checkpointing_matches_plain_backward():
         torch.testing.assert_close(a, b, **TOL64)
 
 
+def test_two_checkpointed_forwards_before_one_backward_match_plain_backward():
+    """A loss over two training forwards of one step (the predictor steps in the first): each checkpointing
+    recompute must find its own forward's keys, not the last forward's nor a fresh selection."""
+    x1, x2 = torch.randn(1, 64, DIM, dtype=torch.float64), torch.randn(1, 64, DIM, dtype=torch.float64)
+
+    def run(checkpointing: bool):
+        model = make("dsv", max_stage1_steps=1, sparse_threshold=0.0, profile_every_stage1=1, keep_floor_blocks=1)
+        model.controller.begin_step(0)
+        model(x1).sum().backward()
+        model.controller.end_step()
+        model.zero_grad()
+        model.controller.begin_step(1)
+        ins = [x.clone().requires_grad_(True) for x in (x1, x2)]
+        call = (lambda x: torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)) if checkpointing else model
+        outs = [call(x) for x in ins]
+        (outs[0].pow(2).sum() + outs[1].pow(3).sum()).backward()
+        assert model.attn.last_path == "sparse:reference"
+        return (*outs, *(x.grad for x in ins), model.attn.to_qkv.weight.grad)
+
+    plain, checkpointed = run(False), run(True)
+    for a, b in zip(plain, checkpointed):
+        torch.testing.assert_close(a, b, **TOL64)
+
+
+def test_recompute_without_its_forward_after_a_predictor_step_raises():
+    """A recompute whose forward was not remembered must not select again once the predictor has stepped:
+    its keys would differ from the forward's and the gradients would silently belong to other keys."""
+    model = make("dsv", max_stage1_steps=1, sparse_threshold=0.0, profile_every_stage1=1)
+    x = torch.randn(1, 64, DIM, dtype=torch.float64)
+    model.controller.begin_step(0)
+    model(x).sum().backward()
+    model.controller.end_step()
+    model.controller.begin_step(1)
+    out = torch.utils.checkpoint.checkpoint(model, x.clone().requires_grad_(True), use_reentrant=False)
+    model.attn._selection_cache.clear()
+    with pytest.raises(RuntimeError, match="found no selection of its forward"):
+        out.sum().backward()
+
+
 def test_recompute_reselects_the_forward_keys_without_keeping_the_index():
     """For the checkpointing recompute the layer keeps the pooled low-rank rows and budgets, not the index
     (which grows with S²): re-selecting from them gives the forward's keys, also after the predictor's step
@@ -166,7 +205,8 @@ def test_recompute_reselects_the_forward_keys_without_keeping_the_index():
     index = layer.prepare_index(hidden, q, k, GRID)
     assert index is not None, "stage 2 with threshold 0 must run sparse"
     assert not torch.equal(weights, layer.predictor.q_proj.weight), "the predictor must have stepped in between"
-    again = layer._selection_cache[1]()
+    (_, reselect), = layer._selection_cache[layer._forward_key(q)]
+    again = reselect()
     assert torch.equal(again.indices, index.indices) and torch.equal(again.counts, index.counts)
     assert again.indices.data_ptr() != index.indices.data_ptr()
 

@@ -288,7 +288,7 @@ def test_interpreter_eager_graph_does_not_keep_the_index_object():
     index = random_index(B, H, S, 16, 16, keep=[1, 3])
     q, k, v = leaf_inputs(B, H, S, D, torch.float32)
     grad_out = torch.randn(B, H, S, D)
-    want = outputs_and_grads(lambda *x: sparse_attention_triton(*x, index), q, k, v, grad_out)
+    want = outputs_and_grads(lambda *x, given=index: sparse_attention_triton(*x, given), q, k, v, grad_out)
     out = sparse_attention_triton(q, k, v, index)
     alive = weakref.ref(index)
     del index

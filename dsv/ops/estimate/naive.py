@@ -96,9 +96,11 @@ def estimate_index_from_means(
     indices = torch.full(
         (batch, heads, num_groups, int(keep.max())), PAD, dtype=torch.int32, device=proxies.device
     )
-    for start in range(0, num_groups, chunk):
-        scores = proxies[:, :, start : start + chunk] @ block_keys.transpose(-1, -2)
-        indices[:, :, start : start + chunk], _ = select_top_blocks(scores, keep)
+    # In the compute dtype whatever the caller's autocast, as the fused kernel scores in fp32.
+    with torch.autocast(proxies.device.type, enabled=False):
+        for start in range(0, num_groups, chunk):
+            scores = proxies[:, :, start : start + chunk] @ block_keys.transpose(-1, -2)
+            indices[:, :, start : start + chunk], _ = select_top_blocks(scores, keep)
     counts = keep.to(torch.int32).view(1, heads, 1).expand(batch, heads, num_groups).contiguous()
     return SparseIndex(indices, counts, group_size, kv_block, seq_len)
 

@@ -695,8 +695,8 @@ class _SparseAttentionEager(torch.autograd.Function):
         # The index object too, for its cached key-major view; the backward asks for the view, so a forward
         # whose backward never runs (the first pass of a checkpointed layer) builds none. Weakly: a strong
         # reference would keep the index alive from the first pass to the backward, which checkpointing
-        # exists to avoid (the recompute brings its own); an index that outlives the step (a window
-        # layer's) still lends its cached view.
+        # exists to avoid (the recompute brings its own); a caller that keeps its index object alive until
+        # the backward still lends its cached view.
         ctx.index_ref, ctx.group_size, ctx.kv_block, ctx.scale = weakref.ref(index), group_size, kv_block, scale
         # An unused LSE then arrives as None rather than as a zero tensor to fill and read.
         ctx.set_materialize_grads(False)
