@@ -45,6 +45,17 @@ def make(mode: str, **overrides) -> Wrapper:
     return model
 
 
+def in_stage2(x: torch.Tensor, **overrides) -> Wrapper:
+    """A dsv-mode layer after one stage-1 training step on `x`: in stage 2, sparse, at the start of step 1."""
+    model = make("dsv", max_stage1_steps=1, sparse_threshold=0.0, profile_every_stage1=1, **overrides)
+    model.controller.begin_step(0)
+    model(x).sum().backward()
+    model.controller.end_step()
+    model.zero_grad()
+    model.controller.begin_step(1)
+    return model
+
+
 def grads(model, x):
     x = x.clone().requires_grad_(True)
     out = model(x)
@@ -128,13 +139,7 @@ def test_stage2_sparse_with_checkpointing_matches_plain_backward():
     x = torch.randn(2, 64, DIM, dtype=torch.float64)
 
     def run(checkpointing: bool):
-        model = make("dsv", max_stage1_steps=1, sparse_threshold=0.0, profile_every_stage1=1,
-                     profile_every_stage2=1)
-        model.controller.begin_step(0)
-        model(x).sum().backward()
-        model.controller.end_step()
-        model.zero_grad()
-        model.controller.begin_step(1)
+        model = in_stage2(x, profile_every_stage2=1)
         xin = x.clone().requires_grad_(True)
         if checkpointing:
             out = torch.utils.checkpoint.checkpoint(model, xin, use_reentrant=False)
@@ -155,12 +160,7 @@ def test_two_checkpointed_forwards_before_one_backward_match_plain_backward():
     x1, x2 = torch.randn(1, 64, DIM, dtype=torch.float64), torch.randn(1, 64, DIM, dtype=torch.float64)
 
     def run(checkpointing: bool):
-        model = make("dsv", max_stage1_steps=1, sparse_threshold=0.0, profile_every_stage1=1, keep_floor_blocks=1)
-        model.controller.begin_step(0)
-        model(x1).sum().backward()
-        model.controller.end_step()
-        model.zero_grad()
-        model.controller.begin_step(1)
+        model = in_stage2(x1, keep_floor_blocks=1)
         ins = [x.clone().requires_grad_(True) for x in (x1, x2)]
         call = (lambda x: torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)) if checkpointing else model
         outs = [call(x) for x in ins]
@@ -176,12 +176,8 @@ def test_two_checkpointed_forwards_before_one_backward_match_plain_backward():
 def test_recompute_without_its_forward_after_a_predictor_step_raises():
     """A recompute whose forward was not remembered must not select again once the predictor has stepped:
     its keys would differ from the forward's and the gradients would silently belong to other keys."""
-    model = make("dsv", max_stage1_steps=1, sparse_threshold=0.0, profile_every_stage1=1)
     x = torch.randn(1, 64, DIM, dtype=torch.float64)
-    model.controller.begin_step(0)
-    model(x).sum().backward()
-    model.controller.end_step()
-    model.controller.begin_step(1)
+    model = in_stage2(x)
     out = torch.utils.checkpoint.checkpoint(model, x.clone().requires_grad_(True), use_reentrant=False)
     model.attn._selection_cache.clear()
     with pytest.raises(RuntimeError, match="found no selection of its forward"):
@@ -192,12 +188,8 @@ def test_recompute_reselects_the_forward_keys_without_keeping_the_index():
     """For the checkpointing recompute the layer keeps the pooled low-rank rows and budgets, not the index
     (which grows with S²): re-selecting from them gives the forward's keys, also after the predictor's step
     in that forward, and shares no memory with the forward's index."""
-    model = make("dsv", max_stage1_steps=1, sparse_threshold=0.0, profile_every_stage1=1)
     x = torch.randn(1, 64, DIM, dtype=torch.float64)
-    model.controller.begin_step(0)
-    model(x).sum().backward()
-    model.controller.end_step()
-    model.controller.begin_step(1)
+    model = in_stage2(x)
     layer = model.attn
     hidden = x.index_select(1, cube_permutation(GRID, layer.cfg.cube)[0])
     q, k, _ = layer.to_qkv(hidden).view(1, 64, 3, HEADS, -1).permute(2, 0, 3, 1, 4).unbind(0)
