@@ -87,9 +87,9 @@ class DSVAttentionCore(nn.Module):
         self.controller = None
         self.layer_index = 0
         self.last_path = "none"
-        # Forward key -> [(input fingerprint, a call that gives that forward's selection again)], for the
-        # checkpointing recompute; this step's training forwards only.
-        self._selection_cache: dict[tuple, list[tuple[torch.Tensor, Callable[[], SparseIndex]]]] = {}
+        # Forward key -> [[input fingerprint, a call that gives that forward's selection again, recalled yet]]
+        # for the checkpointing recompute; this step's training forwards only.
+        self._selection_cache: dict[tuple, list[list]] = {}
         self._warned_backend = False
         self._window_cache: tuple[tuple, SparseIndex] | None = None
         self._last_shape: tuple[int, int] | None = None
@@ -324,22 +324,27 @@ class DSVAttentionCore(nn.Module):
         forward_id = self.controller.forward_id if self.controller is not None else None
         if any(cached[0] != forward_id for cached in self._selection_cache):
             self._selection_cache.clear()  # a new step: the previous one's backward is done
-        self._selection_cache.setdefault(key, []).append((_fingerprint(hidden), reselect))
+        self._selection_cache.setdefault(key, []).append([_fingerprint(hidden), reselect, False])
 
     def recall_selection(self, key: tuple, hidden: torch.Tensor, select_again: Callable) -> SparseIndex:
         """In a checkpointing recompute: the keys its training forward selected (`remember_selection`).
         Without a remembered forward the keys are selected again (`select_again()`) only while the predictor
         has not stepped since; otherwise raises, as the gradients would belong to other keys."""
         entries = self._selection_cache.get(key, [])
-        if len(entries) == 1:
-            return entries[0][1]()
+        pending = [entry for entry in entries if not entry[2]]
+        if len(pending) == 1:
+            # The usual case, also for micro-batches that each run forward then backward in one step.
+            pending[0][2] = True
+            return pending[0][1]()
         if entries:
-            # Several training forwards of this step before their backward: this one's by its input. A host
-            # sync, in this case only; the recompute's input equals the forward's up to kernel rounding.
+            # Several training forwards of this step before their backward (or a second backward): this one's
+            # by its input. A host sync, in this case only; the recompute's input equals the forward's up to
+            # kernel rounding.
             fingerprint = _fingerprint(hidden)
-            for saved, reselect in entries:
-                if torch.allclose(saved, fingerprint, rtol=1e-4, atol=1e-6):
-                    return reselect()
+            for entry in pending or entries:
+                if torch.allclose(entry[0], fingerprint, rtol=1e-4, atol=1e-6):
+                    entry[2] = True
+                    return entry[1]()
         elif self._learned_id != key[0] or key[0] is None:
             return select_again()
         raise RuntimeError(
@@ -494,6 +499,7 @@ class DSVAttention(DSVAttentionCore):
         out = self.attend(q, k, v, index)
         out = self.to_out(out.transpose(1, 2).reshape(batch, seq_len, self.heads * self.head_dim))
         return out if grouped else out.index_select(1, inv)
+
 
 def _fingerprint(hidden: torch.Tensor) -> torch.Tensor:
     """A 0-d float64 summary of a layer input, from a strided sample of at most ~4096 elements per batch row

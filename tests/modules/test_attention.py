@@ -154,19 +154,27 @@ def test_stage2_sparse_with_checkpointing_matches_plain_backward():
         torch.testing.assert_close(a, b, **TOL64)
 
 
-def test_two_checkpointed_forwards_before_one_backward_match_plain_backward():
-    """A loss over two training forwards of one step (the predictor steps in the first): each checkpointing
-    recompute must find its own forward's keys, not the last forward's nor a fresh selection."""
+@pytest.mark.parametrize("order", ["forward-forward-backward", "micro-batches"])
+def test_two_checkpointed_forwards_of_a_step_match_plain_backward(order):
+    """Two training forwards of one step (the predictor steps in the first): a loss over both, or two
+    micro-batches each with its backward. Each checkpointing recompute must find its own forward's keys,
+    not the other forward's nor a fresh selection."""
     x1, x2 = torch.randn(1, 64, DIM, dtype=torch.float64), torch.randn(1, 64, DIM, dtype=torch.float64)
 
     def run(checkpointing: bool):
         model = in_stage2(x1, keep_floor_blocks=1)
         ins = [x.clone().requires_grad_(True) for x in (x1, x2)]
         call = (lambda x: torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)) if checkpointing else model
-        outs = [call(x) for x in ins]
-        (outs[0].pow(2).sum() + outs[1].pow(3).sum()).backward()
+        if order == "micro-batches":
+            outs = []
+            for x, power in zip(ins, (2, 3)):
+                outs.append(call(x))
+                outs[-1].pow(power).sum().backward()
+        else:
+            outs = [call(x) for x in ins]
+            (outs[0].pow(2).sum() + outs[1].pow(3).sum()).backward()
         assert model.attn.last_path == "sparse:reference"
-        return (*outs, *(x.grad for x in ins), model.attn.to_qkv.weight.grad)
+        return (*(out.detach() for out in outs), *(x.grad for x in ins), model.attn.to_qkv.weight.grad)
 
     plain, checkpointed = run(False), run(True)
     for a, b in zip(plain, checkpointed):
@@ -197,7 +205,7 @@ def test_recompute_reselects_the_forward_keys_without_keeping_the_index():
     index = layer.prepare_index(hidden, q, k, GRID)
     assert index is not None, "stage 2 with threshold 0 must run sparse"
     assert not torch.equal(weights, layer.predictor.q_proj.weight), "the predictor must have stepped in between"
-    (_, reselect), = layer._selection_cache[layer._forward_key(q)]
+    (_, reselect, _), = layer._selection_cache[layer._forward_key(q)]
     again = reselect()
     assert torch.equal(again.indices, index.indices) and torch.equal(again.counts, index.counts)
     assert again.indices.data_ptr() != index.indices.data_ptr()
