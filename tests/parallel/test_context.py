@@ -49,7 +49,8 @@ def _steps(model: VideoDiT, steps: int = 3) -> list[tuple[float, dict[str, torch
 
 
 def _worker(rank, world, mode, cp_mode, hcp_size, checkpointing, predictor_keys=0):
-    single_model = _model(mode, checkpointing, predictor_keys)
+    # The one-process reference never checkpoints: a CP recompute that selected other keys would show.
+    single_model = _model(mode, False, predictor_keys)
     single = _steps(single_model)
     model = _model(mode, checkpointing, predictor_keys)
     cp = ContextParallel(world, cp_mode, "cpu", hcp_size=hcp_size)
