@@ -32,8 +32,8 @@ class DSVController(nn.Module):
         self.register_buffer("stage", torch.tensor(1, dtype=torch.long))
         self.register_buffer("switch_step", torch.tensor(-1, dtype=torch.long))
         self.step = 0
-        # Increments once per training forward; a layer's selection is cached under it so that an
-        # activation-checkpointing recompute reuses the same keys as the original forward.
+        # Increments in `begin_step`: a layer remembers how to re-select the keys of each training forward of
+        # the step under it, so that an activation-checkpointing recompute uses its forward's keys.
         self.forward_id = 0
         self._layers: list = []
         self._stage_host = 1
