@@ -312,7 +312,7 @@ class DSVAttentionCore(nn.Module):
         key = self._forward_key(q)
         if torch._C._current_graph_task_id() != -1:
             return self.recall_selection(key, hidden, lambda: self._selection(hidden, q, k, grid)[0])
-        index, reselect = self._selection(hidden, q, k, grid)
+        index, reselect = self._selection(hidden, q, k, grid, keep_for_recompute=training)
         if training:
             self.remember_selection(key, hidden, reselect)
         return index
@@ -362,12 +362,13 @@ class DSVAttentionCore(nn.Module):
         dispatched budget or the given per-head `keep_blocks`."""
         return self._selection(hidden, q, k, grid, keep_blocks)[0]
 
-    def _selection(self, hidden, q, k, grid, keep_blocks: torch.Tensor | None = None
+    def _selection(self, hidden, q, k, grid, keep_blocks: torch.Tensor | None = None, keep_for_recompute=False
                    ) -> tuple[SparseIndex, Callable[[], SparseIndex]]:
         """`compute_index`, and a call that gives the same selection again. For the learned selection that
         call keeps the pooled low-rank rows and the budgets, not the index: the index grows with S² (e.g.
         6.5 MB per layer at 64k tokens, ~0.4 GB at 500k), the pooled rows with S, and re-selecting from
-        them is the deterministic top-k kernel alone."""
+        them is the deterministic top-k kernel alone. `keep_for_recompute`: the call is kept for a
+        checkpointing recompute (with `cfg.host_offload` its rows then wait in host memory)."""
         cfg = self.cfg
         seq_len = q.shape[2]
         kv_block = cfg.key_block
@@ -381,8 +382,10 @@ class DSVAttentionCore(nn.Module):
                 index = oracle_index(q, k, keep_blocks, cfg.group_size, kv_block, scale=self.scale)
                 return index, lambda: index
             proxies, block_keys = self.predictor.pooled_project(hidden.detach(), cfg.group_size, kv_block)
-        reselect = functools.partial(estimate_index_from_means, proxies, block_keys, keep_blocks, cfg.group_size,
-                                     kv_block, seq_len, backend=cfg.backend)
+        reselect = RepeatableSelection(
+            functools.partial(estimate_index_from_means, keep_blocks=keep_blocks, group_size=cfg.group_size,
+                              kv_block=kv_block, seq_len=seq_len, backend=cfg.backend),
+            (proxies, block_keys), offload=keep_for_recompute and cfg.host_offload)
         return reselect(), reselect
 
     def _learn_and_profile(self, hidden, q, k, grid, loss_ema, sparsity_ema, recall_ema, keep_boost) -> None:
@@ -425,6 +428,19 @@ class DSVAttentionCore(nn.Module):
             recall_ema.copy_(_ema(recall_ema, recall, cfg.ema_momentum))
             if controller.current_stage == 2:
                 self.update_keep_boost(keep_boost, recall)
+
+    def predictor_done(self) -> None:
+        """After a training forward's predictor work (its selection, update and profiling), with
+        `cfg.host_offload`: park this layer's predictor in host memory and start bringing back the next
+        layer's, which its forward needs soon. Not in a checkpointing recompute: that re-selects from kept
+        rows, and a predictor brought back then would sit on the GPU through the backward."""
+        if not self.cfg.host_offload or self.predictor is None or torch._C._current_graph_task_id() != -1:
+            return
+        self.predictor.park()
+        following = [layer.predictor for layer in self.controller.layers[self.layer_index + 1:]
+                     if layer.predictor is not None]
+        if following:
+            following[0].prefetch()
 
     def _warn_if_slow(self, q: torch.Tensor) -> None:
         if self._last_backend == "reference" and q.is_cuda and not self._warned_backend:
@@ -499,6 +515,25 @@ class DSVAttention(DSVAttentionCore):
         out = self.attend(q, k, v, index)
         out = self.to_out(out.transpose(1, 2).reshape(batch, seq_len, self.heads * self.head_dim))
         return out if grouped else out.index_select(1, inv)
+
+
+class RepeatableSelection:
+    """`select_from_rows(*rows)` as a call that can run again (a checkpointing recompute re-selects). With
+    `offload` (CUDA rows), after the first call the rows (`rows`) wait in pinned host memory, copied there and
+    back asynchronously on the current stream, which orders the copies; the host never reads them."""
+
+    def __init__(self, select_from_rows: Callable[..., SparseIndex], rows: tuple[torch.Tensor, ...],
+                 offload: bool = False):
+        self.select_from_rows = select_from_rows
+        self.rows = rows
+        self.device = rows[0].device
+        self.offload = offload and self.device.type == "cuda"
+
+    def __call__(self) -> SparseIndex:
+        index = self.select_from_rows(*(row.to(self.device, non_blocking=True) for row in self.rows))
+        if self.offload and self.rows[0].device == self.device:
+            self.rows = tuple(row.to("cpu", non_blocking=True) for row in self.rows)  # pinned: non_blocking from CUDA
+        return index
 
 
 def _fingerprint(hidden: torch.Tensor) -> torch.Tensor:
@@ -632,7 +667,10 @@ def _update_kernel(
     # activation checkpoint (it runs once per step, not again in the recompute).
     with (_autograd_dispatch(), _autocast(q.device.type, autocast_dtype),
           torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)):
-        layer._learn_and_profile(hidden, q, k, tuple(grid), loss_ema, sparsity_ema, recall_ema, keep_boost)
+        try:
+            layer._learn_and_profile(hidden, q, k, tuple(grid), loss_ema, sparsity_ema, recall_ema, keep_boost)
+        finally:
+            layer.predictor_done()
 
 
 _layer_update = torch.library.custom_op("dsv::layer_update", _update_kernel,

@@ -53,6 +53,12 @@ class AttentionConfig:
     # (`dsv.modules.dispatch`); False dispatches on sparsity alone (kernel checks on short sequences).
     speed_dispatch: bool = True
 
+    # Keep DSV's per-layer training state in pinned host memory between its uses (CUDA): each predictor's
+    # weights and AdamW moments from its update to its next use, and the pooled low-rank rows that a
+    # checkpointing recompute re-selects from, from the forward to the recompute. Lowers the training peak
+    # (at the start of the backward) by that state, for a few asynchronous copies per layer and step.
+    host_offload: bool = False
+
     window_frac: float = 2.0 / 3.0  # window extent per dimension for mode=window
     check_finite: bool = True  # raise on NaN/Inf activations entering attention
 

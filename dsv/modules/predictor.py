@@ -6,6 +6,8 @@ the layer's forward pass, so no S×S intermediate is kept alive for the model's 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -105,9 +107,91 @@ class LowRankPredictor(nn.Module):
         # The optimizer lives with the predictor: it is not part of the model's optimizer, and the
         # trainer saves its state through `optimizer_state_dict`.
         self.optimizer = torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=0.0)
+        # Parking (`park`): the device the state was parked from, pinned host buffers by slot, and a
+        # prefetch in flight. Whatever reads or writes the state from outside first brings it back.
+        self._parked_from: torch.device | None = None
+        self._host_buffers: list[torch.Tensor] = []
+        self._incoming: tuple[list[torch.Tensor], list[torch.Tensor], torch.cuda.Event] | None = None
+        self.register_state_dict_pre_hook(self._unpark_hook)
+        self.register_load_state_dict_pre_hook(self._unpark_hook)
+        self.optimizer.register_state_dict_pre_hook(self._unpark_hook)
+        self.optimizer.register_load_state_dict_pre_hook(self._unpark_hook)
+
+    # ----- parking: the state in pinned host memory between uses -----
+    def _state_tensors(self) -> list[torch.Tensor]:
+        """Weights and AdamW moments (not the step counts, 0-d host tensors), in a fixed order."""
+        params = list(self.parameters())
+        moments = [value for p in params for value in self.optimizer.state.get(p, {}).values()
+                   if isinstance(value, torch.Tensor) and value.dim() > 0]
+        return params + moments
+
+    @property
+    def parked(self) -> bool:
+        return self._parked_from is not None
+
+    def park(self) -> None:
+        """Move the weights and AdamW moments to pinned host memory until their next use, which brings them
+        back (`unpark`): between a training step's update and the next step's selection a layer needs none of
+        it, and at the backward's memory peak it would sit on the GPU in every layer. Asynchronous: the
+        copies run on a side stream after the work queued so far. CUDA only (elsewhere a no-op)."""
+        tensors = self._state_tensors()
+        device = tensors[0].device
+        if self._parked_from is not None or device.type != "cuda":
+            return
+        stream = _copy_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))  # after the update that wrote them
+        while len(self._host_buffers) < len(tensors):
+            self._host_buffers.append(torch.empty(0))
+        with torch.cuda.stream(stream):
+            for slot, tensor in enumerate(tensors):
+                host = self._host_buffers[slot]
+                if host.shape != tensor.shape or host.dtype != tensor.dtype:
+                    host = self._host_buffers[slot] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                host.copy_(tensor, non_blocking=True)
+        for tensor, host in zip(tensors, self._host_buffers):
+            tensor.data.record_stream(stream)  # the device memory outlives the copy that reads it
+            tensor.data = host
+        self._parked_from = device
+
+    def prefetch(self) -> None:
+        """Start bringing parked state back to the device on the side stream (a no-op unless parked), so that
+        the next use (`unpark`) finds it there: a layer prefetches the next layer's predictor."""
+        if self._parked_from is None or self._incoming is not None:
+            return
+        device = self._parked_from
+        tensors = self._state_tensors()
+        copies = [torch.empty_like(tensor, device=device) for tensor in tensors]
+        stream = _copy_stream(device)
+        # The new blocks may have been freed by work still queued on the current stream.
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for copy, tensor in zip(copies, tensors):
+                copy.copy_(tensor, non_blocking=True)
+        self._incoming = (tensors, copies, stream.record_event())
+
+    def unpark(self) -> None:
+        """Bring parked state back to the device (a no-op unless parked); later work on the current stream
+        waits for the copies, the host does not."""
+        if self._parked_from is None:
+            return
+        self.prefetch()
+        tensors, copies, ready = self._incoming
+        torch.cuda.current_stream(self._parked_from).wait_event(ready)
+        for tensor, copy in zip(tensors, copies):
+            tensor.data = copy
+        self._incoming, self._parked_from = None, None
+
+    def _unpark_hook(self, *_args) -> None:
+        # state_dict / load_state_dict of the module or its optimizer: they read or write the tensors directly.
+        self.unpark()
+
+    def _apply(self, fn, recurse=True):
+        self.unpark()  # `.to()`, `.cuda()`, `.float()` act on the state where it belongs
+        return super()._apply(fn, recurse)
 
     def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`hidden [B, S, C]` → `(q_lr, k_lr)`, each `[B, H, S, rank]`."""
+        self.unpark()
         b, s, _ = hidden.shape
         q_lr = self.q_proj(hidden).view(b, s, self.heads, self.rank).transpose(1, 2)
         k_lr = self.k_proj(hidden).view(b, s, self.heads, self.rank).transpose(1, 2)
@@ -121,6 +205,7 @@ class LowRankPredictor(nn.Module):
         The projections are linear without bias, so the mean of projected rows is the projection of the mean
         hidden state: pooling `hidden [B, S, C]` first (one read, accumulated in fp32 or fp64) replaces the
         `S x C x 2r` projection of every token by one of `NG + NKB` rows, with autocast off."""
+        self.unpark()
         accumulate = torch.float64 if hidden.dtype == torch.float64 else torch.float32
 
         def means(segment: int) -> torch.Tensor:
@@ -149,6 +234,7 @@ class LowRankPredictor(nn.Module):
     ) -> torch.Tensor:
         """Loss on sampled query rows: `hidden [B,S,C]`, `q, k [B,H,S,D]`, `rows` LongTensor `[R]`; over
         the key positions `keys` LongTensor `[M]` only when given (see `sample_key_positions`), else all."""
+        self.unpark()
         dtype = self.q_proj.weight.dtype  # the predictor keeps its own (fp32) precision under autocast
         hidden = hidden.to(dtype)
         b = hidden.shape[0]
@@ -177,6 +263,7 @@ class LowRankPredictor(nn.Module):
     def step(self, compute_loss, device_type: str) -> torch.Tensor:
         """One optimizer step on the 0-d loss that `compute_loss()` builds from this predictor's
         parameters (fp32: autocast is off inside); returns the loss, detached."""
+        self.unpark()
         with torch.enable_grad(), torch.autocast(device_type, enabled=False):
             loss = compute_loss()
             loss.backward()
@@ -194,3 +281,9 @@ class LowRankPredictor(nn.Module):
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+
+
+@functools.lru_cache(maxsize=None)
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for the parking copies: they then overlap the compute stream's work."""
+    return torch.cuda.Stream(device)

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from dsv.modules.attention import DSVAttention, _ema, key_seed
+from dsv.modules.attention import DSVAttention, RepeatableSelection, _ema, key_seed
 from dsv.ops import (
     SparseIndex,
     estimate_index_from_means,
@@ -249,7 +249,10 @@ class ContextParallel:
         index = self._select(layer, x, q, k, layout, grid) if layer.runs_sparse() else None
         if learning:
             with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-                self._learn_and_profile(layer, x, q, k, layout, grid)
+                try:
+                    self._learn_and_profile(layer, x, q, k, layout, grid)
+                finally:
+                    layer.predictor_done()
         out = self.attend(q, k, v, index, layout, layer.scale, layer.sparse_backend)
         kind = "dense:sdpa" if index is None else f"sparse:{layer.sparse_backend}"
         layer.last_path = f"{kind} {layout.describe()}"
@@ -303,10 +306,11 @@ class ContextParallel:
         """The whole-sequence index of this rank's heads (what one process selects for them)."""
         return self._selection(layer, x, q, k, layout, grid, keep_blocks)()
 
-    def _selection(self, layer, x, q, k, layout, grid, keep_blocks: torch.Tensor) -> Callable[[], SparseIndex]:
+    def _selection(self, layer, x, q, k, layout, grid, keep_blocks: torch.Tensor,
+                   keep_for_recompute: bool = False) -> Callable[[], SparseIndex]:
         """A call that gives `_index`, and gives it again in the checkpointing recompute: as in
         `DSVAttentionCore._selection`, the learned selection keeps the pooled rows (after the exchange), not
-        the index."""
+        the index (in host memory with `host_offload`, when `keep_for_recompute`)."""
         cfg, heads = layer.cfg, layout.heads
         if cfg.mode == "window":
             index = select_heads(layer._window(grid, q.shape[0], q.device), heads)
@@ -318,17 +322,21 @@ class ContextParallel:
                                      cfg.key_block, scale=layer.scale)
                 return lambda: index
             proxies, block_keys = self._pooled_low_rank(layer, x, layout)
-        return functools.partial(estimate_index_from_means, proxies, block_keys, keep, cfg.group_size,
-                                 cfg.key_block, q.shape[2] * layout.scp, backend=cfg.backend)
+        return RepeatableSelection(
+            functools.partial(estimate_index_from_means, keep_blocks=keep, group_size=cfg.group_size,
+                              kv_block=cfg.key_block, seq_len=q.shape[2] * layout.scp, backend=cfg.backend),
+            (proxies, block_keys), offload=keep_for_recompute and cfg.host_offload)
 
     def _select(self, layer, x, q, k, layout, grid) -> SparseIndex | LocalIndex:
         # As `DSVAttentionCore._select`: a checkpointing recompute (inside backward) reuses the forward's keys.
         key = (*layer._forward_key(q), layout)
         seq_len = q.shape[2] * layout.scp
 
-        def selection() -> Callable[[], SparseIndex | LocalIndex]:
+        training = layer.training and torch.is_grad_enabled()
+
+        def selection(keep_for_recompute: bool = False) -> Callable[[], SparseIndex | LocalIndex]:
             select_whole = self._selection(layer, x, q, k, layout, grid,
-                                           layer._keep_blocks(-(-seq_len // layer.cfg.key_block)))
+                                           layer._keep_blocks(-(-seq_len // layer.cfg.key_block)), keep_for_recompute)
 
             def select() -> SparseIndex | LocalIndex:
                 index = select_whole()
@@ -338,8 +346,8 @@ class ContextParallel:
 
         if torch._C._current_graph_task_id() != -1:
             return layer.recall_selection(key, x, lambda: selection()())
-        select = selection()
-        if layer.training and torch.is_grad_enabled():
+        select = selection(keep_for_recompute=training)
+        if training:
             layer.remember_selection(key, x, select)
         return select()
 

@@ -69,6 +69,7 @@ def _replicated_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
             named += [(f"{module_name}.{name}", t) for name, t in module.named_buffers(recurse=False)]
         predictor = getattr(module, "predictor", None) if isinstance(module, DSVAttentionCore) else None
         if isinstance(predictor, LowRankPredictor):
+            predictor.unpark()  # parked weights may still be on their way to host memory
             named += [(f"{module_name}.predictor.{name}", p) for name, p in predictor.named_parameters()]
     return named
 

@@ -72,13 +72,15 @@ def test_profiling_steps_keep_the_profile_under_test():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_stage2_training_step_has_no_host_sync_on_gpu():
+@pytest.mark.parametrize("host_offload", [False, True])
+def test_stage2_training_step_has_no_host_sync_on_gpu(host_offload):
     """A stage-2 training step (sparse Triton blocks, predictor update, activation checkpointing, AdamW) never
-    waits for the GPU, so the host stays ahead: profiling steps and `check_finite` sync by design and are
-    off here (the bench turns them off too)."""
+    waits for the GPU, so the host stays ahead, also when DSV's state moves to host memory and back:
+    profiling steps and `check_finite` sync by design and are off here (the bench turns them off too)."""
     cfg = apply_overrides(get_recipe("debug_cpu"), ["model.depth=3", "model.hidden=64", "model.heads=2",
                                                     "attention.cube=4,4,4", "attention.speed_dispatch=false",
-                                                    "attention.predictor_keys=256"])  # its draw too
+                                                    "attention.predictor_keys=256",  # its draw too
+                                                    f"attention.host_offload={host_offload}"])
     run = _Run(cfg, "dsv", 512, 8, torch.device("cuda"))
     run.step()  # stage 1
     run.enter_stage2([[0.9, 0.9]] * 3)
