@@ -177,7 +177,8 @@ def summarize(snapshots: dict[str, dict], top: int = 25, under: str = "/dsv/",
         if len(snapshots) == 2:
             a, b = snapshots
             changes = diff(sites[a], sites[b])
-            lines.append(f"{b} - {a}, device {device}: {(peaks[b].bytes - peaks[a].bytes) / GIB:+.3f} GiB "
+            difference = peaks[b].bytes - peaks[a].bytes
+            lines.append(f"{b} - {a}, device {device}: {difference / GIB:+.3f} GiB ({difference / 2**20:+.2f} MiB) "
                          "at the peaks, by site")
             more = [change for change in changes if change[1] > 0][:top]
             less = [change for change in reversed(changes) if change[1] < 0][:top]

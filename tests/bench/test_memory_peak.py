@@ -112,7 +112,7 @@ def test_diff_is_b_minus_a_by_site_largest_first():
     assert lines[1] == "  at event 1 of 8: a 512.0 MiB alloc at dsv/b.py:20 (f)"
     assert lines[2].split() == ["3.000", "GiB", "2", "blocks", "allocated", "before", "recording"]
     assert lines[4].startswith("b, device 0: peak 5.750 GiB allocated (2.000 GiB when")  # top=2: 2 sites
-    assert lines[8] == "b - a, device 0: +1.250 GiB at the peaks, by site"
+    assert lines[8] == "b - a, device 0: +1.250 GiB (+1280.00 MiB) at the peaks, by site"
     assert lines[9:] == ["  held more by b:", "    +2.000 GiB  MulBackward0 (autograd, no Python frame)",
                          "    +0.500 GiB  dsv/c.py:30",
                          "  held less by b:", "    -1.000 GiB  allocated before recording",
@@ -133,7 +133,7 @@ def test_command_line(tmp_path):
         paths[-1].write_bytes(pickle.dumps(s))
     run = subprocess.run([sys.executable, str(SCRIPT), *map(str, paths), "--top", "1"],
                          capture_output=True, text=True, check=True)
-    assert f"{paths[1]} - {paths[0]}, device 0: +1.250 GiB at the peaks, by site" in run.stdout
+    assert f"{paths[1]} - {paths[0]}, device 0: +1.250 GiB (+1280.00 MiB) at the peaks, by site" in run.stdout
     run = subprocess.run([sys.executable, str(SCRIPT), str(paths[0]), str(paths[0])],
                          capture_output=True, text=True)
     assert run.returncode == 2 and "two different ones" in run.stderr
