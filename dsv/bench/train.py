@@ -259,7 +259,7 @@ def run(args) -> int:
             row["speedup"] = dense_ms / row["ms"] if dense_ms else float("nan")
             rows.append(row)
             print(f"{tokens:>6} {mode:>6}: {row['ms']:.1f} ms/step, {row['speedup']:.2f}x dense, "
-                  f"{row['peak_gib']:.1f} GiB, {row['sparse_blocks']} sparse blocks. {row['notes']}", flush=True)
+                  f"{row['peak_gib']:.3f} GiB, {row['sparse_blocks']} sparse blocks. {row['notes']}", flush=True)
             del run_
             # The layers and their controller reference each other: only the cycle collector frees them, and
             # until it runs the last model's attention weights would count in the next run's peak.
@@ -279,7 +279,7 @@ def run(args) -> int:
              "| tokens | mode | ms/step | × dense | peak GiB (timed steps) | sparse blocks | DSV overheads |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['tokens']} | {r['mode']} | {r['ms']:.1f} | {r['speedup']:.2f} | {r['peak_gib']:.1f} | "
+        lines.append(f"| {r['tokens']} | {r['mode']} | {r['ms']:.1f} | {r['speedup']:.2f} | {r['peak_gib']:.3f} | "
                      f"{r['sparse_blocks']} | {r['notes']} |")
     report = "\n".join(lines) + "\n"
     print(report)
