@@ -429,18 +429,31 @@ class DSVAttentionCore(nn.Module):
             if controller.current_stage == 2:
                 self.update_keep_boost(keep_boost, recall)
 
+    def will_use_predictor(self) -> bool:
+        """Whether this layer's next training forward of the current step uses its predictor: a sparse block
+        selects with it in every forward; learning and profiling use it in the step's first forward only."""
+        if self.predictor is None or self.controller is None:
+            return False
+        if self.runs_sparse():
+            return True
+        controller = self.controller
+        if self._learned_id == controller.forward_id:
+            return False
+        learn_period = 1 if controller.current_stage == 1 else self.cfg.learn_every_stage2
+        return controller.step % learn_period == 0 or controller.profile_due()
+
     def predictor_done(self) -> None:
         """After a training forward's predictor work (its selection, update and profiling), with
-        `cfg.host_offload`: park this layer's predictor in host memory and start bringing back the next
-        layer's, which its forward needs soon. Not in a checkpointing recompute: that re-selects from kept
-        rows, and a predictor brought back then would sit on the GPU through the backward."""
+        `cfg.host_offload`: park this layer's predictor in host memory and start bringing back the predictor
+        of the next layer that uses its own in this forward. Not in a checkpointing recompute: that
+        re-selects from kept rows, and a predictor brought back then would sit on the GPU through the
+        backward."""
         if not self.cfg.host_offload or self.predictor is None or torch._C._current_graph_task_id() != -1:
             return
         self.predictor.park()
-        following = [layer.predictor for layer in self.controller.layers[self.layer_index + 1:]
-                     if layer.predictor is not None]
+        following = [layer for layer in self.controller.layers[self.layer_index + 1:] if layer.will_use_predictor()]
         if following:
-            following[0].prefetch()
+            following[0].predictor.prefetch()
 
     def _warn_if_slow(self, q: torch.Tensor) -> None:
         if self._last_backend == "reference" and q.is_cuda and not self._warned_backend:

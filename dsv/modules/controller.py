@@ -68,11 +68,11 @@ class DSVController(nn.Module):
         self.step = step
         self.forward_id += 1
         if self.cfg.host_offload:
-            # Each layer's predictor work brings back the next layer's predictor (`predictor_done`); the
-            # first one starts here.
-            predictors = [layer.predictor for layer in self._layers if layer.predictor is not None]
-            if predictors:
-                predictors[0].prefetch()
+            # Each layer's predictor work brings back the next predictor in use (`predictor_done`); the first
+            # one starts here.
+            users = [layer for layer in self._layers if layer.will_use_predictor()]
+            if users:
+                users[0].predictor.prefetch()
 
     def profile_due(self) -> bool:
         every = self.cfg.profile_every_stage1 if self._stage_host == 1 else self.cfg.profile_every_stage2

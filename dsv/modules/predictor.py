@@ -13,6 +13,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dsv.ops.grouping import outside_inference_mode
+
 
 def predictor_loss(
     pred_scores: torch.Tensor, true_scores: torch.Tensor, cosine_weight: float, mse_weight: float
@@ -133,24 +135,34 @@ class LowRankPredictor(nn.Module):
         """Move the weights and AdamW moments to pinned host memory until their next use, which brings them
         back (`unpark`): between a training step's update and the next step's selection a layer needs none of
         it, and at the backward's memory peak it would sit on the GPU in every layer. Asynchronous: the
-        copies run on a side stream after the work queued so far. CUDA only (elsewhere a no-op)."""
+        copies run on a side stream after the work queued so far. CUDA only (elsewhere a no-op).
+
+        While parked, `parameters()` and the optimizer's moments are host tensors that a copy may still be
+        writing: read them through `state_dict()` (or after `unpark()`), not directly."""
         tensors = self._state_tensors()
         device = tensors[0].device
-        if self._parked_from is not None or device.type != "cuda":
+        if self._parked_from is not None:
+            self._incoming = None  # a prefetch nobody used: its copies go (`prefetch` guards their memory)
+            return
+        if device.type != "cuda":
             return
         stream = _copy_stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))  # after the update that wrote them
-        while len(self._host_buffers) < len(tensors):
-            self._host_buffers.append(torch.empty(0))
-        with torch.cuda.stream(stream):
-            for slot, tensor in enumerate(tensors):
-                host = self._host_buffers[slot]
-                if host.shape != tensor.shape or host.dtype != tensor.dtype:
-                    host = self._host_buffers[slot] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-                host.copy_(tensor, non_blocking=True)
-        for tensor, host in zip(tensors, self._host_buffers):
-            tensor.data.record_stream(stream)  # the device memory outlives the copy that reads it
-            tensor.data = host
+        # No autograd record and no inference tensors: the buffers outlive this call (a forward may run
+        # under grad or under torch.inference_mode).
+        with torch.no_grad(), outside_inference_mode():
+            stream.wait_stream(torch.cuda.current_stream(device))  # after the update that wrote them
+            while len(self._host_buffers) < len(tensors):
+                self._host_buffers.append(torch.empty(0))
+            with torch.cuda.stream(stream):
+                for slot, tensor in enumerate(tensors):
+                    host = self._host_buffers[slot]
+                    if host.shape != tensor.shape or host.dtype != tensor.dtype:
+                        host = self._host_buffers[slot] = torch.empty(tensor.shape, dtype=tensor.dtype,
+                                                                      pin_memory=True)
+                    host.copy_(tensor, non_blocking=True)
+            for tensor, host in zip(tensors, self._host_buffers):
+                tensor.data.record_stream(stream)  # the device memory outlives the copy that reads it
+                tensor.data = host
         self._parked_from = device
 
     def prefetch(self) -> None:
@@ -160,13 +172,16 @@ class LowRankPredictor(nn.Module):
             return
         device = self._parked_from
         tensors = self._state_tensors()
-        copies = [torch.empty_like(tensor, device=device) for tensor in tensors]
         stream = _copy_stream(device)
-        # The new blocks may have been freed by work still queued on the current stream.
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for copy, tensor in zip(copies, tensors):
-                copy.copy_(tensor, non_blocking=True)
+        with torch.no_grad(), outside_inference_mode():
+            copies = [torch.empty_like(tensor, device=device) for tensor in tensors]
+            # The new blocks may have been freed by work still queued on the current stream.
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for copy, tensor in zip(copies, tensors):
+                    copy.copy_(tensor, non_blocking=True)
+            for copy in copies:
+                copy.record_stream(stream)  # dropped unused (`park`), their memory waits for the copies
         self._incoming = (tensors, copies, stream.record_event())
 
     def unpark(self) -> None:
@@ -176,10 +191,21 @@ class LowRankPredictor(nn.Module):
             return
         self.prefetch()
         tensors, copies, ready = self._incoming
-        torch.cuda.current_stream(self._parked_from).wait_event(ready)
-        for tensor, copy in zip(tensors, copies):
-            tensor.data = copy
+        current = torch.cuda.current_stream(self._parked_from)
+        current.wait_event(ready)
+        with torch.no_grad(), outside_inference_mode():
+            for tensor, copy in zip(tensors, copies):
+                copy.record_stream(current)  # used here, whichever stream's memory it came from
+                tensor.data = copy
         self._incoming, self._parked_from = None, None
+
+    def __getstate__(self) -> dict:
+        # A copy or pickle reads the state where it belongs, with no copy in flight; the host buffers are
+        # scratch space of this object.
+        self.unpark()
+        state = self.__dict__.copy()
+        state["_host_buffers"] = []
+        return state
 
     def _unpark_hook(self, *_args) -> None:
         # state_dict / load_state_dict of the module or its optimizer: they read or write the tensors directly.

@@ -183,6 +183,7 @@ class Trainer:
     def full_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """`(full model weights, training state)`; with several ranks a collective (every rank calls it)
         that gathers the sharded weights and optimizer state and every rank's random state."""
+        self._unpark_predictors()
         if self.world == 1:
             weights, optimizer = self.model.state_dict(), self.optimizer.state_dict()
             rng = [self._rank_rng_state()]
@@ -227,7 +228,14 @@ class Trainer:
             raise CheckpointError(f"saving step {self.step} failed on rank 0: {error} (older checkpoints are intact)")
         return path
 
+    def _unpark_predictors(self) -> None:
+        # Parked (`attention.host_offload`) predictors hold host tensors; the distributed state-dict helpers
+        # look at every parameter's device before any hook of ours runs.
+        for predictor in self._predictors():
+            predictor.unpark()
+
     def _restore(self, ckpt: Path) -> None:
+        self._unpark_predictors()
         weights, state, manifest = load_checkpoint(ckpt)
         saved = config_from_dict(manifest["config"])
         diff = [f"{section}.{k}: checkpoint {v!r}, run {getattr(getattr(self.cfg, section), k)!r}"

@@ -1,6 +1,7 @@
 """`attention.host_offload`: DSV's per-layer training state waits in pinned host memory between its uses, and
 training is bit-for-bit what it is without it."""
 
+import copy
 import dataclasses
 
 import pytest
@@ -8,7 +9,8 @@ import torch
 
 from dsv.bench.train import _Run
 from dsv.modules.attention import RepeatableSelection
-from dsv.modules.predictor import LowRankPredictor
+from dsv.modules.dit import flow_matching_loss
+from dsv.modules.predictor import LowRankPredictor, _copy_stream
 from dsv.ops import estimate_index_from_means
 from dsv.train.config import apply_overrides
 from dsv.train.recipes import get_recipe
@@ -16,6 +18,9 @@ from dsv.train.recipes import get_recipe
 HAS_CUDA = torch.cuda.is_available()
 SHAPE = ["model.depth=3", "model.hidden=64", "model.heads=2", "attention.cube=4,4,4", "attention.speed_dispatch=false",
          "attention.predictor_keys=256", "attention.keep_floor_blocks=2"]
+# GPU cycles a stall holds a stream (~0.5 ms at 2 GHz): far longer than this model's copies and kernels, so a
+# copy or a use that does not wait for its stream's work reads unfinished data.
+STALL_CYCLES = 1_000_000
 
 
 def _runs(device: str, *extra: str) -> tuple[_Run, _Run]:
@@ -24,33 +29,54 @@ def _runs(device: str, *extra: str) -> tuple[_Run, _Run]:
     plain = _Run(cfg, "dsv", 512, 8, torch.device(device))
     offloaded = _Run(dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, host_offload=True)),
                      "dsv", 512, 8, torch.device(device))
+    for run in (plain, offloaded):
+        run.set_attention(profile_every_stage2=2)
     return plain, offloaded
 
 
-def _train_alike(plain: _Run, offloaded: _Run, after_each=lambda: None) -> None:
-    """Stage 1, then stage 2 with sparse blocks and a profiling step; after every step the two runs hold the
-    same weights (model and predictors) and AdamW moments, bit for bit."""
-    for run in (plain, offloaded):
-        run.set_attention(profile_every_stage2=2)
+def _accumulating_step(run: _Run, micro_batches: int) -> None:
+    """`_Run.step` with the loss over `micro_batches` forward-backward passes (gradient accumulation)."""
+    controller = run.model.controller
+    controller.begin_step(run.step_index)
+    for _ in range(micro_batches):
+        with torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=run.device.type == "cuda"):
+            loss = flow_matching_loss(run.model, run.x0, run.t, run.noise) / micro_batches
+        loss.backward()
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    controller.end_step()
+    run.step_index += 1
+
+
+def _train_alike(plain: _Run, offloaded: _Run, after_each=lambda: None, micro_batches: int = 1,
+                 between=lambda run: None) -> None:
+    """Stage 1, then stage 2 with sparse blocks and a profiling step; `between(run)` after each step of
+    both. Then the two runs hold the same weights (model and predictors) and AdamW moments, bit for bit."""
     sparse_steps = 0
     for step in range(4):
         if step == 1:
             for run in (plain, offloaded):
                 run.enter_stage2([[0.9, 0.9]] * 3)
-        plain.step()
-        offloaded.step()
+        for run in (plain, offloaded):
+            _accumulating_step(run, micro_batches)
         after_each()
         sparse_steps += any(layer.last_path.startswith("sparse") for layer in offloaded.model.controller.layers)
-        want, got = plain.model.state_dict(), offloaded.model.state_dict()  # unparks
-        assert want.keys() == got.keys()
-        for name in want:
-            assert torch.equal(want[name], got[name]), (step, name)
-        for a, b in zip(plain.model.controller.layers, offloaded.model.controller.layers):
-            moments_a = [v for s in a.predictor.optimizer.state_dict()["state"].values() for v in s.values()]
-            moments_b = [v for s in b.predictor.optimizer.state_dict()["state"].values() for v in s.values()]
-            assert len(moments_a) == len(moments_b) > 0
-            assert all(torch.equal(x, y) for x, y in zip(moments_a, moments_b)), step
+        for run in (plain, offloaded):
+            between(run)
     assert sparse_steps >= 2  # the recompute re-selected from offloaded rows
+    _assert_same_state(plain.model, offloaded.model)
+
+
+def _assert_same_state(want_model, got_model) -> None:
+    want, got = want_model.state_dict(), got_model.state_dict()  # unparks
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+    for a, b in zip(want_model.controller.layers, got_model.controller.layers):
+        moments_a = [v for s in a.predictor.optimizer.state_dict()["state"].values() for v in s.values()]
+        moments_b = [v for s in b.predictor.optimizer.state_dict()["state"].values() for v in s.values()]
+        assert len(moments_a) == len(moments_b) > 0
+        assert all(torch.equal(x, y) for x, y in zip(moments_a, moments_b))
 
 
 def test_host_offload_is_a_no_op_off_cuda():
@@ -76,17 +102,54 @@ def test_repeatable_selection_gives_the_same_index_again():
     assert again.rows[0] is rows[0]  # nothing to offload to on the CPU
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_host_offload_parks_between_steps_and_trains_identically_on_gpu():
-    """After each step every predictor's weights and AdamW moments sit in pinned host memory, the rows kept
-    for the recompute too; reading the state (state_dict) brings it back; the runs stay bit-identical."""
-    plain, offloaded = _runs("cuda")
+def test_a_layer_knows_whether_its_next_forward_uses_the_predictor():
+    """What the offload prefetches by: every layer in a step's first forward while it learns every step; after
+    that forward only the sparse blocks (they select in every forward); none of the dense ones on a stage-2
+    step that neither learns nor profiles."""
+    cfg = apply_overrides(get_recipe("debug_cpu"), SHAPE + ["attention.learn_every_stage2=2"])
+    run = _Run(cfg, "dsv", 512, 8, torch.device("cpu"))
+    layers = run.model.controller.layers
+    run.model.controller.begin_step(0)
+    assert all(layer.will_use_predictor() for layer in layers)  # stage 1 learns every step
+    run.step_index = 0
+    run.step()  # begins step 0 again (the same forward id rule) and runs its forward
+    assert not any(layer.will_use_predictor() for layer in layers)  # learned in this step already
+    run.enter_stage2([[0.9, 0.9], [0.1, 0.1], [0.9, 0.9]])  # blocks 0 and 2 sparse, block 1 dense
+    assert [layer.runs_sparse() for layer in layers] == [True, False, True]
+    assert [layer.will_use_predictor() for layer in layers] == [True, False, True]
+    run.model.controller.begin_step(1)  # odd: no predictor step (every 2nd in stage 2), no profiling
+    assert not run.model.controller.profile_due()
+    assert [layer.will_use_predictor() for layer in layers] == [True, False, True]
+    run.model.controller.begin_step(2)  # even: every layer learns
+    assert all(layer.will_use_predictor() for layer in layers)
 
-    def parked_on_host():
+
+@pytest.fixture
+def stalled_streams(monkeypatch):
+    """Stall the compute stream before each predictor update and the copy stream before each prefetch: a
+    park that did not wait for the update, or a use that did not wait for its prefetch, then moves or reads
+    unfinished data."""
+    step, prefetch = LowRankPredictor.step, LowRankPredictor.prefetch
+
+    def slow_step(self, compute_loss, device_type):
+        torch.cuda._sleep(STALL_CYCLES)
+        return step(self, compute_loss, device_type)
+
+    def slow_prefetch(self):
+        if self.parked and self._incoming is None:
+            with torch.cuda.stream(_copy_stream(self._parked_from)):
+                torch.cuda._sleep(STALL_CYCLES)
+        prefetch(self)
+
+    monkeypatch.setattr(LowRankPredictor, "step", slow_step)
+    monkeypatch.setattr(LowRankPredictor, "prefetch", slow_prefetch)
+
+
+def _parked_checks(offloaded: _Run, plain: _Run):
+    def check():
         for layer in offloaded.model.controller.layers:
             predictor = layer.predictor
-            assert predictor.parked
+            assert predictor.parked and predictor._incoming is None  # nothing brought back and left unused
             tensors = predictor._state_tensors()
             assert len(tensors) == 6  # two weights, each with two AdamW moments
             assert all(t.device.type == "cpu" and t.is_pinned() for t in tensors)
@@ -98,7 +161,39 @@ def test_host_offload_parks_between_steps_and_trains_identically_on_gpu():
             assert not layer.predictor.parked
             assert all(t.is_cuda for t in layer.predictor._state_tensors())
 
-    _train_alike(plain, offloaded, parked_on_host)
+    return check
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_host_offload_parks_between_steps_and_trains_identically_on_gpu(stalled_streams, micro_batches):
+    """After each step every predictor's weights and AdamW moments sit in pinned host memory, the rows kept
+    for the recompute too, with no prefetched copy left on the GPU (also with two micro-batches per step,
+    whose second forward uses only the sparse blocks' predictors); both runs end bit-identical."""
+    plain, offloaded = _runs("cuda")
+    _train_alike(plain, offloaded, _parked_checks(offloaded, plain), micro_batches=micro_batches)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_offloaded_model_samples_under_inference_mode_copies_and_trains_on_gpu():
+    """An evaluation forward under torch.inference_mode between steps brings parked predictors back; the
+    training after it and a deepcopy of the model work and agree with the run without offload."""
+    plain, offloaded = _runs("cuda")
+
+    def evaluate(run: _Run) -> None:
+        run.model.eval()
+        with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
+            flow_matching_loss(run.model, run.x0, run.t, run.noise)
+        run.model.train()
+
+    _train_alike(plain, offloaded, between=evaluate)
+    _accumulating_step(offloaded, 1)  # parks again
+    _accumulating_step(plain, 1)
+    twin = copy.deepcopy(offloaded.model)
+    assert not any(layer.predictor.parked for layer in twin.controller.layers)
+    _assert_same_state(plain.model, twin)
 
 
 @pytest.mark.gpu
@@ -106,11 +201,12 @@ def test_host_offload_parks_between_steps_and_trains_identically_on_gpu():
 def test_parked_predictor_reads_writes_and_moves_its_state_on_gpu():
     torch.manual_seed(0)
     predictor = LowRankPredictor(32, 2, rank=4).cuda()
-    hidden, q, k = torch.randn(1, 64, 32, device="cuda"), torch.randn(1, 2, 64, 8, device="cuda"), None
-    k = torch.randn(1, 2, 64, 8, device="cuda")
+    hidden, q, k = (torch.randn(1, 64, 32, device="cuda"), torch.randn(1, 2, 64, 8, device="cuda"),
+                    torch.randn(1, 2, 64, 8, device="cuda"))
     predictor.update(hidden, q, k, torch.arange(0, 64, 8, device="cuda"), 8**-0.5)
     weights = {name: t.clone() for name, t in predictor.state_dict().items()}
-    moments = [v.clone() for s in predictor.optimizer.state_dict()["state"].values() for v in s.values()]
+    state = copy.deepcopy(predictor.optimizer.state_dict())
+    moments = [v for s in state["state"].values() for v in s.values() if v.dim() > 0]
 
     predictor.park()
     assert predictor.parked and predictor.q_proj.weight.device.type == "cpu"
@@ -119,18 +215,24 @@ def test_parked_predictor_reads_writes_and_moves_its_state_on_gpu():
     assert all(saved[name].is_cuda and torch.equal(saved[name], weights[name]) for name in weights)
 
     predictor.park()
-    state = predictor.optimizer.state_dict()
+    live = predictor.optimizer.state_dict()
     assert not predictor.parked
-    assert all(torch.equal(a, b) for a, b in zip(moments, [v for s in state["state"].values() for v in s.values()]))
+    assert all(torch.equal(a, b) for a, b in zip(moments, [v for s in live["state"].values() for v in s.values()
+                                                            if v.dim() > 0]))
 
     predictor.park()
     predictor.load_state_dict({name: torch.zeros_like(t) for name, t in weights.items()})
     assert not predictor.parked and predictor.q_proj.weight.is_cuda and not predictor.q_proj.weight.any()
 
     predictor.park()
-    predictor.optimizer.load_state_dict(state)
+    doubled = copy.deepcopy(state)
+    for s in doubled["state"].values():
+        for name in ("exp_avg", "exp_avg_sq"):
+            s[name] = s[name] * 2
+    predictor.optimizer.load_state_dict(doubled)
     assert not predictor.parked
-    assert all(v.is_cuda for s in predictor.optimizer.state.values() for v in s.values() if v.dim() > 0)
+    loaded = [v for s in predictor.optimizer.state.values() for v in s.values() if v.dim() > 0]
+    assert all(v.is_cuda and torch.equal(v, 2 * m) for v, m in zip(loaded, moments))
 
     predictor.park()
     predictor.prefetch()
