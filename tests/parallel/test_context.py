@@ -14,12 +14,12 @@ from tests.parallel import run_distributed
 TOL = dict(rtol=2e-4, atol=2e-5)
 
 
-def _model(mode: str, checkpointing: bool = False, predictor_keys: int = 0) -> VideoDiT:
+def _model(mode: str, checkpointing: bool = False, predictor_keys: int = 0, predictor_lr: float = 1e-3) -> VideoDiT:
     torch.manual_seed(0)
     attn = AttentionConfig(mode=mode, cube=(2, 2, 2), min_stage1_steps=0, max_stage1_steps=1,
                            profile_every_stage1=1, profile_every_stage2=1, sparse_threshold=0.0,
                            keep_floor_blocks=2, sample_stride=4, window_frac=0.5, recall_target=0.95,
-                           predictor_keys=predictor_keys)
+                           predictor_keys=predictor_keys, predictor_lr=predictor_lr)
     model = VideoDiT(ModelConfig(in_channels=3, patch=(1, 2, 2), hidden=32, depth=2, heads=4,
                                  activation_checkpointing=checkpointing), attn)
     # Non-zero output paths, so that every block's attention reaches the loss and its gradients.
@@ -49,10 +49,13 @@ def _steps(model: VideoDiT, steps: int = 3) -> list[tuple[float, dict[str, torch
 
 
 def _worker(rank, world, mode, cp_mode, hcp_size, checkpointing, predictor_keys=0):
-    # The one-process reference never checkpoints: a CP recompute that selected other keys would show.
-    single_model = _model(mode, False, predictor_keys)
+    # The one-process reference never checkpoints: a CP recompute that selected other keys would show. Where
+    # the model checkpoints, a large predictor learning rate makes one predictor step change the selection,
+    # so that a recompute selecting afresh (not its forward's keys) changes the gradients.
+    predictor_lr = 0.3 if checkpointing else 1e-3
+    single_model = _model(mode, False, predictor_keys, predictor_lr)
     single = _steps(single_model)
-    model = _model(mode, checkpointing, predictor_keys)
+    model = _model(mode, checkpointing, predictor_keys, predictor_lr)
     cp = ContextParallel(world, cp_mode, "cpu", hcp_size=hcp_size)
     model.enable_context_parallel(cp)
     parallel = _steps(model)
