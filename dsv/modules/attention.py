@@ -103,6 +103,13 @@ class DSVAttentionCore(nn.Module):
         self.observer = None
         self._runtime_id = _register_layer(self)
 
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        # What this step's recompute re-selects from belongs to this layer's pending backward, not to a copy
+        # (and host-offloaded rows may still be on their way to host memory).
+        state["_selection_cache"] = {}
+        return state
+
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         # A copy (deepcopy, unpickling) is a layer of its own: the runtime ops must find it, not the original.
@@ -451,9 +458,10 @@ class DSVAttentionCore(nn.Module):
         if not self.cfg.host_offload or self.predictor is None or torch._C._current_graph_task_id() != -1:
             return
         self.predictor.park()
-        following = [layer for layer in self.controller.layers[self.layer_index + 1:] if layer.will_use_predictor()]
-        if following:
-            following[0].predictor.prefetch()
+        following = next((layer for layer in self.controller.layers[self.layer_index + 1:]
+                          if layer.will_use_predictor()), None)
+        if following is not None:
+            following.predictor.prefetch()
 
     def _warn_if_slow(self, q: torch.Tensor) -> None:
         if self._last_backend == "reference" and q.is_cuda and not self._warned_backend:

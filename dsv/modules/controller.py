@@ -70,9 +70,9 @@ class DSVController(nn.Module):
         if self.cfg.host_offload:
             # Each layer's predictor work brings back the next predictor in use (`predictor_done`); the first
             # one starts here.
-            users = [layer for layer in self._layers if layer.will_use_predictor()]
-            if users:
-                users[0].predictor.prefetch()
+            first = next((layer for layer in self._layers if layer.will_use_predictor()), None)
+            if first is not None:
+                first.predictor.prefetch()
 
     def profile_due(self) -> bool:
         every = self.cfg.profile_every_stage1 if self._stage_host == 1 else self.cfg.profile_every_stage2

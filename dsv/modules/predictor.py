@@ -116,6 +116,9 @@ class LowRankPredictor(nn.Module):
         self._incoming: tuple[list[torch.Tensor], list[torch.Tensor], torch.cuda.Event] | None = None
         self.register_state_dict_pre_hook(self._unpark_hook)
         self.register_load_state_dict_pre_hook(self._unpark_hook)
+        self._hook_optimizer()
+
+    def _hook_optimizer(self) -> None:
         self.optimizer.register_state_dict_pre_hook(self._unpark_hook)
         self.optimizer.register_load_state_dict_pre_hook(self._unpark_hook)
 
@@ -203,9 +206,13 @@ class LowRankPredictor(nn.Module):
         # A copy or pickle reads the state where it belongs, with no copy in flight; the host buffers are
         # scratch space of this object.
         self.unpark()
-        state = self.__dict__.copy()
+        state = super().__getstate__()
         state["_host_buffers"] = []
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._hook_optimizer()  # an optimizer's copy (or unpickling) starts without hooks
 
     def _unpark_hook(self, *_args) -> None:
         # state_dict / load_state_dict of the module or its optimizer: they read or write the tensors directly.

@@ -3,6 +3,7 @@ training is bit-for-bit what it is without it."""
 
 import copy
 import dataclasses
+import io
 
 import pytest
 import torch
@@ -122,6 +123,39 @@ def test_a_layer_knows_whether_its_next_forward_uses_the_predictor():
     assert [layer.will_use_predictor() for layer in layers] == [True, False, True]
     run.model.controller.begin_step(2)  # even: every layer learns
     assert all(layer.will_use_predictor() for layer in layers)
+
+
+def test_copies_of_a_predictor_bring_their_own_state_back_before_it_is_read(monkeypatch):
+    """A deepcopy or an unpickled predictor's state_dict hooks (module and optimizer) unpark the copy itself:
+    torch's optimizer drops its hooks when copied, and a copy reading parked host tensors could see
+    unfinished copies."""
+    unparked = []
+    monkeypatch.setattr(LowRankPredictor, "unpark", lambda self: unparked.append(self))
+    original = LowRankPredictor(16, 2, rank=4)
+    buffer = io.BytesIO()
+    torch.save(original, buffer)
+    buffer.seek(0)
+    for twin in (copy.deepcopy(original), torch.load(buffer, weights_only=False)):
+        state, weights = twin.optimizer.state_dict(), twin.state_dict()
+        for read_or_write, args in ((twin.optimizer.state_dict, ()), (twin.optimizer.load_state_dict, (state,)),
+                                    (twin.state_dict, ()), (twin.load_state_dict, (weights,))):
+            unparked.clear()
+            read_or_write(*args)
+            assert unparked and all(who is twin for who in unparked), read_or_write
+
+
+def test_a_copy_of_a_layer_leaves_the_pending_recompute_behind():
+    """What a training forward keeps for its checkpointing recompute belongs to that forward's backward: a
+    copy made in between starts without it."""
+    run = _Run(apply_overrides(get_recipe("debug_cpu"), SHAPE), "dsv", 512, 8, torch.device("cpu"))
+    run.step()
+    run.enter_stage2([[0.9, 0.9]] * 3)
+    run.model.controller.begin_step(1)
+    flow_matching_loss(run.model, run.x0, run.t, run.noise)  # forward only: the recompute is pending
+    layers = run.model.controller.layers
+    assert all(layer._selection_cache for layer in layers)
+    assert not any(layer._selection_cache for layer in copy.deepcopy(run.model).controller.layers)
+    assert all(layer._selection_cache for layer in layers)
 
 
 @pytest.fixture
