@@ -275,7 +275,9 @@ def run(args) -> int:
              f"{args.steps} steps after {args.warmup} warm-up. DSV dispatch: sparse from mean sparsity "
              f"{cfg.attention.sparse_threshold} where the kernel-speed model says it pays; predictor update every "
              f"{cfg.attention.learn_every_stage2} step(s) on "
-             f"{cfg.attention.predictor_keys or 'all'} keys.", "",
+             f"{cfg.attention.predictor_keys or 'all'} keys; predictor state and recompute rows "
+             f"{'in host memory between uses' if cfg.attention.host_offload else 'kept on the GPU'} "
+             "(attention.host_offload).", "",
              "| tokens | mode | ms/step | × dense | peak GiB (timed steps) | sparse blocks | DSV overheads |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -44,6 +44,7 @@ def test_bench_train_with_compiled_blocks(tmp_path):
     assert code == 0
     report = out.read_text()
     assert "blocks compiled (aot_eager)" in report
+    assert "recompute rows kept on the GPU (attention.host_offload)" in report  # debug_cpu: no offload
     assert "critical-KV estimation n/a (compiled blocks)" in report
 
 
