@@ -1,6 +1,6 @@
 """Functional ops: tensors in, tensors out, each with a PyTorch reference (the CPU path and test oracle)."""
 
-from dsv.ops.estimate import estimate_index, estimate_index_from_means
+from dsv.ops.estimate import estimate_index, estimate_index_from_means, estimate_rows_from_means
 from dsv.ops.grouping import check_sequence_matches_grid, cube_permutation
 from dsv.ops.index import PAD, SparseIndex
 from dsv.ops.measure import (
@@ -27,6 +27,7 @@ __all__ = [
     "cube_permutation",
     "estimate_index",
     "estimate_index_from_means",
+    "estimate_rows_from_means",
     "head_sparsity",
     "index_recall",
     "keep_blocks_from_sparsity",

@@ -39,6 +39,7 @@ from dsv.modules.attention import DSVAttention, RepeatableSelection, _ema, key_s
 from dsv.ops import (
     SparseIndex,
     estimate_index_from_means,
+    estimate_rows_from_means,
     head_sparsity,
     index_recall,
     keep_blocks_from_sparsity,
@@ -289,60 +290,77 @@ class ContextParallel:
         q_lr, k_lr = layer.predictor.project(x.detach().to(layer.predictor.q_proj.weight.dtype))
         return self._whole(self.to_heads(torch.cat((q_lr, k_lr), -1), layout), layout)
 
-    def _pooled_low_rank(self, layer: DSVAttention, x: torch.Tensor,
-                         layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pooled_low_rank(self, layer: DSVAttention, x: torch.Tensor, layout: Layout,
+                         whole_groups: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Each query group's mean `q_lr` and each key block's mean `k_lr`, this rank's heads over the whole
-        sequence: `[B, H_r, NG, r]`, `[B, H_r, NKB, r]`. Pooled on this rank's chunk, which holds whole groups
-        and blocks (`check_sequence_split`), before the projections (`LowRankPredictor.pooled_project`) and
-        the exchange: the collectives move one row per group and block instead of one per token."""
+        sequence: `[B, H_r, NG, r]`, `[B, H_r, NKB, r]`; `whole_groups=False`: the groups of this rank's SCP
+        share only, `[B, H_r, NG / scp, r]` (its own selection needs no other). Pooled on this rank's chunk,
+        which holds whole groups and blocks (`check_sequence_split`), before the projections
+        (`LowRankPredictor.pooled_project`) and the exchange: the collectives move one row per group and
+        block instead of one per token."""
         cfg = layer.cfg
         proxies, block_keys = layer.predictor.pooled_project(x.detach(), cfg.group_size, cfg.key_block)
         if cfg.group_size == cfg.key_block:  # one exchange for both
-            both = self._whole(self.to_heads(torch.cat((proxies, block_keys), -1), layout), layout)
-            return both.chunk(2, dim=-1)
-        return tuple(self._whole(self.to_heads(t.contiguous(), layout), layout) for t in (proxies, block_keys))
+            both = self.to_heads(torch.cat((proxies, block_keys), -1), layout)
+            if whole_groups:
+                return self._whole(both, layout).chunk(2, dim=-1)
+            proxies, block_keys = both.chunk(2, dim=-1)
+            return proxies, self._whole(block_keys.contiguous(), layout)
+        proxies = self.to_heads(proxies.contiguous(), layout)
+        block_keys = self._whole(self.to_heads(block_keys.contiguous(), layout), layout)
+        return (self._whole(proxies, layout) if whole_groups else proxies), block_keys
 
     def _index(self, layer, x, q, k, layout, grid, keep_blocks: torch.Tensor) -> SparseIndex:
         """The whole-sequence index of this rank's heads (what one process selects for them)."""
         return self._selection(layer, x, q, k, layout, grid, keep_blocks)()
 
-    def _selection(self, layer, x, q, k, layout, grid, keep_blocks: torch.Tensor,
-                   keep_for_recompute: bool = False) -> Callable[[], SparseIndex]:
-        """A call that gives `_index`, and gives it again in the checkpointing recompute: as in
-        `DSVAttentionCore._selection`, the learned selection keeps the pooled rows (after the exchange), not
-        the index (in host memory with `host_offload`, when `keep_for_recompute`)."""
+    def _selection(self, layer, x, q, k, layout, grid, keep_blocks: torch.Tensor, keep_for_recompute: bool = False,
+                   local: bool = False) -> Callable[[], SparseIndex | LocalIndex]:
+        """A call that gives `_index` (`local`: this rank's rows of it, a `LocalIndex` when `scp > 1`), and
+        gives it again in the checkpointing recompute: as in `DSVAttentionCore._selection`, the learned
+        selection keeps the pooled rows (after the exchange), not the index (in host memory with
+        `host_offload`, when `keep_for_recompute`). Under SCP the local learned selection scores this rank's
+        query groups only, not every group of the sequence."""
         cfg, heads = layer.cfg, layout.heads
+        seq_len = q.shape[2] * layout.scp
+        local_rows = local and layout.scp > 1
+
+        def rows_of(index: SparseIndex) -> SparseIndex | LocalIndex:
+            return LocalIndex.from_global(index, layout.scp_rank, layout.scp) if local_rows else index
+
         if cfg.mode == "window":
-            index = select_heads(layer._window(grid, q.shape[0], q.device), heads)
+            index = rows_of(select_heads(layer._window(grid, q.shape[0], q.device), heads))
             return lambda: index
         keep = keep_blocks[heads]
         with torch.no_grad():
             if cfg.mode == "oracle":
-                index = oracle_index(self._whole(q, layout), self._whole(k, layout), keep, cfg.group_size,
-                                     cfg.key_block, scale=layer.scale)
+                index = rows_of(oracle_index(self._whole(q, layout), self._whole(k, layout), keep, cfg.group_size,
+                                             cfg.key_block, scale=layer.scale))
                 return lambda: index
-            proxies, block_keys = self._pooled_low_rank(layer, x, layout)
-        return RepeatableSelection(
-            functools.partial(estimate_index_from_means, keep_blocks=keep, group_size=cfg.group_size,
-                              kv_block=cfg.key_block, seq_len=q.shape[2] * layout.scp, backend=cfg.backend),
-            (proxies, block_keys), offload=keep_for_recompute and cfg.host_offload)
+            proxies, block_keys = self._pooled_low_rank(layer, x, layout, whole_groups=not local_rows)
+        offload = keep_for_recompute and cfg.host_offload
+        if not local_rows:
+            return RepeatableSelection(
+                functools.partial(estimate_index_from_means, keep_blocks=keep, group_size=cfg.group_size,
+                                  kv_block=cfg.key_block, seq_len=seq_len, backend=cfg.backend),
+                (proxies, block_keys), offload=offload)
+        first_group = layout.scp_rank * proxies.shape[2]
+
+        def select_local(proxies: torch.Tensor, block_keys: torch.Tensor) -> LocalIndex:
+            indices, counts = estimate_rows_from_means(proxies, block_keys, keep, cfg.group_size, cfg.key_block,
+                                                       seq_len, first_group, backend=cfg.backend)
+            return LocalIndex(indices, counts, cfg.group_size, cfg.key_block, seq_len)
+
+        return RepeatableSelection(select_local, (proxies, block_keys), offload=offload)
 
     def _select(self, layer, x, q, k, layout, grid) -> SparseIndex | LocalIndex:
         # As `DSVAttentionCore._select`: a checkpointing recompute (inside backward) reuses the forward's keys.
         key = (*layer._forward_key(q), layout)
-        seq_len = q.shape[2] * layout.scp
-
+        keep_blocks = layer._keep_blocks(-(-q.shape[2] * layout.scp // layer.cfg.key_block))
         training = layer.training and torch.is_grad_enabled()
 
         def selection(keep_for_recompute: bool = False) -> Callable[[], SparseIndex | LocalIndex]:
-            select_whole = self._selection(layer, x, q, k, layout, grid,
-                                           layer._keep_blocks(-(-seq_len // layer.cfg.key_block)), keep_for_recompute)
-
-            def select() -> SparseIndex | LocalIndex:
-                index = select_whole()
-                return LocalIndex.from_global(index, layout.scp_rank, layout.scp) if layout.scp > 1 else index
-
-            return select
+            return self._selection(layer, x, q, k, layout, grid, keep_blocks, keep_for_recompute, local=True)
 
         if torch._C._current_graph_task_id() != -1:
             return layer.recall_selection(key, x, lambda: selection()())

@@ -109,3 +109,25 @@ def test_from_means_rejects_row_counts_that_do_not_fit_seq_len(proxy_rows, key_r
     with pytest.raises(ValueError, match=match):
         estimate_index_from_means(torch.randn(1, 2, proxy_rows, 4), torch.randn(1, 2, key_rows, 4),
                                   torch.tensor([1, 2]), 4, 8, seq_len)
+
+
+def test_rows_from_means_equal_those_rows_of_the_whole_index():
+    """Sequence-parallel selection: each rank's groups alone give the whole index's rows of those groups."""
+    from dsv.ops.estimate import estimate_index_from_means, estimate_rows_from_means
+
+    torch.manual_seed(0)
+    proxies, block_keys, keep = torch.randn(2, 3, 10, 4), torch.randn(2, 3, 20, 4), torch.tensor([2, 5, 7])
+    whole = estimate_index_from_means(proxies, block_keys, keep, 8, 4, 80)
+    for first, stop in ((0, 5), (5, 10), (3, 4)):
+        indices, counts = estimate_rows_from_means(proxies[:, :, first:stop], block_keys, keep, 8, 4, 80, first)
+        assert torch.equal(indices, whole.indices[:, :, first:stop])
+        assert torch.equal(counts, whole.counts[:, :, first:stop])
+
+
+@pytest.mark.parametrize("rows, first_group", [(5, 6), (5, -1), (0, 0)])
+def test_rows_from_means_reject_groups_outside_the_sequence(rows, first_group):
+    from dsv.ops.estimate import estimate_rows_from_means
+
+    with pytest.raises(ValueError, match=r"proxies must hold query groups first_group \.\. first_group \+ n - 1"):
+        estimate_rows_from_means(torch.randn(1, 2, rows, 4), torch.randn(1, 2, 20, 4), torch.tensor([1, 2]), 8, 4,
+                                 80, first_group)

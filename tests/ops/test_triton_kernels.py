@@ -397,6 +397,20 @@ def test_interpreter_estimate_from_means_matches_reference():
 
 
 @interpreter
+def test_interpreter_estimate_rows_equal_those_rows_of_the_whole_index():
+    """A rank's groups alone (sequence-parallel selection): the fused launch on a slice of the proxies gives
+    the whole index's rows of those groups."""
+    from dsv.ops.estimate.triton_kernels import estimate_index_from_means_triton, estimate_rows_from_means_triton
+
+    B, H, S, r, G, kv = 1, 2, 96, 8, 16, 8
+    proxies, block_keys = torch.randn(B, H, S // G, r), torch.randn(B, H, S // kv, r)
+    keep = torch.tensor([3, 5])
+    whole = estimate_index_from_means_triton(proxies, block_keys, keep, G, kv, S)
+    indices, counts = estimate_rows_from_means_triton(proxies[:, :, 2:5], block_keys, keep, G, kv, S, 2)
+    assert torch.equal(indices, whole.indices[:, :, 2:5]) and torch.equal(counts, whole.counts[:, :, 2:5])
+
+
+@interpreter
 def test_interpreter_estimate_ties_keep_lower_ids():
     """Integer-valued inputs make fp32 scores exact, so ties are real and must match the reference bit for bit."""
     B, H, S, r, G, kv = 2, 2, 96, 4, 16, 8

@@ -6,6 +6,7 @@ import torch
 
 from dsv.ops.estimate.naive import estimate_index as estimate_index_reference
 from dsv.ops.estimate.naive import estimate_index_from_means as estimate_index_from_means_reference
+from dsv.ops.estimate.naive import estimate_rows_from_means as estimate_rows_from_means_reference
 from dsv.ops.index import SparseIndex
 from dsv.ops.sparse_attention import TRITON_INSTALLED
 
@@ -67,6 +68,29 @@ def estimate_index_from_means(
     return estimate_index_from_means_reference(proxies, block_keys, keep_blocks, group_size, kv_block, seq_len)
 
 
+def estimate_rows_from_means(
+    proxies: torch.Tensor,
+    block_keys: torch.Tensor,
+    keep_blocks: torch.Tensor,
+    group_size: int,
+    kv_block: int,
+    seq_len: int,
+    first_group: int,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of `estimate_index_from_means` for the query groups `first_group .. first_group + n - 1` alone
+    (`proxies [B, H, n, r]`): `(indices [B, H, n, K_max], counts [B, H, n])`. A group's keys depend on its own
+    proxy only, so each rank of sequence-parallel attention selects for its own groups. `backend` as in
+    `estimate_index`."""
+    if _use_triton(backend, proxies, kv_block, seq_len):
+        from dsv.ops.estimate.triton_kernels import estimate_rows_from_means_triton
+
+        return estimate_rows_from_means_triton(proxies, block_keys, keep_blocks, group_size, kv_block, seq_len,
+                                               first_group)
+    return estimate_rows_from_means_reference(proxies, block_keys, keep_blocks, group_size, kv_block, seq_len,
+                                              first_group)
+
+
 def _use_triton(backend: str, x: torch.Tensor, kv_block: int, seq_len: int) -> bool:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -82,5 +106,7 @@ __all__ = [
     "estimate_index_from_means",
     "estimate_index_from_means_reference",
     "estimate_index_reference",
+    "estimate_rows_from_means",
+    "estimate_rows_from_means_reference",
     "triton_estimation_unsupported",
 ]

@@ -41,8 +41,10 @@ def segment_means(x: torch.Tensor, segment: int) -> torch.Tensor:
 
 
 def check_means(proxies: torch.Tensor, block_keys: torch.Tensor, group_size: int, kv_block: int,
-                seq_len: int) -> tuple[int, int, int, int]:
-    """Check the pooled inputs of ``estimate_index_from_means``; returns ``(B, H, NG, NKB)``."""
+                seq_len: int, first_group: int | None = None) -> tuple[int, int, int, int]:
+    """Check the pooled inputs of ``estimate_index_from_means`` (``first_group=None``: ``proxies`` holds every
+    query group) or of ``estimate_rows_from_means`` (it holds the groups from ``first_group`` on); returns
+    ``(B, H, rows of proxies, NKB)``."""
     for name, value in (("group_size", group_size), ("kv_block", kv_block), ("seq_len", seq_len)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -55,7 +57,13 @@ def check_means(proxies: torch.Tensor, block_keys: torch.Tensor, group_size: int
                 "block_keys": (num_kv_blocks, "NKB = ceil(seq_len / kv_block)")}
     for name, tensor in (("proxies", proxies), ("block_keys", block_keys)):
         rows, what = expected[name]
-        if tensor.shape[2] != rows:
+        if name == "proxies" and first_group is not None:
+            if (not isinstance(first_group, int) or isinstance(first_group, bool) or first_group < 0
+                    or tensor.shape[2] < 1 or first_group + tensor.shape[2] > rows):
+                raise ValueError(f"proxies must hold query groups first_group .. first_group + n - 1 of the "
+                                 f"{what} = {rows} groups, got first_group={first_group!r} and "
+                                 f"{tuple(tensor.shape)}")
+        elif tensor.shape[2] != rows:
             raise ValueError(f"{name} must have {what} = {rows} rows for seq_len={seq_len}, got {tuple(tensor.shape)}")
     if (proxies.shape[:2], proxies.shape[3]) != (block_keys.shape[:2], block_keys.shape[3]):
         raise ValueError(f"proxies {tuple(proxies.shape)} and block_keys {tuple(block_keys.shape)} must share B, H "
@@ -63,7 +71,7 @@ def check_means(proxies: torch.Tensor, block_keys: torch.Tensor, group_size: int
     if proxies.dtype != block_keys.dtype or proxies.device != block_keys.device:
         raise ValueError(f"proxies ({proxies.dtype}, {proxies.device}) and block_keys ({block_keys.dtype}, "
                          f"{block_keys.device}) must share dtype and device")
-    return proxies.shape[0], proxies.shape[1], num_groups, num_kv_blocks
+    return proxies.shape[0], proxies.shape[1], proxies.shape[2], num_kv_blocks
 
 
 def estimate_index_from_means(
@@ -86,7 +94,35 @@ def estimate_index_from_means(
     Returns:
         ``SparseIndex`` with ``indices [B, H, NG, max(keep)]`` on the inputs' device.
     """
-    batch, heads, num_groups, num_kv_blocks = check_means(proxies, block_keys, group_size, kv_block, seq_len)
+    check_means(proxies, block_keys, group_size, kv_block, seq_len)
+    indices, counts = estimate_rows_from_means(proxies, block_keys, keep_blocks, group_size, kv_block, seq_len, 0,
+                                               chunk_groups)
+    return SparseIndex(indices, counts, group_size, kv_block, seq_len)
+
+
+def estimate_rows_from_means(
+    proxies: torch.Tensor,
+    block_keys: torch.Tensor,
+    keep_blocks: torch.Tensor,
+    group_size: int,
+    kv_block: int,
+    seq_len: int,
+    first_group: int,
+    chunk_groups: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of ``estimate_index_from_means`` for the query groups ``first_group .. first_group + n - 1``
+    alone: a group's selection depends on its own proxy only, so a rank of sequence-parallel attention
+    selects for its own groups.
+
+    Args:
+        proxies: ``[B, H, n, r]`` those groups' mean low-rank queries.
+        block_keys, keep_blocks, group_size, kv_block, seq_len, chunk_groups: as ``estimate_index_from_means``.
+
+    Returns:
+        ``(indices [B, H, n, max(keep)], counts [B, H, n])``, the ``SparseIndex`` layout.
+    """
+    batch, heads, num_groups, num_kv_blocks = check_means(proxies, block_keys, group_size, kv_block, seq_len,
+                                                          first_group)
     keep = check_keep_blocks(keep_blocks, heads, num_kv_blocks, proxies.device)
     # Per score element: the score itself plus the sort's values and int64 ids.
     bytes_per_group = batch * heads * num_kv_blocks * (2 * 4 + 8)
@@ -102,7 +138,7 @@ def estimate_index_from_means(
             scores = proxies[:, :, start : start + chunk] @ block_keys.transpose(-1, -2)
             indices[:, :, start : start + chunk], _ = select_top_blocks(scores, keep)
     counts = keep.to(torch.int32).view(1, heads, 1).expand(batch, heads, num_groups).contiguous()
-    return SparseIndex(indices, counts, group_size, kv_block, seq_len)
+    return indices, counts
 
 
 def estimate_index(

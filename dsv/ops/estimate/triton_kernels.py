@@ -123,9 +123,10 @@ def _check_num_kv_blocks(num_kv_blocks: int) -> None:
                          f"{MAX_KV_BLOCKS}; use a larger kv_block or the reference estimation")
 
 
-def _select_from_means_t(proxies_t: torch.Tensor, keys_t: torch.Tensor, keep_blocks: torch.Tensor, B: int, H: int,
-                         group_size: int, kv_block: int, seq_len: int) -> SparseIndex:
-    """Top-k launch over transposed fp32 means ``proxies_t [B*H, r, NG]``, ``keys_t [B*H, r, NKB]``."""
+def _select_from_means_t(proxies_t: torch.Tensor, keys_t: torch.Tensor, keep_blocks: torch.Tensor, B: int,
+                         H: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k launch over transposed fp32 means ``proxies_t [B*H, r, NG]``, ``keys_t [B*H, r, NKB]``:
+    ``(indices [B, H, NG, K_max], counts [B, H, NG])``."""
     R, NG, NKB = proxies_t.shape[1], proxies_t.shape[2], keys_t.shape[2]
     # Checked and reduced where keep_blocks lives: a CPU tensor gives K_max without a device sync.
     keep = check_keep_blocks(keep_blocks, H, NKB, torch.as_tensor(keep_blocks).device).to(torch.int32)
@@ -142,7 +143,7 @@ def _select_from_means_t(proxies_t: torch.Tensor, keys_t: torch.Tensor, keep_blo
         R=R, BLOCK_G=block_g, BLOCK_K=block_k, BLOCK_KMAX=triton.next_power_of_2(k_max),
         num_warps=8 if block_g * block_k >= 4096 else 4,
     )
-    return SparseIndex(indices, counts, group_size, kv_block, seq_len)
+    return indices, counts
 
 
 def estimate_index_triton(q_lr: torch.Tensor, k_lr: torch.Tensor, keep_blocks: torch.Tensor,
@@ -163,19 +164,30 @@ def estimate_index_triton(q_lr: torch.Tensor, k_lr: torch.Tensor, keep_blocks: t
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     _check_num_kv_blocks(triton.cdiv(S, kv_block))
-    return _select_from_means_t(_segment_means_t(q_lr, group_size), _segment_means_t(k_lr, kv_block), keep_blocks,
-                                B, H, group_size, kv_block, S)
+    indices, counts = _select_from_means_t(_segment_means_t(q_lr, group_size), _segment_means_t(k_lr, kv_block),
+                                           keep_blocks, B, H)
+    return SparseIndex(indices, counts, group_size, kv_block, S)
 
 
 def estimate_index_from_means_triton(proxies: torch.Tensor, block_keys: torch.Tensor, keep_blocks: torch.Tensor,
                                      group_size: int, kv_block: int, seq_len: int) -> SparseIndex:
     """The top-k launch of ``estimate_index_triton`` on already pooled rows; same result as
     ``estimate_index_from_means`` (``proxies [B, H, NG, r]``, ``block_keys [B, H, NKB, r]``, scored in fp32)."""
-    B, H, NG, NKB = check_means(proxies, block_keys, group_size, kv_block, seq_len)
+    check_means(proxies, block_keys, group_size, kv_block, seq_len)
+    indices, counts = estimate_rows_from_means_triton(proxies, block_keys, keep_blocks, group_size, kv_block,
+                                                      seq_len, 0)
+    return SparseIndex(indices, counts, group_size, kv_block, seq_len)
+
+
+def estimate_rows_from_means_triton(proxies: torch.Tensor, block_keys: torch.Tensor, keep_blocks: torch.Tensor,
+                                    group_size: int, kv_block: int, seq_len: int,
+                                    first_group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``estimate_rows_from_means`` with the fused top-k: the rows of the query groups ``first_group ..
+    first_group + n - 1`` (``proxies [B, H, n, r]``) alone."""
+    B, H, _, NKB = check_means(proxies, block_keys, group_size, kv_block, seq_len, first_group)
     _check_num_kv_blocks(NKB)
 
     def transposed(x: torch.Tensor) -> torch.Tensor:  # [B, H, N, r] -> [B*H, r, N] fp32, as the pooling writes
         return x.to(torch.float32).flatten(0, 1).transpose(1, 2).contiguous()
 
-    return _select_from_means_t(transposed(proxies), transposed(block_keys), keep_blocks, B, H, group_size,
-                                kv_block, seq_len)
+    return _select_from_means_t(transposed(proxies), transposed(block_keys), keep_blocks, B, H)
