@@ -29,24 +29,24 @@ from dsv.ops.sparse_attention import sparse_attention_reference_with_lse
 from dsv.ops.sparse_attention import triton_kernels as tk
 from dsv.ops.sparse_attention.triton_kernels import KernelConfig as KC
 
-# Candidates per (group_size = kv_block) granularity: (block_m, block_n, num_warps, num_stages[, tma[, pipeline]]).
-# Round 5 (rounds 1-4 are in benchmarks/NOTES.md): the defaults first, then forward and dq loops that issue the
-# next sub-tile's matmuls before the current softmax (`pipeline`), at the tiles whose registers can hold two
-# sub-tiles' scores at once.
+# Candidates per (group_size = kv_block) granularity: (block_m, block_n, num_warps, num_stages[, tma]).
+# Round 4 (rounds 1-3 are in benchmarks/NOTES.md): the v3 defaults first, then TMA neighbours not tried yet,
+# above all dk/dv with 128-key tiles over two warpgroups (FlashAttention-2's key-major shape).
 VARIANTS = {
     128: {
-        "fwd": [KC(128, 64, 4, 2, True), KC(128, 64, 4, 2, True, True), KC(128, 64, 8, 2, True, True),
-                KC(128, 64, 8, 3, True, True), KC(128, 128, 8, 2, True, True), KC(128, 64, 4, 3, True, True)],
-        "dq": [KC(128, 128, 8, 2), KC(128, 128, 8, 2, False, True), KC(128, 64, 8, 2, False, True),
-               KC(128, 64, 8, 2, True, True), KC(128, 64, 8, 3, True, True), KC(128, 64, 4, 2, True, True)],
-        "dkdv": [KC(64, 64, 4, 3, True)],
+        "fwd": [KC(128, 64, 4, 2, True), KC(128, 64, 4, 3, True), KC(128, 32, 4, 2, True), KC(128, 32, 4, 3, True)],
+        "dq": [KC(128, 128, 8, 2), KC(128, 128, 8, 2, True), KC(128, 64, 4, 3, True), KC(64, 128, 4, 2, True)],
+        "dkdv": [KC(64, 64, 4, 3, True), KC(32, 128, 8, 2, True), KC(32, 128, 8, 3, True), KC(32, 128, 8, 4, True),
+                 KC(64, 128, 8, 3, True), KC(64, 64, 4, 4, True), KC(32, 64, 4, 3, True)],
+        # The whole backward without the dq pass: dk/dv tiles, dq added by TMA bulk reductions (with TMA)
+        # or element atomics; against the default split backward ("bwd_default" below).
+        "bwd_atomic": [KC(64, 64, 4, 3, True), KC(64, 64, 4, 2, True), KC(64, 128, 8, 2, True),
+                       KC(32, 128, 8, 3, True), KC(64, 64, 4, 3)],
     },
     64: {
-        "fwd": [KC(64, 64, 4, 3, True), KC(64, 64, 4, 3, True, True), KC(64, 64, 4, 2, True, True),
-                KC(64, 32, 4, 3, True, True), KC(64, 64, 8, 2, True, True), KC(64, 64, 4, 3, False, True)],
-        "dq": [KC(64, 64, 4, 2, True), KC(64, 64, 4, 2, True, True), KC(64, 64, 4, 3, True, True),
-               KC(64, 64, 4, 2, False, True), KC(64, 64, 8, 2, True, True)],
-        "dkdv": [KC(64, 64, 4, 2, True)],
+        "fwd": [KC(64, 32, 4, 3), KC(64, 64, 4, 3), KC(64, 32, 4, 2), KC(64, 32, 4, 3, True), KC(64, 64, 4, 3, True)],
+        "dq": [KC(64, 64, 4, 2), KC(64, 64, 4, 3), KC(64, 64, 4, 2, True), KC(64, 32, 4, 2, True)],
+        "dkdv": [KC(64, 64, 4, 2), KC(64, 64, 4, 3), KC(64, 64, 4, 2, True), KC(64, 64, 4, 3, True)],
     },
 }
 

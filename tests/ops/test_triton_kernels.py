@@ -174,29 +174,6 @@ def test_interpreter_sub_tiles_and_lse_gradient(tma, atomic_dq):
 
 
 @interpreter
-@pytest.mark.parametrize("tile, keep", [(16, [1, 3]), (32, [1, 2])], ids=["sub-tiles", "one-tile-per-block"])
-def test_interpreter_pipelined_loops_match_reference(tile, keep):
-    """The forward and dq loops that issue the next sub-tile's matmuls early (``KernelConfig.pipeline``):
-    a peeled last sub-tile, and groups whose whole list is one sub-tile (no loop iteration at all)."""
-    B, H, S, D, G, kv = 1, 2, 120, 24, 32, 32
-    plain = KernelConfig(tile, tile, 4, 1)
-    pipelined = dataclasses.replace(plain, pipeline=True)
-    cfg = SparseAttentionConfig(pipelined, pipelined, plain)
-    index = random_index(B, H, S, G, kv, keep=keep)
-    q, k, v = (torch.randn(B, H, S, D) for _ in range(3))
-    out, lse = tk.sparse_attention_fwd_launch(q, k, v, index.indices, index.counts, G, kv, 0.3, cfg.fwd)
-    grad_out, grad_lse = torch.randn(B, H, S, D), torch.randn(B, H, S)
-    grads = tk.sparse_attention_bwd_launch(grad_out, q, k, v, out, lse, grad_lse, index.indices, index.counts,
-                                           G, kv, 0.3, cfg)
-    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
-    out64, lse64 = dense_masked_attention(q64, k64, v64, index, scale=0.3)
-    want = torch.autograd.grad((out64 * grad_out.double()).sum() + (lse64 * grad_lse.double()).sum(),
-                               (q64, k64, v64))
-    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), (out64, lse64, *want)):
-        assert rel_err(a, b) < FP32_REL_TOL, name
-
-
-@interpreter
 def test_interpreter_all_blocks_is_dense_attention():
     B, H, S, D = 1, 2, 80, 16
     nkb = math.ceil(S / 16)
@@ -495,30 +472,6 @@ def test_gpu_load_paths_on_strided_inputs(tma, atomic_dq):
     key_major = index.key_major() if atomic_dq else None
     grads = tk.sparse_attention_bwd_launch(grad_out, q, k, v, out, lse, None, index.indices, index.counts, G, kv,
                                            D**-0.5, cfg, key_major=key_major)
-    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
-    ref = sparse_attention_reference(q32, k32, v32, index)
-    want = (ref, *torch.autograd.grad(ref, (q32, k32, v32), grad_out.float()))
-    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), want):
-        assert rel_err(a, b) < dtype_rel_tol(torch.bfloat16), (name, rel_err(a, b))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("block", [128, 64])
-@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
-def test_gpu_pipelined_loops_match_reference(block, tma):
-    """Forward and dq with the next sub-tile's matmuls issued early (``KernelConfig.pipeline``), compiled for
-    the GPU: ragged S, per-head k including single-block groups, batch 2, bf16."""
-    B, H, S, D = 2, 3, 2000, 128
-    index = random_index(B, H, S, block, block, [1, 4, 9], device="cuda")
-    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    grad_out = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
-    default = tk.default_config(D, block, block, tma=tma)
-    cfg = dataclasses.replace(default, fwd=dataclasses.replace(default.fwd, pipeline=True),
-                              bwd_dq=dataclasses.replace(default.bwd_dq, pipeline=True))
-    out, lse = tk.sparse_attention_fwd_launch(q, k, v, index.indices, index.counts, block, block, D**-0.5, cfg.fwd)
-    grads = tk.sparse_attention_bwd_launch(grad_out, q, k, v, out, lse, None, index.indices, index.counts, block,
-                                           block, D**-0.5, cfg)
     q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
     ref = sparse_attention_reference(q32, k32, v32, index)
     want = (ref, *torch.autograd.grad(ref, (q32, k32, v32), grad_out.float()))

@@ -136,28 +136,6 @@ def _sparse_attn_bwd_delta_kernel(
 
 
 @triton.jit
-def _sub_tile(idx_row, it, offs_n, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
-    # The it-th BLOCK_N-row sub-tile of a group's listed key blocks: its first row and its rows.
-    blk = tl.load(idx_row + it // (KV_BLOCK // BLOCK_N))
-    start_n = blk * KV_BLOCK + (it % (KV_BLOCK // BLOCK_N)) * BLOCK_N
-    return start_n, start_n + offs_n
-
-
-@triton.jit
-def _fwd_update(qk, v, cols, m_i, l_i, acc, S, qk_scale, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    # One online-softmax step of the forward over a sub-tile's scores qk and values v.
-    if not EVEN_N:
-        qk = tl.where(cols[None, :] < S, qk, float("-inf"))
-    # Scale applied inside the max and the exponent (scale > 0) so it fuses into one FMA per score.
-    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _sparse_attn_fwd_kernel(
     Q, K, V, K_DESC, V_DESC, OUT, LSE, IDX, CNT,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
@@ -165,7 +143,7 @@ def _sparse_attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, KV_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PIPELINE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -191,35 +169,24 @@ def _sparse_attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    if PIPELINE:
-        # The next sub-tile's scores are issued before this one's softmax, so the tensor cores work on them
-        # while the softmax's exponentials run (the last sub-tile is peeled: no score is computed twice).
-        if n_iter > 0:
-            start_n, cols = _sub_tile(idx_row, 0, offs_n, KV_BLOCK, BLOCK_N)
-            k = _load_rows(K_DESC, k_base + cols[:, None] * sks, bi, hi, start_n, cols, S, offs_d,
-                           BLOCK_N, D_PAD, HEAD_DIM, EVEN_N, EVEN_D, USE_TMA)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            for it in range(0, n_iter - 1):
-                next_n, next_cols = _sub_tile(idx_row, it + 1, offs_n, KV_BLOCK, BLOCK_N)
-                k = _load_rows(K_DESC, k_base + next_cols[:, None] * sks, bi, hi, next_n, next_cols, S, offs_d,
-                               BLOCK_N, D_PAD, HEAD_DIM, EVEN_N, EVEN_D, USE_TMA)
-                qk_next = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-                v = _load_rows(V_DESC, v_base + cols[:, None] * svs, bi, hi, start_n, cols, S, offs_d,
-                               BLOCK_N, D_PAD, HEAD_DIM, EVEN_N, EVEN_D, USE_TMA)
-                m_i, l_i, acc = _fwd_update(qk, v, cols, m_i, l_i, acc, S, qk_scale, EVEN_N, DOT_PRECISION)
-                qk, start_n, cols = qk_next, next_n, next_cols
-            v = _load_rows(V_DESC, v_base + cols[:, None] * svs, bi, hi, start_n, cols, S, offs_d,
-                           BLOCK_N, D_PAD, HEAD_DIM, EVEN_N, EVEN_D, USE_TMA)
-            m_i, l_i, acc = _fwd_update(qk, v, cols, m_i, l_i, acc, S, qk_scale, EVEN_N, DOT_PRECISION)
-    else:
-        for it in range(0, n_iter):
-            start_n, cols = _sub_tile(idx_row, it, offs_n, KV_BLOCK, BLOCK_N)
-            k = _load_rows(K_DESC, k_base + cols[:, None] * sks, bi, hi, start_n, cols, S, offs_d,
-                           BLOCK_N, D_PAD, HEAD_DIM, EVEN_N, EVEN_D, USE_TMA)
-            v = _load_rows(V_DESC, v_base + cols[:, None] * svs, bi, hi, start_n, cols, S, offs_d,
-                           BLOCK_N, D_PAD, HEAD_DIM, EVEN_N, EVEN_D, USE_TMA)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            m_i, l_i, acc = _fwd_update(qk, v, cols, m_i, l_i, acc, S, qk_scale, EVEN_N, DOT_PRECISION)
+    for it in range(0, n_iter):
+        blk = tl.load(idx_row + it // (KV_BLOCK // BLOCK_N))
+        start_n = blk * KV_BLOCK + (it % (KV_BLOCK // BLOCK_N)) * BLOCK_N
+        cols = start_n + offs_n
+        k = _load_rows(K_DESC, k_base + cols[:, None] * sks, bi, hi, start_n, cols, S, offs_d,
+                       BLOCK_N, D_PAD, HEAD_DIM, EVEN_N, EVEN_D, USE_TMA)
+        v = _load_rows(V_DESC, v_base + cols[:, None] * svs, bi, hi, start_n, cols, S, offs_d,
+                       BLOCK_N, D_PAD, HEAD_DIM, EVEN_N, EVEN_D, USE_TMA)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if not EVEN_N:
+            qk = tl.where(cols[None, :] < S, qk, float("-inf"))
+        # Scale applied inside the max and the exponent (scale > 0) so it fuses into one FMA per score.
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
 
     # A row with no listed block (count 0, outside the contract) yields 0 and LSE = -inf rather than NaN.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -233,16 +200,6 @@ def _sparse_attn_fwd_kernel(
 
 
 @triton.jit
-def _dq_update(qk, dp, k, cols, lse2, delta, dq, S, qk_scale, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    # One sub-tile of the dq pass: probabilities from the saved LSE, dS, and dq += dS·K.
-    p = tl.math.exp2(qk * qk_scale - lse2[:, None])
-    if not EVEN_N:
-        p = tl.where(cols[None, :] < S, p, 0.0)
-    ds = p * (dp - delta[:, None])
-    return dq + tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
-
-
-@triton.jit
 def _sparse_attn_bwd_dq_kernel(
     Q, K, V, K_DESC, V_DESC, OUT, DO, LSE, DLSE, DELTA, DQ, IDX, CNT,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, sdob, sdoh, sdos, sdqb, sdqh, sdqs,
@@ -250,7 +207,7 @@ def _sparse_attn_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, KV_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, HAS_DLSE: tl.constexpr,
-    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, PIPELINE: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -285,37 +242,21 @@ def _sparse_attn_bwd_dq_kernel(
     k_base = K + b * skb + h * skh + offs_d[None, :]
     v_base = V + b * svb + h * svh + offs_d[None, :]
     dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    if PIPELINE:
-        # As the forward: the next sub-tile's QKᵀ and dO·Vᵀ are issued before this one's softmax.
-        if n_iter > 0:
-            start_n, cols = _sub_tile(idx_row, 0, offs_n, KV_BLOCK, BLOCK_N)
-            k = _load_rows(K_DESC, k_base + cols[:, None] * sks, bi, hi, start_n, cols, S, offs_d,
-                           BLOCK_N, D_PAD, HEAD_DIM, EVEN_N, EVEN_D, USE_TMA)
-            v = _load_rows(V_DESC, v_base + cols[:, None] * svs, bi, hi, start_n, cols, S, offs_d,
-                           BLOCK_N, D_PAD, HEAD_DIM, EVEN_N, EVEN_D, USE_TMA)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-            for it in range(0, n_iter - 1):
-                next_n, next_cols = _sub_tile(idx_row, it + 1, offs_n, KV_BLOCK, BLOCK_N)
-                k_next = _load_rows(K_DESC, k_base + next_cols[:, None] * sks, bi, hi, next_n, next_cols, S,
-                                    offs_d, BLOCK_N, D_PAD, HEAD_DIM, EVEN_N, EVEN_D, USE_TMA)
-                v = _load_rows(V_DESC, v_base + next_cols[:, None] * svs, bi, hi, next_n, next_cols, S, offs_d,
-                               BLOCK_N, D_PAD, HEAD_DIM, EVEN_N, EVEN_D, USE_TMA)
-                qk_next = tl.dot(q, tl.trans(k_next), input_precision=DOT_PRECISION)
-                dp_next = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-                dq = _dq_update(qk, dp, k, cols, lse2, delta, dq, S, qk_scale, EVEN_N, DOT_PRECISION)
-                qk, dp, k, cols = qk_next, dp_next, k_next, next_cols
-            dq = _dq_update(qk, dp, k, cols, lse2, delta, dq, S, qk_scale, EVEN_N, DOT_PRECISION)
-    else:
-        for it in range(0, n_iter):
-            start_n, cols = _sub_tile(idx_row, it, offs_n, KV_BLOCK, BLOCK_N)
-            k = _load_rows(K_DESC, k_base + cols[:, None] * sks, bi, hi, start_n, cols, S, offs_d,
-                           BLOCK_N, D_PAD, HEAD_DIM, EVEN_N, EVEN_D, USE_TMA)
-            v = _load_rows(V_DESC, v_base + cols[:, None] * svs, bi, hi, start_n, cols, S, offs_d,
-                           BLOCK_N, D_PAD, HEAD_DIM, EVEN_N, EVEN_D, USE_TMA)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-            dq = _dq_update(qk, dp, k, cols, lse2, delta, dq, S, qk_scale, EVEN_N, DOT_PRECISION)
+    for it in range(0, n_iter):
+        blk = tl.load(idx_row + it // (KV_BLOCK // BLOCK_N))
+        start_n = blk * KV_BLOCK + (it % (KV_BLOCK // BLOCK_N)) * BLOCK_N
+        cols = start_n + offs_n
+        k = _load_rows(K_DESC, k_base + cols[:, None] * sks, bi, hi, start_n, cols, S, offs_d,
+                       BLOCK_N, D_PAD, HEAD_DIM, EVEN_N, EVEN_D, USE_TMA)
+        v = _load_rows(V_DESC, v_base + cols[:, None] * svs, bi, hi, start_n, cols, S, offs_d,
+                       BLOCK_N, D_PAD, HEAD_DIM, EVEN_N, EVEN_D, USE_TMA)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        if not EVEN_N:
+            p = tl.where(cols[None, :] < S, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
     dq *= sm_scale
     _store_tile(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqs + offs_d[None, :], dq.to(DQ.dtype.element_ty),
                 offs_m, S, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
@@ -410,8 +351,6 @@ class KernelConfig:
 
     ``tma``: the loop's gathered tiles (K/V in forward and dq, Q/dO in dk/dv) come through TMA descriptors
     (Hopper and newer) instead of pointer loads.
-    ``pipeline`` (forward and dq): each sub-tile's first matmuls are issued one iteration ahead, before the
-    previous sub-tile's softmax, so that the tensor cores need not wait for the exponentials.
     """
 
     block_m: int
@@ -419,7 +358,6 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     tma: bool = False
-    pipeline: bool = False
 
 
 @dataclass(frozen=True)
@@ -547,8 +485,7 @@ def sparse_attention_fwd_launch(q, k, v, indices, counts, group_size: int, kv_bl
         H, S, indices.shape[2], indices.shape[3], scale * _LOG2E,
         HEAD_DIM=D, D_PAD=d_pad, GROUP=group_size, KV_BLOCK=kv_block,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, EVEN_M=even_m, EVEN_N=even_n, EVEN_D=even_d, USE_TMA=cfg.tma,
-        DOT_PRECISION=_dot_precision(q.dtype), PIPELINE=cfg.pipeline, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
 
@@ -568,7 +505,7 @@ def _launch_bwd_dq(q, k, v, out, do, lse, dlse, indices, counts, group_size, kv_
         H, S, indices.shape[2], indices.shape[3], scale * _LOG2E, scale,
         HEAD_DIM=D, D_PAD=d_pad, GROUP=group_size, KV_BLOCK=kv_block, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         EVEN_M=even_m, EVEN_N=even_n, EVEN_D=even_d, HAS_DLSE=has_dlse, USE_TMA=cfg.tma,
-        DOT_PRECISION=_dot_precision(q.dtype), PIPELINE=cfg.pipeline,
+        DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return dq, delta
