@@ -185,7 +185,9 @@ def summarize(snapshots: dict[str, dict], top: int = 25, under: str = "/dsv/",
             for heading, part in ((f"held more by {b}", more), (f"held less by {b}", less)):
                 if part:
                     lines.append(f"  {heading}:")
-                    lines += [f"  {change / GIB:+8.3f} GiB  {name}" for name, change in part]
+                    # MiB to the KiB too: the sites of a difference of a few MiB show.
+                    lines += [f"  {change / GIB:+8.3f} GiB {change / 2**20:+12.3f} MiB  {name}"
+                              for name, change in part]
     return "\n".join(lines) if lines else "no alloc events recorded"
 
 

@@ -39,6 +39,45 @@ def device_busy_us(trace: dict) -> float:
     return covered_ns(spans) / 1e3
 
 
+LAUNCHES = ("cuda_runtime", "cuda_driver")
+"""Trace categories of the host's launch calls; each shares a ``correlation`` id with the work it queued."""
+HOST_OPS = ("cpu_op", "user_annotation")
+
+
+def idle_by_host_op(trace: dict, min_gap_us: float = 10.0) -> tuple[float, list[tuple[str, float, int]]]:
+    """Where the host was while the device waited: ``(idle µs between device work, [(host op, idle µs,
+    gaps)])``, most idle first (then by name).
+
+    A gap is a stretch of at least ``min_gap_us`` with no kernel, copy or memset between the first and the
+    last. It ends when the host's launch of the next work lands, so it is charged to every host op (operator
+    or ``record_function`` range) open on the launching thread at that launch: each name once per gap, so
+    an op's figure includes the gaps of the ops it calls (an inclusive view, like a call tree's totals)."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    work = sorted((e for e in events if e.get("cat") in DEVICE_WORK), key=lambda e: e["ts"])
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in LAUNCHES and "correlation" in e.get("args", {})}
+    host_ops: dict = {}
+    for e in events:
+        if e.get("cat") in HOST_OPS:
+            host_ops.setdefault(e.get("tid"), []).append(e)
+    total, charged = 0.0, {}
+    reach = None
+    for e in work:
+        gap = e["ts"] - reach if reach is not None else 0.0
+        if gap >= min_gap_us:
+            total += gap
+            launch = launches.get(e.get("args", {}).get("correlation"))
+            names = {"(launch not in the trace)"} if launch is None else {
+                op["name"] for op in host_ops.get(launch.get("tid"), [])
+                if op["ts"] <= launch["ts"] <= op["ts"] + op["dur"]} or {"(no host op open)"}
+            for name in names:
+                idle, count = charged.get(name, (0.0, 0))
+                charged[name] = (idle + gap, count + 1)
+        reach = max(reach if reach is not None else e["ts"], e["ts"] + e["dur"])
+    ranked = sorted(((name, idle, count) for name, (idle, count) in charged.items()), key=lambda r: (-r[1], r[0]))
+    return total, ranked
+
+
 def write_op_profile(step, device: torch.device, path: Path) -> None:
     """Run `step()` once under torch.profiler and write its operators by self device time (the kernels
     themselves, so a parent op's time is not counted again in its children; total host time off CUDA) to
@@ -62,8 +101,14 @@ def write_op_profile(step, device: torch.device, path: Path) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             trace_path = Path(tmp) / "trace.json"
             prof.export_chrome_trace(str(trace_path))
-            busy_ms = device_busy_us(json.loads(trace_path.read_text())) / 1e3
+            trace = json.loads(trace_path.read_text())
+        busy_ms = device_busy_us(trace) / 1e3
+        gaps_us, by_op = idle_by_host_op(trace)
         head = (f"GPU busy {busy_ms:.1f} ms of the step's {wall_ms:.1f} ms wall time under the profiler "
-                f"(idle {wall_ms - busy_ms:.1f} ms, {1 - busy_ms / wall_ms:.1%})\n")
+                f"(idle {wall_ms - busy_ms:.1f} ms, {1 - busy_ms / wall_ms:.1%})\n"
+                f"GPU idle gaps of 10 µs or more between its first and last work: {gaps_us / 1e3:.1f} ms; host ops "
+                "open at the launch that ended them (inclusive), most idle first:\n"
+                + "".join(f"  {idle / 1e3:8.1f} ms  {count:6d} gaps  {name[:90]}\n"
+                          for name, idle, count in by_op[:25]))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(head + prof.key_averages().table(sort_by=sort_by, row_limit=50, max_name_column_width=70))

@@ -113,10 +113,11 @@ def test_diff_is_b_minus_a_by_site_largest_first():
     assert lines[2].split() == ["3.000", "GiB", "2", "blocks", "allocated", "before", "recording"]
     assert lines[4].startswith("b, device 0: peak 5.750 GiB allocated (2.000 GiB when")  # top=2: 2 sites
     assert lines[8] == "b - a, device 0: +1.250 GiB (+1280.00 MiB) at the peaks, by site"
-    assert lines[9:] == ["  held more by b:", "    +2.000 GiB  MulBackward0 (autograd, no Python frame)",
-                         "    +0.500 GiB  dsv/c.py:30",
-                         "  held less by b:", "    -1.000 GiB  allocated before recording",
-                         "    -0.500 GiB  dsv/b.py:20"]
+    assert lines[9:] == ["  held more by b:",
+                         "    +2.000 GiB    +2048.000 MiB  MulBackward0 (autograd, no Python frame)",
+                         "    +0.500 GiB     +512.000 MiB  dsv/c.py:30",
+                         "  held less by b:", "    -1.000 GiB    -1024.000 MiB  allocated before recording",
+                         "    -0.500 GiB     -512.000 MiB  dsv/b.py:20"]
 
 
 def test_summary_edge_cases():

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from dsv.bench.profiling import covered_ns, device_busy_us
+from dsv.bench.profiling import covered_ns, device_busy_us, idle_by_host_op
 
 
 def test_covered_time_counts_overlapping_kernels_once():
@@ -30,6 +30,39 @@ def test_device_busy_time_counts_only_device_work_of_a_trace():
     ]}
     assert device_busy_us(trace) == pytest.approx(15.5 + 2.25 + 1.0)
     assert device_busy_us({"traceEvents": []}) == 0.0
+
+
+def test_idle_gaps_are_charged_to_the_host_ops_open_at_the_next_launch():
+    def kernel(ts, dur, corr):
+        return {"ph": "X", "cat": "kernel", "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    def launch(ts, corr, tid=1, cat="cuda_runtime"):
+        return {"ph": "X", "cat": cat, "name": "cudaLaunchKernel", "ts": ts, "dur": 1.0, "tid": tid,
+                "args": {"correlation": corr}}
+
+    def op(name, ts, dur, tid=1):
+        return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+    trace = {"traceEvents": [
+        kernel(0.0, 100.0, 1), launch(-5.0, 1),
+        kernel(50.0, 60.0, 2), launch(-4.0, 2),  # another stream: device work reaches 110
+        # 110 -> 150: 40 µs idle, ended by a launch inside dsv::learn > aten::mm on thread 1.
+        kernel(150.0, 10.0, 3), launch(148.0, 3), op("dsv::learn", 120.0, 40.0), op("aten::mm", 147.0, 3.0),
+        # 160 -> 165: 5 µs, under the 10 µs floor.
+        kernel(165.0, 10.0, 4), launch(160.0, 4, cat="cuda_driver"),
+        # 175 -> 205: 30 µs, launched from the autograd thread inside another op; dsv::learn on thread 1
+        # is still open then but is not charged.
+        kernel(205.0, 5.0, 5), launch(200.0, 5, tid=2), op("dsv::learn", 190.0, 20.0),
+        op("MmBackward0", 195.0, 10.0, tid=2),
+        # 210 -> 230: 20 µs whose launch the trace lacks.
+        kernel(230.0, 5.0, 6),
+    ]}
+    total, ranked = idle_by_host_op(trace)
+    assert total == pytest.approx(40.0 + 30.0 + 20.0)
+    assert ranked == [("aten::mm", 40.0, 1), ("dsv::learn", 40.0, 1), ("MmBackward0", 30.0, 1),
+                      ("(launch not in the trace)", 20.0, 1)]
+    assert idle_by_host_op(trace, min_gap_us=35.0) == (40.0, [("aten::mm", 40.0, 1), ("dsv::learn", 40.0, 1)])
+    assert idle_by_host_op({"traceEvents": []}) == (0.0, [])
 
 
 def test_exported_trace_has_the_fields_the_busy_measure_reads(tmp_path):
