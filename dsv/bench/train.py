@@ -92,6 +92,15 @@ def _peak_gib(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
 
 
+def _peak_requested_gib(device: torch.device) -> float:
+    """Peak GiB that tensors requested since the last reset: the allocated peak without the allocator's
+    rounding of each block (a block can exceed its request by up to 1 MiB, depending on what the cache
+    held), which can differ between two runs that hold the same tensors. NaN off CUDA."""
+    if device.type != "cuda":
+        return float("nan")
+    return torch.cuda.memory_stats(device).get("requested_bytes.all.peak", float("nan")) / 2**30
+
+
 @contextlib.contextmanager
 def _memory_history(folder: Path | None, name: str, device: torch.device):
     """Record the CUDA allocator's history (every allocation with its Python stack) while the body runs,
@@ -108,12 +117,13 @@ def _memory_history(folder: Path | None, name: str, device: torch.device):
         torch.cuda.memory._record_memory_history(enabled=None)
 
 
-def _timed_steps(run: _Run, args, name: str, device: torch.device) -> tuple[float, float]:
-    """Median ms of the timed steps (after warm-up) and their peak GiB, under the allocator history if asked."""
+def _timed_steps(run: _Run, args, name: str, device: torch.device) -> tuple[float, float, float]:
+    """Median ms of the timed steps (after warm-up) and their peak GiB, allocated and requested, under the
+    allocator history if asked."""
     _reset_peak(device)
     with _memory_history(args.memory_history, name, device):
         ms = run.median_ms(args.warmup, args.steps)
-    return ms, _peak_gib(device)
+    return ms, _peak_gib(device), _peak_requested_gib(device)
 
 
 class _Run:
@@ -220,7 +230,8 @@ def run(args) -> int:
                     else load_profile(args.profile)
                 run_.enter_stage2(profile)
                 row["sparse_blocks"] = sum(layer.runs_sparse() for layer in run_.model.controller.layers)
-                row["ms"], row["peak_gib"] = _timed_steps(run_, args, f"{tokens}-{mode}", device)
+                row["ms"], row["peak_gib"], row["peak_requested_gib"] = _timed_steps(run_, args, f"{tokens}-{mode}",
+                                                                                      device)
                 stage2_state = run_.dsv_state()
                 # Without the predictor update (its cost is the difference). No profiling here, so the
                 # sparsity profile under test stays as it is.
@@ -251,7 +262,8 @@ def run(args) -> int:
                                 f"{no_predictor_peak:.1f}")
             else:
                 row["sparse_blocks"] = sum(layer.runs_sparse() for layer in run_.model.controller.layers)
-                row["ms"], row["peak_gib"] = _timed_steps(run_, args, f"{tokens}-{mode}", device)
+                row["ms"], row["peak_gib"], row["peak_requested_gib"] = _timed_steps(run_, args, f"{tokens}-{mode}",
+                                                                                      device)
             if args.op_profile is not None:
                 write_op_profile(run_.step, device, args.op_profile / f"{tokens}-{mode}.txt")
             if mode == "dense":
@@ -259,7 +271,8 @@ def run(args) -> int:
             row["speedup"] = dense_ms / row["ms"] if dense_ms else float("nan")
             rows.append(row)
             print(f"{tokens:>6} {mode:>6}: {row['ms']:.1f} ms/step, {row['speedup']:.2f}x dense, "
-                  f"{row['peak_gib']:.3f} GiB, {row['sparse_blocks']} sparse blocks. {row['notes']}", flush=True)
+                  f"{row['peak_gib']:.3f} GiB ({row['peak_requested_gib']:.3f} requested), "
+                  f"{row['sparse_blocks']} sparse blocks. {row['notes']}", flush=True)
             del run_
             # The layers and their controller reference each other: only the cycle collector frees them, and
             # until it runs the last model's attention weights would count in the next run's peak.
@@ -278,10 +291,12 @@ def run(args) -> int:
              f"{cfg.attention.predictor_keys or 'all'} keys; predictor state and recompute rows "
              f"{'in host memory between uses' if cfg.attention.host_offload else 'kept on the GPU'} "
              "(attention.host_offload).", "",
-             "| tokens | mode | ms/step | × dense | peak GiB (timed steps) | sparse blocks | DSV overheads |",
-             "|---|---|---|---|---|---|---|"]
+             "| tokens | mode | ms/step | × dense | peak GiB (timed steps) | of it requested | sparse blocks | "
+             "DSV overheads |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['tokens']} | {r['mode']} | {r['ms']:.1f} | {r['speedup']:.2f} | {r['peak_gib']:.3f} | "
+                     f"{r['peak_requested_gib']:.3f} | "
                      f"{r['sparse_blocks']} | {r['notes']} |")
     report = "\n".join(lines) + "\n"
     print(report)
