@@ -229,8 +229,7 @@ class DSVAttentionCore(nn.Module):
     def prepare_index(
         self, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, grid: tuple[int, int, int]
     ) -> SparseIndex | None:
-        """Observer, key selection and (in training) the predictor step and profiling: `select_keys` then
-        `learn`.
+        """Observer, key selection and (in training) the predictor step and profiling.
 
         Args:
             hidden: `[B, S, C]` the attention input in grouped order (the predictor's input).
@@ -240,44 +239,28 @@ class DSVAttentionCore(nn.Module):
         Returns:
             The `SparseIndex` when this layer runs sparse now, else None (dense).
         """
-        index = self.select_keys(hidden, q, k, grid)
-        self.learn(hidden, q, k, grid, index)
-        return index
-
-    def select_keys(
-        self, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, grid: tuple[int, int, int]
-    ) -> SparseIndex | None:
-        """The first half of `prepare_index` (same arguments and result): observer and key selection. The
-        caller must call `learn(hidden, q, k, grid, index)` later in the same forward; it may first queue
-        the attention, as `DSVAttention` does."""
         self.resolve_backends(q, q.shape[2])
         if self.observer is not None:
             self.observer(self, hidden, q, k, grid)
-        # Select before the predictor steps, so a checkpointing recompute selects the same keys.
-        if not self.runs_sparse():
-            return None
         training = self.training and torch.is_grad_enabled()
+        learning = training and self.controller is not None
         compiling = torch.compiler.is_compiling()
         check = self.cfg.check_finite and compiling  # see `check_input_values`
-        # Selection and learning are runtime ops (end of this file), so that torch.compile captures the layer
-        # whole. Eager mode calls their kernels directly: through the dispatcher a call costs ~60 us more.
-        select = _layer_select if compiling else _select_kernel
-        indices, counts = select(self._runtime_id, hidden, q, k, list(grid), self.cfg.group_size, training, check,
-                                 _autocast_dtype(q))
-        return SparseIndex(indices, counts, self.cfg.group_size, self.cfg.key_block, q.shape[2])
-
-    def learn(self, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, grid: tuple[int, int, int],
-              index: SparseIndex | None) -> None:
-        """The second half of `prepare_index`, with the `index` that `select_keys` returned: in a training
-        forward (grad enabled, under a controller), the predictor step and, when due, profiling; in a compiled
-        dense layer with `cfg.check_finite`, the finite check of `hidden` (a sparse layer's selection made it)."""
-        learning = self.training and torch.is_grad_enabled() and self.controller is not None
-        compiling = torch.compiler.is_compiling()
-        check = self.cfg.check_finite and compiling and index is None
+        autocast_dtype = torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else None
+        # Both steps are runtime ops (end of this file), so that torch.compile captures the layer whole. Eager
+        # mode calls their kernels directly: through the dispatcher a call costs ~60 us more.
+        select, update = (_layer_select, _layer_update) if compiling else (_select_kernel, _update_kernel)
+        index = None
+        # Select before the predictor steps, so a checkpointing recompute selects the same keys.
+        if self.runs_sparse():
+            indices, counts = select(self._runtime_id, hidden, q, k, list(grid), self.cfg.group_size, training, check,
+                                     autocast_dtype)
+            index = SparseIndex(indices, counts, self.cfg.group_size, self.cfg.key_block, q.shape[2])
+            check = False
         if learning or check:
-            update = _layer_update if compiling else _update_kernel
             update(self._runtime_id, hidden, q, k, None if index is None else index.indices, list(grid), check,
-                   learning, _autocast_dtype(q), self.loss_ema, self.sparsity_ema, self.recall_ema, self.keep_boost)
+                   learning, autocast_dtype, self.loss_ema, self.sparsity_ema, self.recall_ema, self.keep_boost)
+        return index
 
     @property
     def sparse_backend(self) -> str:
@@ -549,13 +532,9 @@ class DSVAttention(DSVAttentionCore):
         qkv = self.to_qkv(hidden).view(batch, seq_len, 3, self.heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, S, D]
         q, k = self.q_norm(q), self.k_norm(k)
-        index = self.select_keys(hidden, q, k, grid)
+        index = self.prepare_index(hidden, q, k, grid)
         out = self.attend(q, k, v, index)
         out = self.to_out(out.transpose(1, 2).reshape(batch, seq_len, self.heads * self.head_dim))
-        # The predictor step (`prepare_index`'s second half) once the attention and the output projection are
-        # queued: its many small launches then overlap their GPU work. Before them, the GPU waited for the
-        # host (compiled blocks at 32k tokens on one H200: ~64 ms of idle gaps per step inside the step).
-        self.learn(hidden, q, k, grid, index)
         return out if grouped else out.index_select(1, inv)
 
 
@@ -616,12 +595,6 @@ def _registered_layer(layer_id: torch.Tensor) -> DSVAttentionCore:
     if layer is None:
         raise RuntimeError(f"DSV attention layer id {int(layer_id)} belongs to no live layer")
     return layer
-
-
-def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
-    """The autocast dtype active for `x`'s device type, None when autocast is off there."""
-    device_type = x.device.type
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
 def _autocast(device_type: str, dtype: torch.dtype | None):

@@ -211,24 +211,6 @@ def test_recompute_reselects_the_forward_keys_without_keeping_the_index():
     assert again.indices.data_ptr() != index.indices.data_ptr()
 
 
-def test_predictor_steps_after_the_attention_and_output_projection_are_queued(monkeypatch):
-    """`DSVAttention` runs the predictor step (`learn`) after the attention and `to_out`, so the step's many
-    small launches overlap their GPU work; it still selects before the step, and steps once per training
-    forward."""
-    x = torch.randn(1, 64, DIM, dtype=torch.float64)
-    model = in_stage2(x)
-    layer, calls = model.attn, []
-    for name in ("select_keys", "attend", "learn"):
-        original = getattr(layer, name)
-        monkeypatch.setattr(layer, name, lambda *a, _f=original, _n=name, **kw: (calls.append(_n), _f(*a, **kw))[1])
-    layer.to_out.register_forward_hook(lambda *_: calls.append("to_out"))
-    weights = layer.predictor.q_proj.weight.detach().clone()
-    model(x).sum().backward()
-    assert calls == ["select_keys", "attend", "to_out", "learn"]
-    assert layer.last_path == "sparse:reference"
-    assert not torch.equal(weights, layer.predictor.q_proj.weight), "the predictor must have stepped"
-
-
 def test_bad_inputs_raise_clear_errors():
     model = make("dense")
     with pytest.raises(ValueError, match=r"\[B, S, C\]"):
