@@ -17,7 +17,7 @@ from torch import nn
 
 from dsv.modules.config import AttentionConfig
 from dsv.modules.dispatch import SPEED_MODELS
-from dsv.modules.predictor import LowRankPredictor
+from dsv.modules.predictor import LowRankPredictor, release_parked
 from dsv.ops import (
     SparseIndex,
     estimate_index_from_means,
@@ -615,6 +615,14 @@ def _autograd_dispatch():
         yield
 
 
+def _release_parked_state(q: torch.Tensor) -> None:
+    # Each layer's forward and recompute start by handing back the memory of predictors parked so far
+    # (`attention.host_offload`): the backward's recompute of the last block then frees the last one parked
+    # before the backward's peak allocations.
+    if q.is_cuda:
+        release_parked(q.device)
+
+
 def _select_kernel(
     layer_id: torch.Tensor,
     hidden: torch.Tensor,
@@ -631,6 +639,7 @@ def _select_kernel(
     Eager mode hands them on as they are: the layer's recompute cache keeps them only where the selection is
     fixed (window, oracle), and nothing writes an index in place."""
     layer = _registered_layer(layer_id)
+    _release_parked_state(q)
     if check_finite:
         layer._check_finite(hidden)
     with _autocast(q.device.type, autocast_dtype):
@@ -680,6 +689,7 @@ def _update_kernel(
     the selection, which must see the predictor before its step. Mutating the EMAs keeps the op in a
     compiled graph, which drops ops whose results nobody uses."""
     layer = _registered_layer(layer_id)
+    _release_parked_state(q)
     if check_finite:
         layer._check_finite(hidden)
     if not learn:

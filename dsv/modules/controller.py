@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from dsv.modules.config import AttentionConfig
+from dsv.modules.predictor import release_parked
 
 
 @dataclass
@@ -68,6 +69,7 @@ class DSVController(nn.Module):
         self.step = step
         self.forward_id += 1
         if self.cfg.host_offload:
+            release_parked()
             # Each layer's predictor work brings back the next predictor in use (`predictor_done`); the first
             # one starts here.
             first = next((layer for layer in self._layers if layer.will_use_predictor()), None)

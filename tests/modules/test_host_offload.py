@@ -11,7 +11,7 @@ import torch
 from dsv.bench.train import _Run
 from dsv.modules.attention import RepeatableSelection
 from dsv.modules.dit import flow_matching_loss
-from dsv.modules.predictor import LowRankPredictor, _copy_stream
+from dsv.modules.predictor import LowRankPredictor, _copy_stream, release_parked
 from dsv.ops import estimate_index_from_means
 from dsv.train.config import apply_overrides
 from dsv.train.recipes import get_recipe
@@ -278,3 +278,31 @@ def test_parked_predictor_reads_writes_and_moves_its_state_on_gpu():
     predictor.park()
     predictor.to(torch.float64)
     assert not predictor.parked and predictor.k_proj.weight.dtype == torch.float64 and predictor.k_proj.weight.is_cuda
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_parked_memory_returns_to_the_allocator_while_the_gpu_lags_on_gpu():
+    """With the GPU far behind the host (its stream stalled), a park's device memory goes back to the
+    allocator at the next `release_parked`, in stream order: the active bytes fall at once by the state's
+    size. Under `record_stream` they would stay until the host saw the copy finish. The state comes back
+    intact once the GPU has caught up."""
+    torch.manual_seed(0)
+    predictor = LowRankPredictor(256, 4, rank=16).cuda()
+    hidden, q, k = (torch.randn(1, 512, 256, device="cuda"), torch.randn(1, 4, 512, 64, device="cuda"),
+                    torch.randn(1, 4, 512, 64, device="cuda"))
+    predictor.update(hidden, q, k, torch.arange(0, 512, 16, device="cuda"), 64**-0.5)
+    predictor.park()
+    predictor.unpark()  # from here on the device state comes from a prefetch, on a known stream
+    want = [t.clone() for t in predictor._state_tensors()]
+    state_bytes = sum(t.numel() * t.element_size() for t in want)
+    torch.cuda.synchronize()
+    release_parked()
+    active = torch.cuda.memory_stats()["active_bytes.all.current"]
+    torch.cuda._sleep(100 * STALL_CYCLES)  # ~50 ms of GPU time queued ahead of the park's copies
+    predictor.park()
+    release_parked(predictor._parked_from)
+    assert torch.cuda.memory_stats()["active_bytes.all.current"] <= active - state_bytes
+    predictor.unpark()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(predictor._state_tensors(), want))
