@@ -114,8 +114,9 @@ def _paper_shape(depth: int, heads: int, head_dim: int) -> Config:
     # 4096 sampled keys per predictor update: at 32k tokens it took the update from 186 to 51 ms per step on
     # one H200 (benchmarks/results/2026-11-29-h200-train-step.md); the quality run with 512 of 4096 keys
     # kept the predictors' recall (2026-11-29-h200-quality).
-    # DSV's per-layer state in host memory between uses: at 64k tokens on one H200 the 2.7B shape's peak fell
-    # from +0.43 GiB over dense to +2 MiB, the step time within noise (the train-step report).
+    # DSV's per-layer state in host memory between uses: at 32k and 64k tokens on one H200 the 2.7B shape's
+    # peak requested bytes equal dense's (+0.43 GiB without), the step time within noise (the train-step
+    # reports of 2026-11-29 and -30).
     return Config(
         model=ModelConfig(in_channels=3, patch=(1, 8, 8), hidden=heads * head_dim, depth=depth, heads=heads,
                           activation_checkpointing=True),
