@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import math
 import statistics
 import time
 from pathlib import Path
@@ -124,6 +125,20 @@ def _timed_steps(run: _Run, args, name: str, device: torch.device) -> tuple[floa
     with _memory_history(args.memory_history, name, device):
         ms = run.median_ms(args.warmup, args.steps)
     return ms, _peak_gib(device), _peak_requested_gib(device)
+
+
+def _peaks_against_dense(rows: list[dict]) -> list[str]:
+    """Each mode's peaks minus dense's at the same token count, in MiB: the table's GiB hide a few MiB."""
+    dense = {r["tokens"]: r for r in rows if r["mode"] == "dense"}
+    lines = []
+    for r in rows:
+        base = dense.get(r["tokens"])
+        if base is None or r is base or math.isnan(r["peak_gib"]):
+            continue
+        allocated, requested = ((r[key] - base[key]) * 1024 for key in ("peak_gib", "peak_requested_gib"))
+        lines.append(f"- {r['mode']} at {r['tokens']} tokens, peak against dense: {allocated:+.1f} MiB allocated, "
+                     f"{requested:+.1f} MiB requested")
+    return [""] + lines if lines else []
 
 
 class _Run:
@@ -298,6 +313,7 @@ def run(args) -> int:
         lines.append(f"| {r['tokens']} | {r['mode']} | {r['ms']:.1f} | {r['speedup']:.2f} | {r['peak_gib']:.3f} | "
                      f"{r['peak_requested_gib']:.3f} | "
                      f"{r['sparse_blocks']} | {r['notes']} |")
+    lines += _peaks_against_dense(rows)
     report = "\n".join(lines) + "\n"
     print(report)
     if args.out is not None:

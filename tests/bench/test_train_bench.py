@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from dsv.bench.train import _Run, paper_profile
+from dsv.bench.train import _peaks_against_dense, _Run, paper_profile
 from dsv.cli import main
 from dsv.train.config import apply_overrides
 from dsv.train.recipes import get_recipe
@@ -32,6 +32,18 @@ def test_bench_train_reports_all_modes(tmp_path, capsys):
     for mode in ("dense", "window", "dsv"):
         assert "Self CPU" in (tmp_path / "ops" / f"128-{mode}.txt").read_text()
     assert not (tmp_path / "mem").exists()
+
+
+def test_peaks_against_dense_are_printed_in_mib():
+    gib = 1 / 1024  # one MiB in GiB
+    rows = [dict(tokens=64, mode="dense", peak_gib=40.0, peak_requested_gib=39.5),
+            dict(tokens=64, mode="dsv", peak_gib=40.0 + 2 * gib, peak_requested_gib=39.5 - 0.5 * gib),
+            dict(tokens=128, mode="dsv", peak_gib=41.0, peak_requested_gib=41.0)]  # no dense run at 128
+    assert _peaks_against_dense(rows) == [
+        "", "- dsv at 64 tokens, peak against dense: +2.0 MiB allocated, -0.5 MiB requested"]
+    nan = float("nan")  # off CUDA no peak is tracked: nothing to compare
+    assert _peaks_against_dense([dict(tokens=64, mode=mode, peak_gib=nan, peak_requested_gib=nan)
+                                 for mode in ("dense", "dsv")]) == []
 
 
 def test_bench_train_with_compiled_blocks(tmp_path):
