@@ -7,6 +7,7 @@ the layer's forward pass, so no S×S intermediate is kept alive for the model's 
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 import torch.distributed as dist
@@ -114,9 +115,11 @@ class LowRankPredictor(nn.Module):
         self._parked_from: torch.device | None = None
         self._host_buffers: list[torch.Tensor] = []
         self._incoming: tuple[list[torch.Tensor], list[torch.Tensor], torch.cuda.Event, torch.cuda.Stream] | None = None
-        # The stream the device tensors were allocated on, where known (`prefetch` allocates them): parking
-        # then hands their memory back through `release_parked` instead of `record_stream`.
+        # The stream the last prefetch allocated on, and the storages it made: parking hands those back through
+        # `release_parked` instead of `record_stream`. A state tensor made since (AdamW's moments on their first
+        # step, a loaded state) is of no known stream and goes under `record_stream`.
         self._allocated_on: torch.cuda.Stream | None = None
+        self._prefetched: set[int] = set()
         self.register_state_dict_pre_hook(self._unpark_hook)
         self.register_load_state_dict_pre_hook(self._unpark_hook)
         self._hook_optimizer()
@@ -168,16 +171,17 @@ class LowRankPredictor(nn.Module):
                                                                       pin_memory=True)
                     host.copy_(tensor, non_blocking=True)
             on_device = [tensor.data for tensor in tensors]
-            if self._allocated_on is None:
-                # Allocated before any prefetch, on a stream not known here: the allocator keeps each block
-                # until it sees the copy that reads it finish.
-                for data in on_device:
+            known = [data for data in on_device if data.data_ptr() in self._prefetched]
+            for data in on_device:
+                if data.data_ptr() not in self._prefetched:
+                    # Not from a prefetch, so of a stream not known here: the allocator keeps the block until it
+                    # sees the copy that reads it finish.
                     data.record_stream(stream)
-            else:
-                _hold_until(device, self._allocated_on, stream.record_event(), on_device)
+            if known:
+                _hold_until(device, self._allocated_on, stream.record_event(), known)
             for tensor, host in zip(tensors, self._host_buffers):
                 tensor.data = host
-        self._parked_from = device
+        self._parked_from, self._prefetched = device, set()
 
     def prefetch(self) -> None:
         """Start bringing parked state back to the device on the side stream (a no-op unless parked), so that
@@ -221,7 +225,7 @@ class LowRankPredictor(nn.Module):
                 if current != allocated_on:
                     copy.record_stream(current)  # used on another stream than its memory's
                 tensor.data = copy
-        self._allocated_on = allocated_on
+        self._allocated_on, self._prefetched = allocated_on, {copy.data_ptr() for copy in copies}
         self._incoming, self._parked_from = None, None
 
     def __getstate__(self) -> dict:
@@ -230,7 +234,7 @@ class LowRankPredictor(nn.Module):
         self.unpark()
         state = super().__getstate__()
         state["_host_buffers"] = []
-        state["_allocated_on"] = None  # a copy's tensors are its own (and a stream does not pickle)
+        state["_allocated_on"], state["_prefetched"] = None, set()  # a copy's tensors are its own
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -243,8 +247,10 @@ class LowRankPredictor(nn.Module):
 
     def _apply(self, fn, recurse=True):
         self.unpark()  # `.to()`, `.cuda()`, `.float()` act on the state where it belongs
-        self._allocated_on = None  # the tensors they make come from whichever stream is current
-        return super()._apply(fn, recurse)
+        self._allocated_on, self._prefetched = None, set()  # the tensors they make: whichever stream is current
+        moved = super()._apply(fn, recurse)
+        release_parked()  # memory of the state it leaves behind, held since the last park or prefetch
+        return moved
 
     def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`hidden [B, S, C]` → `(q_lr, k_lr)`, each `[B, H, S, rank]`."""
@@ -347,11 +353,13 @@ class LowRankPredictor(nn.Module):
 # of the GPU) that is several layers' state at any moment: 47 MiB at the backward's peak of the 2.7B shape at
 # 64k tokens on one H200 (the allocator's requested-bytes peak; `max_memory_allocated` does not count them).
 _HELD: dict[torch.device, list[tuple[torch.cuda.Stream, torch.cuda.Event, list[torch.Tensor]]]] = {}
+_HELD_LOCK = threading.Lock()  # the autograd thread releases during a recompute
 
 
 def _hold_until(device: torch.device, stream: torch.cuda.Stream, copied: torch.cuda.Event,
                 tensors: list[torch.Tensor]) -> None:
-    _HELD.setdefault(device, []).append((stream, copied, tensors))
+    with _HELD_LOCK:
+        _HELD.setdefault(device, []).append((stream, copied, tensors))
 
 
 def release_parked(device: torch.device | None = None) -> None:
@@ -359,7 +367,9 @@ def release_parked(device: torch.device | None = None) -> None:
     device): each allocating stream waits for its copy on the GPU (no host synchronisation), then the blocks
     are dropped. Cheap; DSV layers call it as each forward (and recompute) starts, parking and each training
     step's start call it first."""
-    for held in ([_HELD.pop(device, [])] if device is not None else [_HELD.pop(d, []) for d in list(_HELD)]):
+    with _HELD_LOCK:
+        released = [_HELD.pop(device, [])] if device is not None else [_HELD.pop(d) for d in list(_HELD)]
+    for held in released:
         for stream, copied, _tensors in held:
             stream.wait_event(copied)
 

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from dsv.modules.attention import DSVAttention, RepeatableSelection, _ema, key_seed
+from dsv.modules.predictor import release_parked
 from dsv.ops import (
     SparseIndex,
     estimate_index_from_means,
@@ -238,6 +239,8 @@ class ContextParallel:
             raise ValueError(f"DSVAttention layer {layer.layer_index}: grid {tuple(grid)} has {math.prod(grid)} "
                              f"tokens, but {self.size} ranks x {local_len} local tokens = {seq_len}")
         self._check_input_values(layer, x)
+        if x.is_cuda:
+            release_parked(x.device)  # as each DSVAttention forward starts (the select/update runtime ops)
         check_sequence_split(seq_len, self.size, cfg.group_size, cfg.key_block)
         qkv = layer.to_qkv(x).view(batch, local_len, 3, layer.heads, layer.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)

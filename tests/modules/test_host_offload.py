@@ -4,6 +4,7 @@ training is bit-for-bit what it is without it."""
 import copy
 import dataclasses
 import io
+import weakref
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch
 from dsv.bench.train import _Run
 from dsv.modules.attention import RepeatableSelection
 from dsv.modules.dit import flow_matching_loss
-from dsv.modules.predictor import LowRankPredictor, _copy_stream, release_parked
+from dsv.modules.predictor import _HELD, LowRankPredictor, _copy_stream, _hold_until, release_parked
 from dsv.ops import estimate_index_from_means
 from dsv.train.config import apply_overrides
 from dsv.train.recipes import get_recipe
@@ -89,6 +90,34 @@ def test_host_offload_is_a_no_op_off_cuda():
         assert not any(layer.predictor.parked for layer in offloaded.model.controller.layers)
 
     assert _train_alike(plain, offloaded, nothing_parked) >= 2
+
+
+def test_release_makes_each_allocating_stream_wait_for_its_copy_then_drops_the_memory():
+    """The registry behind `release_parked` (streams and events stand in for CUDA ones): each held entry's
+    stream waits for its event once, per device or for every device, and its tensors are let go."""
+    class Stream:
+        def __init__(self):
+            self.waited = []
+
+        def wait_event(self, event):
+            self.waited.append(event)
+
+    first, second = Stream(), Stream()
+    gpu0, gpu1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    memory = torch.empty(4)
+    held = weakref.ref(memory)
+    _hold_until(gpu0, first, "copy to host", [memory])
+    del memory  # the registry keeps it
+    assert held() is not None
+    _hold_until(gpu0, second, "copy to device", [torch.empty(4)])
+    _hold_until(gpu1, first, "other device", [torch.empty(4)])
+    release_parked(gpu0)
+    assert first.waited == ["copy to host"] and second.waited == ["copy to device"]
+    assert gpu0 not in _HELD and gpu1 in _HELD and held() is None
+    release_parked(gpu0)  # nothing left there: no second wait
+    assert first.waited == ["copy to host"]
+    release_parked()
+    assert first.waited == ["copy to host", "other device"] and not _HELD
 
 
 def test_repeatable_selection_gives_the_same_index_again():
@@ -283,10 +312,11 @@ def test_parked_predictor_reads_writes_and_moves_its_state_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_parked_memory_returns_to_the_allocator_while_the_gpu_lags_on_gpu():
-    """With the GPU far behind the host (its stream stalled), a park's device memory goes back to the
-    allocator at the next `release_parked`, in stream order: the active bytes fall at once by the state's
-    size. Under `record_stream` they would stay until the host saw the copy finish. The state comes back
-    intact once the GPU has caught up."""
+    """With the GPU far behind the host, a park's device memory goes back to the allocator at the next
+    `release_parked`, in stream order: the active bytes fall at once by the state's size (under
+    `record_stream` they would stay until the host saw the copy finish). Blocks reused at once on the compute
+    stream and poisoned with NaN must not reach the host copy, which the copy stream holds back longer than
+    the compute stream: the state comes back intact."""
     torch.manual_seed(0)
     predictor = LowRankPredictor(256, 4, rank=16).cuda()
     hidden, q, k = (torch.randn(1, 512, 256, device="cuda"), torch.randn(1, 4, 512, 64, device="cuda"),
@@ -299,10 +329,14 @@ def test_parked_memory_returns_to_the_allocator_while_the_gpu_lags_on_gpu():
     torch.cuda.synchronize()
     release_parked()
     active = torch.cuda.memory_stats()["active_bytes.all.current"]
-    torch.cuda._sleep(100 * STALL_CYCLES)  # ~50 ms of GPU time queued ahead of the park's copies
+    torch.cuda._sleep(100 * STALL_CYCLES)  # ~50 ms queued on the compute stream
+    with torch.cuda.stream(_copy_stream(torch.device("cuda", torch.cuda.current_device()))):
+        torch.cuda._sleep(200 * STALL_CYCLES)  # the park's copies start only after ~100 ms
     predictor.park()
     release_parked(predictor._parked_from)
     assert torch.cuda.memory_stats()["active_bytes.all.current"] <= active - state_bytes
+    poison = [torch.full_like(t, float("nan")) for t in want for _ in range(4)]  # likely in the freed blocks
     predictor.unpark()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(predictor._state_tensors(), want))
+    del poison
