@@ -350,8 +350,9 @@ class LowRankPredictor(nn.Module):
 # waited for the side stream's copy that reads or writes it (`release_parked`); dropped then, in that stream's
 # order, its blocks return to the allocator at once. Freed under `record_stream` instead, each block stays
 # unusable until the allocator sees its copy finish, and on the host's timeline (the host runs layers ahead
-# of the GPU) that is several layers' state at any moment: 47 MiB at the backward's peak of the 2.7B shape at
-# 64k tokens on one H200 (the allocator's requested-bytes peak; `max_memory_allocated` does not count them).
+# of the GPU) that is several layers' state at any moment: +0.047 GiB over dense at the step's peak of the
+# 2.7B shape at 64k tokens on one H200 (the allocator's requested-bytes peak; `max_memory_allocated` does not
+# count such blocks).
 _HELD: dict[torch.device, list[tuple[torch.cuda.Stream, torch.cuda.Event, list[torch.Tensor]]]] = {}
 _HELD_LOCK = threading.Lock()  # the autograd thread releases during a recompute
 
