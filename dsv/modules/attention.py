@@ -348,10 +348,23 @@ class DSVAttentionCore(nn.Module):
             # by its input. A host sync, in this case only; the recompute's input equals the forward's up to
             # kernel rounding.
             fingerprint = _fingerprint(hidden)
-            for entry in pending or entries:
-                if torch.allclose(entry[0], fingerprint, rtol=1e-4, atol=1e-6):
-                    entry[2] = True
-                    return entry[1]()
+            matches = [entry for entry in pending or entries
+                       if torch.allclose(entry[0], fingerprint, rtol=1e-4, atol=1e-6)]
+            if matches:
+                matches[0][2] = True
+                index = matches[0][1]()
+                # Forwards with the same input (as far as the fingerprint sees) cannot be told apart: fine
+                # while they selected the same keys, else the gradients could belong to the other one's keys.
+                for other in matches[1:]:
+                    again = other[1]()
+                    if not (torch.equal(again.counts, index.counts) and torch.equal(again.indices, index.indices)):
+                        raise RuntimeError(
+                            f"{type(self).__name__} layer {self.layer_index}: {len(matches)} training forwards "
+                            "of this step had the same input and selected different keys (the predictor stepped "
+                            "between them), so a checkpointing recompute cannot tell which keys are its own. "
+                            "Run the backward of each forward before the next one, or do not repeat an input "
+                            "within a step")
+                return index
         elif self._learned_id != key[0] or key[0] is None:
             return select_again()
         raise RuntimeError(

@@ -181,6 +181,32 @@ def test_two_checkpointed_forwards_of_a_step_match_plain_backward(order):
         torch.testing.assert_close(a, b, **TOL64)
 
 
+@pytest.mark.parametrize("predictor_lr", [1e-3, 0.3], ids=["same-keys", "keys-changed"])
+def test_two_forwards_of_one_input_in_a_step_match_plain_backward_or_raise(predictor_lr):
+    """The same input twice in one step before the backward: the recompute cannot tell the two forwards
+    apart by their input. While both selected the same keys that is harmless and the gradients equal the
+    plain backward's; once the predictor's step between them changed the keys, it raises instead of
+    computing one forward's gradients with the other's keys (a plain backward differs there)."""
+    torch.manual_seed(3)
+    x = torch.randn(1, 64, DIM, dtype=torch.float64)
+
+    def run(checkpointing: bool):
+        model = in_stage2(x, keep_floor_blocks=1, predictor_lr=predictor_lr)
+        ins = [x.clone().requires_grad_(True) for _ in range(2)]
+        call = (lambda x: torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)) if checkpointing else model
+        outs = [call(x) for x in ins]
+        (outs[0].pow(2).sum() + outs[1].pow(3).sum()).backward()
+        return (*(out.detach() for out in outs), *(x.grad for x in ins), model.attn.to_qkv.weight.grad)
+
+    plain = run(False)
+    if predictor_lr == 0.3:
+        with pytest.raises(RuntimeError, match="same input and selected different keys"):
+            run(True)
+        return
+    for a, b in zip(plain, run(True)):
+        torch.testing.assert_close(a, b, **TOL64)
+
+
 def test_recompute_without_its_forward_after_a_predictor_step_raises():
     """A recompute whose forward was not remembered must not select again once the predictor has stepped:
     its keys would differ from the forward's and the gradients would silently belong to other keys."""
