@@ -333,16 +333,22 @@ class DSVAttentionCore(nn.Module):
             self._selection_cache.clear()  # a new step: the previous one's backward is done
         self._selection_cache.setdefault(key, []).append([_fingerprint(hidden), reselect, False])
 
-    def recall_selection(self, key: tuple, hidden: torch.Tensor, select_again: Callable) -> SparseIndex:
+    def recall_selection(self, key: tuple, hidden: torch.Tensor, select_again: Callable,
+                         agree: Callable[[bool], bool] = bool) -> SparseIndex:
         """In a checkpointing recompute: the keys its training forward selected (`remember_selection`).
         Without a remembered forward the keys are selected again (`select_again()`) only while the predictor
-        has not stepped since; otherwise raises, as the gradients would belong to other keys."""
+        has not stepped since; otherwise raises, as the gradients would belong to other keys. `agree(ok)`
+        combines this rank's verdict over the ranks that recompute together (context parallelism), so that
+        all of them raise or none."""
         entries = self._selection_cache.get(key, [])
         pending = [entry for entry in entries if not entry[2]]
         if len(pending) == 1:
             # The usual case, also for micro-batches that each run forward then backward in one step.
             pending[0][2] = True
             return pending[0][1]()
+        if not entries and (self._learned_id != key[0] or key[0] is None):
+            return select_again()
+        index, matches = None, []
         if entries:
             # Several training forwards of this step before their backward (or a second backward): this one's
             # by its input. A host sync, in this case only; the recompute's input equals the forward's up to
@@ -353,25 +359,25 @@ class DSVAttentionCore(nn.Module):
             if matches:
                 matches[0][2] = True
                 index = matches[0][1]()
-                # Forwards with the same input (as far as the fingerprint sees) cannot be told apart: fine
-                # while they selected the same keys, else the gradients could belong to the other one's keys.
-                for other in matches[1:]:
-                    again = other[1]()
-                    if not (torch.equal(again.counts, index.counts) and torch.equal(again.indices, index.indices)):
-                        raise RuntimeError(
-                            f"{type(self).__name__} layer {self.layer_index}: {len(matches)} training forwards "
-                            "of this step had the same input and selected different keys (the predictor stepped "
-                            "between them), so a checkpointing recompute cannot tell which keys are its own. "
-                            "Run the backward of each forward before the next one, or do not repeat an input "
-                            "within a step")
-                return index
-        elif self._learned_id != key[0] or key[0] is None:
-            return select_again()
-        raise RuntimeError(
-            f"{type(self).__name__} layer {self.layer_index}: a checkpointing recompute found no selection of "
-            f"its forward among {len(entries)} of this step, and the predictor has stepped since, so selecting "
-            "again would give other keys than the forward used. Run each training forward's backward before "
-            "the next step's forward (call controller.begin_step once per optimizer step)")
+        # Forwards with the same input (as far as the fingerprint sees) cannot be told apart: fine while they
+        # selected the same keys, else the gradients could belong to the other one's keys.
+        same_keys = index is not None and all(_same_selection(index, other[1]()) for other in matches[1:])
+        if agree(same_keys):
+            return index
+        if same_keys:
+            problem = ("another rank of its context-parallel group could not match its checkpointing recompute "
+                       "to the forward's keys")
+        elif matches:
+            problem = (f"{len(matches)} training forwards of this step had the same input and selected different "
+                       "keys (the predictor stepped between them), so a checkpointing recompute cannot tell which "
+                       "keys are its own. Run the backward of each forward before the next one, or do not repeat "
+                       "an input within a step")
+        else:
+            problem = (f"a checkpointing recompute found no selection of its forward among {len(entries)} of this "
+                       "step, and the predictor has stepped since, so selecting again would give other keys than "
+                       "the forward used. Run each training forward's backward before the next step's forward "
+                       "(call controller.begin_step once per optimizer step)")
+        raise RuntimeError(f"{type(self).__name__} layer {self.layer_index}: {problem}")
 
     def _forward_key(self, q: torch.Tensor) -> tuple:
         forward_id = self.controller.forward_id if self.controller is not None else None
@@ -573,6 +579,11 @@ class RepeatableSelection:
         if self.offload and self.rows[0].device == self.device:
             self.rows = tuple(row.to("cpu", non_blocking=True) for row in self.rows)  # pinned: non_blocking from CUDA
         return index
+
+
+def _same_selection(a, b) -> bool:
+    """Two selections (`SparseIndex` or a rank's `LocalIndex`) list the same keys."""
+    return torch.equal(a.counts, b.counts) and torch.equal(a.indices, b.indices)
 
 
 def _fingerprint(hidden: torch.Tensor) -> torch.Tensor:

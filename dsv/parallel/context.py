@@ -275,6 +275,13 @@ class ContextParallel:
                                          "on some rank of the context-parallel group; the run is diverging or its "
                                          "input data is corrupt")
 
+    def _all_agree(self, ok: bool, device: torch.device) -> bool:
+        """Whether `ok` holds on every rank of the CP group: a collective, so every rank calls it at the same
+        point (as the checkpointing recompute's check that it found its forward's keys does)."""
+        flag = torch.tensor(int(ok), dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag)
+
     def to_heads(self, x: torch.Tensor, layout: Layout) -> torch.Tensor:
         """This rank's `[B, H, S / size, E]` -> `[B, H_r, S / scp, E]`: its heads over its HCP group's tokens."""
         return heads_to_sequence(x, layout.placement, layout.hcp_group) if layout.hcp > 1 else x
@@ -366,7 +373,7 @@ class ContextParallel:
             return self._selection(layer, x, q, k, layout, grid, keep_blocks, keep_for_recompute, local=True)
 
         if torch._C._current_graph_task_id() != -1:
-            return layer.recall_selection(key, x, lambda: selection()())
+            return layer.recall_selection(key, x, lambda: selection()(), agree=lambda ok: self._all_agree(ok, x.device))
         select = selection(keep_for_recompute=training)
         if training:
             layer.remember_selection(key, x, select)

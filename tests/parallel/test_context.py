@@ -158,6 +158,43 @@ def test_nan_on_one_rank_raises_on_every_rank(tmp_path):
     assert all(m is not None and "some rank of the context-parallel group" in m for m in messages), messages
 
 
+def _same_input_twice(rank, world, disagree_on_rank):
+    import dsv.modules.attention as attention
+
+    if rank == disagree_on_rank:  # as if this rank's two forwards had selected different keys
+        attention._same_selection = lambda a, b: False
+    model = _model("dsv", checkpointing=True, predictor_lr=0.0)  # a predictor that does not move: the same keys
+    model.enable_context_parallel(ContextParallel(world, "scp", "cpu"))
+    torch.manual_seed(1)
+    x0, noise, t = torch.randn(2, 3, 4, 16, 16), torch.randn(2, 3, 4, 16, 16), torch.tensor([0.3, 0.8])
+    model.controller.begin_step(0)
+    flow_matching_loss(model, x0, t, noise).backward()
+    model.controller.end_step()
+    model.controller.begin_step(1)
+    losses = [flow_matching_loss(model, x0, t, noise) for _ in range(2)]  # one input twice, then one backward
+    sparse = all(layer.last_path.startswith("sparse") for layer in model.controller.layers)
+    try:
+        (losses[0] + losses[1]).backward()
+    except RuntimeError as err:
+        return sparse, str(err)
+    return sparse, None
+
+
+@pytest.mark.parametrize("disagree_on_rank", [None, 1], ids=["keys-agree", "rank-1-disagrees"])
+def test_recompute_of_repeated_input_decides_on_every_rank_alike(tmp_path, disagree_on_rank):
+    """The same input twice in a step before the backward: a recompute whose forwards' keys differ raises, and
+    under context parallelism every rank raises together (a rank raising alone would leave the others
+    waiting in the next collective); with equal keys every rank trains on."""
+    results = run_distributed(_same_input_twice, 2, disagree_on_rank, out_dir=tmp_path, timeout_s=120)
+    assert all(sparse for sparse, _ in results)
+    messages = [message for _, message in results]
+    if disagree_on_rank is None:
+        assert messages == [None, None]
+    else:
+        assert "another rank of its context-parallel group" in messages[0]
+        assert "same input and selected different keys" in messages[1]
+
+
 def test_scp_volumes_measured_in_a_step_apply_from_the_next_step():
     from types import SimpleNamespace
 
