@@ -174,6 +174,31 @@ def test_interpreter_sub_tiles_and_lse_gradient(tma, atomic_dq):
 
 
 @interpreter
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+@pytest.mark.parametrize("S", [48, 80], ids=["S48", "S80"])
+def test_interpreter_ragged_tail_on_a_tile_boundary(tma, S):
+    """S a multiple of the 16-row tiles but not of the 32-token groups and key blocks: the walked sub-tiles of
+    the last group and block lie wholly past S and must count as absent (keys masked out, query rows adding
+    nothing), not be read as data."""
+    B, H, D, G, kv = 2, 2, 24, 32, 32
+    tile = KernelConfig(16, 16, 4, 1, tma=tma)
+    cfg = SparseAttentionConfig(tile, tile, tile)
+    index = random_index(B, H, S, G, kv, keep=[2, 3])
+    assert (index.indices == S // kv).any(), "the partial last key block must be listed somewhere"
+    q, k, v = (torch.randn(B, H, S, D) for _ in range(3))
+    out, lse = tk.sparse_attention_fwd_launch(q, k, v, index.indices, index.counts, G, kv, 0.3, cfg.fwd)
+    grad_out, grad_lse = torch.randn(B, H, S, D), torch.randn(B, H, S)
+    grads = tk.sparse_attention_bwd_launch(grad_out, q, k, v, out, lse, grad_lse, index.indices, index.counts,
+                                           G, kv, 0.3, cfg)
+    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
+    out64, lse64 = dense_masked_attention(q64, k64, v64, index, scale=0.3)
+    want = torch.autograd.grad((out64 * grad_out.double()).sum() + (lse64 * grad_lse.double()).sum(),
+                               (q64, k64, v64))
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), (out64, lse64, *want)):
+        assert torch.isfinite(a).all() and rel_err(a, b) < FP32_REL_TOL, name
+
+
+@interpreter
 def test_interpreter_all_blocks_is_dense_attention():
     B, H, S, D = 1, 2, 80, 16
     nkb = math.ceil(S / 16)
@@ -435,6 +460,10 @@ GPU_CASES = [
     (1, 2, 2048, 128, 64, 128, [5, 9]),             # G < kv_block
     (1, 2, 1500, 96, 64, 32, [7, 20]),              # D padded to 128, kv_block 32, ragged
     (1, 2, 1024, 256, 64, 64, [3, 16]),             # D = 256, the largest head dim accepted
+    # S a multiple of the default 64-row tiles but not of kv_block / the group: the last key block's (or
+    # query group's) second sub-tile lies wholly past S.
+    (1, 2, 2112, 128, 64, 128, [5, 17]),
+    (2, 2, 2112, 128, 128, 64, [9, 33]),
 ]
 
 

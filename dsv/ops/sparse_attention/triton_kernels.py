@@ -454,9 +454,14 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _shape_flags(S, D, cfg_m, cfg_n):
+def _shape_flags(S, D, rows_m, rows_n):
+    """``(D_PAD, EVEN_M, EVEN_N, EVEN_D)``. ``EVEN_M`` / ``EVEN_N``: every row a kernel touches along M / N lies
+    inside S, i.e. S is a multiple of ``rows_m`` / ``rows_n``: the tile size along a kernel's own dimension
+    (the grid covers S in tiles), but the index granularity along the one its loop walks (it visits every
+    sub-tile of each listed key block or query group, and the last block or group may end past S even where
+    S is a multiple of the tile)."""
     d_pad = max(16, _next_power_of_2(D))
-    return d_pad, S % cfg_m == 0, S % cfg_n == 0, d_pad == D
+    return d_pad, S % rows_m == 0, S % rows_n == 0, d_pad == D
 
 
 def _check_tiles(cfg: KernelConfig, group_size: int, kv_block: int, what: str):
@@ -474,7 +479,7 @@ def sparse_attention_fwd_launch(q, k, v, indices, counts, group_size: int, kv_bl
     B, H, S, D = q.shape
     cfg = cfg or default_config(D, group_size, kv_block, _tma_supported(q)).fwd
     _check_tiles(cfg, group_size, kv_block, "forward")
-    d_pad, even_m, even_n, even_d = _shape_flags(S, D, cfg.block_m, cfg.block_n)
+    d_pad, even_m, even_n, even_d = _shape_flags(S, D, cfg.block_m, kv_block)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
     grid = (_cdiv(S, cfg.block_m), B * H)
@@ -497,7 +502,7 @@ def _launch_bwd_dq(q, k, v, out, do, lse, dlse, indices, counts, group_size, kv_
     delta = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
     has_dlse = dlse is not None
     dlse_arg = dlse.contiguous() if has_dlse else lse  # never read when HAS_DLSE is False
-    d_pad, even_m, even_n, even_d = _shape_flags(S, D, cfg.block_m, cfg.block_n)
+    d_pad, even_m, even_n, even_d = _shape_flags(S, D, cfg.block_m, kv_block)
     _sparse_attn_bwd_dq_kernel[(_cdiv(S, cfg.block_m), B * H)](
         q, k, v, _descriptor(k, cfg.block_n, d_pad, cfg), _descriptor(v, cfg.block_n, d_pad, cfg),
         out, do, lse, dlse_arg, delta, dq, indices, counts,
@@ -538,7 +543,7 @@ def _launch_bwd_dkdv(q, k, v, do, lse, delta, offsets, groups, group_size, kv_bl
                          f"{dq_acc.dtype} {tuple(dq_acc.shape)} (contiguous: {dq_acc.is_contiguous()})")
     dk = torch.empty((B, H, S, D), dtype=q.dtype, device=q.device)
     dv = torch.empty((B, H, S, D), dtype=q.dtype, device=q.device)
-    d_pad, even_m, even_n, even_d = _shape_flags(S, D, cfg.block_m, cfg.block_n)
+    d_pad, even_m, even_n, even_d = _shape_flags(S, D, group_size, cfg.block_n)
     dq_buffer = dq_acc if atomic_dq else dk  # never touched without ATOMIC_DQ
     _sparse_attn_bwd_dkdv_kernel[(_cdiv(S, cfg.block_n), B * H)](
         q, k, v, do, _descriptor(q, cfg.block_m, d_pad, cfg), _descriptor(do, cfg.block_m, d_pad, cfg),
