@@ -205,7 +205,11 @@ class ContextParallel:
         return {"fetched": dict(self._fetched), "fetched_pending": dict(self._fetched_pending)}
 
     def load_state_dict(self, state: dict) -> None:
-        self._fetched, self._fetched_pending = dict(state["fetched"]), dict(state["fetched_pending"])
+        """`state_dict` of a run saved between steps: a measurement still pending then takes effect at the
+        next step, the resumed run's first (whose forward ids start afresh, so they cannot tell)."""
+        self._fetched = {**state["fetched"], **{layer: volumes for layer, (_, volumes)
+                                                in state["fetched_pending"].items()}}
+        self._fetched_pending = {}
 
     def plan_layout(self, kept: Sequence[float], sparse: bool, heads: int, head_dim: int, seq_len: int,
                     batch: int, fetched: dict[int, Sequence[float]] | None = None) -> Layout:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -145,7 +146,9 @@ class Trainer:
         if cfg.train.tensorboard and self.rank == 0:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+            # A resumed run's events replace those the interrupted one logged after its checkpoint.
+            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"),
+                                        purge_step=self.step + 1 if resume else None)
 
     def _enable_context_parallel(self) -> int:
         """Split each sample's sequence over `parallel.cp` ranks; returns the CP size (1: off)."""
@@ -249,6 +252,13 @@ class Trainer:
         if state["world_size"] != self.world:
             raise CheckpointError(f"checkpoint {ckpt} was saved by {state['world_size']} ranks; this run has "
                                   f"{self.world} (resume with the same number of processes)")
+        saved_on = "cpu" if state["rng_per_rank"][0]["cuda_rng"] is None else "cuda"
+        if saved_on != self.device.type:
+            # `train.device` may change on resume only in how it names the device: its type decides autocast,
+            # the attention kernels and the random streams.
+            raise CheckpointError(f"checkpoint {ckpt} was saved by a run on {saved_on}; this run is on "
+                                  f"{self.device.type}, which would not continue it exactly (autocast, kernels and "
+                                  f"random streams differ): resume on {saved_on}")
         if self.world == 1:
             load_weights_into(self.model, weights, str(ckpt))
             self.optimizer.load_state_dict(state["optimizer"])
@@ -281,9 +291,22 @@ class Trainer:
         path = self.run_dir / "metrics.jsonl"
         if not path.is_file():
             return
-        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        lines = [line for line in path.read_text().splitlines() if line]
+        records = []
+        for number, line in enumerate(lines):
+            try:
+                records.append((json.loads(line), line))
+            except json.JSONDecodeError:
+                if number < len(lines) - 1:
+                    raise CheckpointError(f"{path} line {number + 1} is not JSON: the metrics log is corrupt "
+                                          "(resuming rewrites it; move it aside to resume without it)") from None
+                # A record cut short by the crash that this resume recovers from.
+                warnings.warn(f"{path}: dropping its last line, cut short: {line[:80]!r}", stacklevel=2)
         tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
+        with open(tmp, "w") as out:
+            out.write("".join(line + "\n" for record, line in records if record["step"] <= step))
+            out.flush()
+            os.fsync(out.fileno())
         os.replace(tmp, path)
 
     # ----- steps -----

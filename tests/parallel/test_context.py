@@ -205,6 +205,9 @@ def test_scp_volumes_measured_in_a_step_apply_from_the_next_step():
     assert cp._fetched_for(layer) is None  # forward 7's recompute still plans with the old volumes
     layer.controller.forward_id = 8
     assert cp._fetched_for(layer) == ((2, (0.5, 0.5)),)
+    # Saved between steps with a measurement still pending: the resumed run's first step applies it, even
+    # though its forward ids start afresh (here equal to the measuring one's).
+    cp._fetched_pending[3] = (8, ((2, (0.25, 0.75)),))
     restored = ContextParallel.__new__(ContextParallel)
     restored.load_state_dict(cp.state_dict())
-    assert restored._fetched_for(layer) == ((2, (0.5, 0.5)),)
+    assert restored._fetched_for(layer) == ((2, (0.25, 0.75)),) and not restored._fetched_pending

@@ -1,6 +1,7 @@
 """End-to-end training on the bundled real data: smoke run, all modes, exact resume, checkpoint safety, CLI."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -170,6 +171,48 @@ def test_checkpoint_errors_are_clear_and_keep_saved_files(tmp_path):
     assert {p: p.read_bytes() for c in list_checkpoints(tmp_path) for p in c.iterdir()} == snapshot
     with pytest.raises(CheckpointError, match="no checkpoint"):
         Trainer(tiny_config(tmp_path / "empty", "train.steps=2"), resume=True, quiet=True)
+
+
+def test_resume_recovers_from_a_crash_in_the_logs(tmp_path):
+    """A crash while writing leaves a cut-short last metrics line and TensorBoard events past the checkpoint:
+    resuming drops both, so each step is logged once; a corrupt earlier line is an error instead."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = tiny_config(tmp_path, "train.steps=6", "train.ckpt_every=4", "train.tensorboard=true")
+    Trainer(cfg, quiet=True).run()  # logs steps 2, 4, 6 and checkpoints at 4 (and at the end, 6)
+    shutil.rmtree(list_checkpoints(tmp_path)[-1])  # as if the run had crashed before step 6's save
+    metrics = tmp_path / "metrics.jsonl"
+    intact = metrics.read_text()
+    metrics.write_text(intact + '{"step": 7, "lo')
+    with pytest.warns(UserWarning, match="cut short"):
+        Trainer(tiny_config(tmp_path, "train.steps=8", "train.ckpt_every=4", "train.tensorboard=true"),
+                resume=True, quiet=True).run()
+    steps = [r["step"] for r in read_metrics(tmp_path) if "loss" in r]
+    assert steps == [2, 4, 6, 8]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    logged = [event.step for event in events.Scalars(events.Tags()["scalars"][0])]
+    assert sorted(logged) == sorted(set(logged)) and 6 in logged, logged
+
+    metrics.write_text('{"step": 2}\nnot json\n' + metrics.read_text())
+    with pytest.raises(CheckpointError, match="line 2 is not JSON"):
+        Trainer(tiny_config(tmp_path, "train.steps=10", "train.ckpt_every=4"), resume=True, quiet=True)
+
+
+def test_resume_on_another_device_type_is_refused(tmp_path, monkeypatch):
+    import dsv.train.trainer as trainer_module
+
+    Trainer(tiny_config(tmp_path, "train.steps=2", "train.ckpt_every=2"), quiet=True).run()
+    load = trainer_module.load_checkpoint
+
+    def saved_on_cuda(path):
+        weights, state, manifest = load(path)
+        state["rng_per_rank"][0]["cuda_rng"] = torch.zeros(16, dtype=torch.uint8)
+        return weights, state, manifest
+
+    monkeypatch.setattr(trainer_module, "load_checkpoint", saved_on_cuda)
+    with pytest.raises(CheckpointError, match="saved by a run on cuda; this run is on cpu"):
+        Trainer(tiny_config(tmp_path, "train.steps=4"), resume=True, quiet=True)
 
 
 def test_config_overrides_reject_bad_input():
