@@ -82,6 +82,7 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Ten
     for f in (WEIGHTS, STATE):
         with open(tmp / f, "rb+") as handle:
             os.fsync(handle.fileno())
+    _fsync_dir(tmp)  # the folder's entries too, before the rename makes it a checkpoint
     if final.exists():  # re-saving a step: move the old copy aside first, drop it only after the swap
         stale = root / f".stale_{name}_{os.getpid()}"
         os.replace(final, stale)
@@ -134,7 +135,10 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, di
         raise CheckpointError(f"{ckpt / MANIFEST} is unreadable: {err}") from None
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{ckpt}: format_version {manifest.get('format_version')} is not {FORMAT_VERSION}")
-    for fname, expected in manifest.get("sha256", {}).items():
+    digests = manifest.get("sha256", {})
+    if not isinstance(digests, dict) or not {WEIGHTS, STATE} <= digests.keys():
+        raise CheckpointError(f"{ckpt / MANIFEST} lacks the SHA-256 of {WEIGHTS} and {STATE}: cannot check them")
+    for fname, expected in digests.items():
         file = ckpt / fname
         if not file.is_file():
             raise CheckpointError(f"{file} is missing")

@@ -167,6 +167,11 @@ def test_checkpoint_errors_are_clear_and_keep_saved_files(tmp_path):
     with pytest.raises(CheckpointError, match="corrupt or truncated"):
         Trainer(tiny_config(tmp_path, "train.steps=6"), resume=True, quiet=True)
     weights.write_bytes(snapshot[weights])
+    manifest = checkpoints[-1] / "manifest.json"
+    manifest.write_text(json.dumps({k: v for k, v in json.loads(snapshot[manifest]).items() if k != "sha256"}))
+    with pytest.raises(CheckpointError, match="lacks the SHA-256"):  # unchecked files are not loaded
+        Trainer(tiny_config(tmp_path, "train.steps=6"), resume=True, quiet=True)
+    manifest.write_bytes(snapshot[manifest])
     # Nothing the failed attempts touched was lost or changed.
     assert {p: p.read_bytes() for c in list_checkpoints(tmp_path) for p in c.iterdir()} == snapshot
     with pytest.raises(CheckpointError, match="no checkpoint"):
