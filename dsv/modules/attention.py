@@ -198,6 +198,24 @@ class DSVAttentionCore(nn.Module):
             "dispatch": self.dispatch_reason,
         }
 
+    def _apply(self, fn, recurse=True):
+        # DSV's own state keeps its precision when the model is cast to half precision (a diffusers pipeline's
+        # `.to(torch.bfloat16)`, say): in bf16 an EMA's step of a tenth of a change rounds away near 0.9, and
+        # the predictor's AdamW would step bf16 weights against moments of another dtype. The model's own
+        # weights follow the cast; a cast to a wide dtype (float64) applies to DSV's state too.
+        half = (torch.float16, torch.bfloat16)
+        predictor_params = list(self.predictor.parameters()) if self.predictor is not None else []
+        before = {name: b.dtype for name, b in self._buffers.items() if b is not None}
+        before_params = [p.dtype for p in predictor_params]
+        super()._apply(fn, recurse)
+        for name, buffer in self._buffers.items():
+            if buffer is not None and buffer.dtype in half and before.get(name) not in (None, *half):
+                self._buffers[name] = buffer.to(before[name])
+        for param, dtype in zip(predictor_params, before_params):
+            if param.dtype in half and dtype not in half:
+                param.data = param.data.to(dtype)
+        return self
+
     # ----- per-forward steps -----
     def check_input(self, x: torch.Tensor, grid: tuple[int, int, int]) -> None:
         """Reject `x` unless it is `[B, T*H*W, C]` for `grid`, finite (when `cfg.check_finite`), and the

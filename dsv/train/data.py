@@ -37,8 +37,8 @@ VIDEO_SUFFIXES = (".mp4", ".avi", ".mov", ".mkv", ".webm", ".gif")
 
 # The last 20% of each video's frames, T // _HELDOUT_DIVISOR of them, are held out.
 _HELDOUT_DIVISOR = 5
-# Photos sorted by name: every _HELDOUT_PHOTO_EVERY-th one (the 3rd, 6th, ...) is held out; with the six
-# bundled photos that holds out two (coffee, rocket), so the held-out set is not one scene.
+# Photos sorted by their package/file names: every _HELDOUT_PHOTO_EVERY-th one (the 3rd, 6th, ...) is held out;
+# with the six bundled photos that holds out two (chelsea, rocket), so the held-out set is not one scene.
 _HELDOUT_PHOTO_EVERY = 3
 # When both kinds exist, this share of clips comes from videos, the rest from photo camera motion.
 _VIDEO_SHARE = 0.5

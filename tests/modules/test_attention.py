@@ -237,6 +237,32 @@ def test_recompute_reselects_the_forward_keys_without_keeping_the_index():
     assert again.indices.data_ptr() != index.indices.data_ptr()
 
 
+def test_dsv_state_keeps_float32_when_the_model_is_cast_to_half_precision():
+    """A model cast to bf16 (as diffusers pipelines do) casts its weights, not DSV's EMAs and predictor: in
+    bf16 their small steps would round away. A cast to float64 (wider) applies to them too."""
+    x = torch.randn(1, 64, DIM)
+    torch.manual_seed(0)
+    model = Wrapper(AttentionConfig(mode="dsv", cube=(2, 2, 2), sample_stride=4, max_stage1_steps=1,
+                                    sparse_threshold=0.0, profile_every_stage1=1))  # float32
+    model.controller.begin_step(0)
+    model(x).sum().backward()  # a stage-1 step: the predictor's AdamW moments exist, in float32
+    model.controller.end_step()
+    model.controller.begin_step(1)
+    model.to(torch.bfloat16)
+    layer = model.attn
+    assert layer.to_qkv.weight.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in layer.predictor.parameters())
+    assert all(b.dtype == torch.float32 for b in (layer.sparsity_ema, layer.recall_ema, layer.loss_ema,
+                                                   layer.keep_fraction, layer.keep_boost))
+    assert layer.use_sparse.dtype == torch.bool
+    weights = layer.predictor.q_proj.weight.detach().clone()
+    model(x.to(torch.bfloat16)).float().sum().backward()  # trains on: the predictor steps in float32
+    assert layer.predictor.q_proj.weight.dtype == torch.float32
+    assert not torch.equal(weights, layer.predictor.q_proj.weight)
+    model.double()
+    assert layer.predictor.q_proj.weight.dtype == layer.sparsity_ema.dtype == torch.float64
+
+
 def test_bad_inputs_raise_clear_errors():
     model = make("dense")
     with pytest.raises(ValueError, match=r"\[B, S, C\]"):
