@@ -12,6 +12,7 @@ import weakref
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -238,10 +239,10 @@ class DSVAttentionCore(nn.Module):
             )
 
     def _check_finite(self, x: torch.Tensor) -> None:
-        if not torch.isfinite(x).all():
+        if any_rank(~torch.isfinite(x).all()):
             raise FloatingPointError(
-                f"{type(self).__name__} layer {self.layer_index}: NaN or Inf in the attention input x; the run is "
-                "diverging or its input data is corrupt"
+                f"{type(self).__name__} layer {self.layer_index}: NaN or Inf in the attention input x (on this rank "
+                "or another of the run); the run is diverging or its input data is corrupt"
             )
 
     def prepare_index(
@@ -351,13 +352,12 @@ class DSVAttentionCore(nn.Module):
             self._selection_cache.clear()  # a new step: the previous one's backward is done
         self._selection_cache.setdefault(key, []).append([_fingerprint(hidden), reselect, False])
 
-    def recall_selection(self, key: tuple, hidden: torch.Tensor, select_again: Callable,
-                         agree: Callable[[bool], bool] = bool) -> SparseIndex:
+    def recall_selection(self, key: tuple, hidden: torch.Tensor, select_again: Callable) -> SparseIndex:
         """In a checkpointing recompute: the keys its training forward selected (`remember_selection`).
         Without a remembered forward the keys are selected again (`select_again()`) only while the predictor
-        has not stepped since; otherwise raises, as the gradients would belong to other keys. `agree(ok)`
-        combines this rank's verdict over the ranks that recompute together (context parallelism), so that
-        all of them raise or none."""
+        has not stepped since; otherwise raises, as the gradients would belong to other keys. Where several
+        forwards are pending, the verdict is combined over the ranks of a distributed run (`any_rank`), so that
+        all of them raise or none (data-parallel ranks see different data)."""
         entries = self._selection_cache.get(key, [])
         pending = [entry for entry in entries if not entry[2]]
         if len(pending) == 1:
@@ -380,11 +380,11 @@ class DSVAttentionCore(nn.Module):
         # Forwards with the same input (as far as the fingerprint sees) cannot be told apart: fine while they
         # selected the same keys, else the gradients could belong to the other one's keys.
         same_keys = index is not None and all(_same_selection(index, other[1]()) for other in matches[1:])
-        if agree(same_keys):
+        if not any_rank(torch.tensor(not same_keys, device=hidden.device)):
             return index
         if same_keys:
-            problem = ("another rank of its context-parallel group could not match its checkpointing recompute "
-                       "to the forward's keys")
+            problem = ("another rank of the run could not match its checkpointing recompute to the forward's "
+                       "keys")
         elif matches:
             problem = (f"{len(matches)} training forwards of this step had the same input and selected different "
                        "keys (the predictor stepped between them), so a checkpointing recompute cannot tell which "
@@ -454,10 +454,11 @@ class DSVAttentionCore(nn.Module):
             loss_ema.copy_(_ema(loss_ema, loss, cfg.ema_momentum))
         if not controller.profile_due():
             return
-        if self.predictor is not None and not torch.isfinite(loss_ema):
+        if self.predictor is not None and any_rank(~torch.isfinite(loss_ema)):
             # Checked on profiling steps only (a device sync): a diverged predictor must not pass as
             # "never measured" and let the stage switch go ahead on the other layers.
-            raise FloatingPointError(f"DSVAttention layer {self.layer_index}: the predictor loss is not finite")
+            raise FloatingPointError(f"DSVAttention layer {self.layer_index}: the predictor loss is not finite (on "
+                                     "this rank or another of the run)")
         rows = sample_query_rows(seq_len, stride, offset=controller.step // profile_period, device=q.device)
         with torch.no_grad():
             sparsity = head_sparsity(q, k, rows, cfg.theta, scale=self.scale)
@@ -602,6 +603,16 @@ class RepeatableSelection:
 def _same_selection(a, b) -> bool:
     """Two selections (`SparseIndex` or a rank's `LocalIndex`) list the same keys."""
     return torch.equal(a.counts, b.counts) and torch.equal(a.indices, b.indices)
+
+
+def any_rank(flag: torch.Tensor) -> bool:
+    """Whether the 0-d `flag` is set here or, in a distributed run, on any rank of it (one all-reduce): a check
+    that raises must raise on every rank alike, or the others wait in their next collective. Every rank must
+    call it at the same point; the layers' checks do, as every rank runs the same layers."""
+    flag = flag.to(torch.int32).reshape(1)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag)
 
 
 def _fingerprint(hidden: torch.Tensor) -> torch.Tensor:

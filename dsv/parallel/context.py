@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from dsv.modules.attention import DSVAttention, RepeatableSelection, _ema, key_seed
+from dsv.modules.attention import DSVAttention, RepeatableSelection, _ema, any_rank, key_seed
 from dsv.modules.predictor import release_parked
 from dsv.ops import (
     SparseIndex,
@@ -271,20 +271,9 @@ class ContextParallel:
         """The finite check of `check_input_values` over the whole CP group: a rank whose chunk holds NaN/Inf
         must not raise alone while its peers wait in the next collective. (A `VideoDiT` always has its
         controller attached.)"""
-        if layer.cfg.check_finite:
-            bad = (~torch.isfinite(x)).any().to(torch.int32)
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
-            if bad:
-                raise FloatingPointError(f"DSVAttention layer {layer.layer_index}: NaN or Inf in the attention input x "
-                                         "on some rank of the context-parallel group; the run is diverging or its "
-                                         "input data is corrupt")
-
-    def _all_agree(self, ok: bool, device: torch.device) -> bool:
-        """Whether `ok` holds on every rank of the CP group: a collective, so every rank calls it at the same
-        point (as the checkpointing recompute's check that it found its forward's keys does)."""
-        flag = torch.tensor(int(ok), dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(flag)
+        if layer.cfg.check_finite and any_rank((~torch.isfinite(x)).any()):
+            raise FloatingPointError(f"DSVAttention layer {layer.layer_index}: NaN or Inf in the attention input x "
+                                     "on some rank of the run; the run is diverging or its input data is corrupt")
 
     def to_heads(self, x: torch.Tensor, layout: Layout) -> torch.Tensor:
         """This rank's `[B, H, S / size, E]` -> `[B, H_r, S / scp, E]`: its heads over its HCP group's tokens."""
@@ -377,7 +366,7 @@ class ContextParallel:
             return self._selection(layer, x, q, k, layout, grid, keep_blocks, keep_for_recompute, local=True)
 
         if torch._C._current_graph_task_id() != -1:
-            return layer.recall_selection(key, x, lambda: selection()(), agree=lambda ok: self._all_agree(ok, x.device))
+            return layer.recall_selection(key, x, lambda: selection()())
         select = selection(keep_for_recompute=training)
         if training:
             layer.remember_selection(key, x, select)
@@ -443,8 +432,9 @@ class ContextParallel:
             layer.loss_ema.copy_(_ema(layer.loss_ema, loss, cfg.ema_momentum))
         if not profile:
             return
-        if layer.predictor is not None and not torch.isfinite(layer.loss_ema):
-            raise FloatingPointError(f"DSVAttention layer {layer.layer_index}: the predictor loss is not finite")
+        if layer.predictor is not None and any_rank(~torch.isfinite(layer.loss_ema)):
+            raise FloatingPointError(f"DSVAttention layer {layer.layer_index}: the predictor loss is not finite (on "
+                                     "this rank or another of the run)")
         rows = sample_query_rows(seq_len, stride, offset=controller.step // profile_period, device=q.device)
         with torch.no_grad():
             sparsity = self._sum_heads(head_sparsity(q_all, k_all, rows, cfg.theta, scale=layer.scale), heads,

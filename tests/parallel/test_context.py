@@ -155,7 +155,7 @@ def _nan_on_one_rank(rank, world):
 
 def test_nan_on_one_rank_raises_on_every_rank(tmp_path):
     messages = run_distributed(_nan_on_one_rank, 2, out_dir=tmp_path, timeout_s=60)
-    assert all(m is not None and "some rank of the context-parallel group" in m for m in messages), messages
+    assert all(m is not None and "some rank of the run" in m for m in messages), messages
 
 
 def _same_input_twice(rank, world, disagree_on_rank):
@@ -191,8 +191,27 @@ def test_recompute_of_repeated_input_decides_on_every_rank_alike(tmp_path, disag
     if disagree_on_rank is None:
         assert messages == [None, None]
     else:
-        assert "another rank of its context-parallel group" in messages[0]
+        assert "another rank of the run" in messages[0]
         assert "same input and selected different keys" in messages[1]
+
+
+def _nan_on_one_data_parallel_rank(rank, world):
+    model = _model("dense")  # no context parallelism: each rank its own batch, as data parallelism runs
+    x0 = torch.randn(1, 3, 4, 16, 16)
+    if rank == 1:
+        x0[..., :2, :] = float("nan")
+    try:
+        model(x0, torch.tensor([0.5]))
+    except FloatingPointError as err:
+        return str(err)
+    return None
+
+
+def test_nan_on_one_data_parallel_rank_raises_on_every_rank(tmp_path):
+    """Without context parallelism too: a rank whose batch holds NaN must not raise alone while the other
+    ranks go on into the next collective (FSDP's gathers, the predictors' gradient all-reduce)."""
+    messages = run_distributed(_nan_on_one_data_parallel_rank, 2, out_dir=tmp_path, timeout_s=60)
+    assert all(m is not None and "on this rank or another of the run" in m for m in messages), messages
 
 
 def test_scp_volumes_measured_in_a_step_apply_from_the_next_step():
