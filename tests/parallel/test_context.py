@@ -140,12 +140,13 @@ def test_bad_configurations_raise_clear_errors(tmp_path):
     assert "whole number of" in errors["split"]
 
 
-def _nan_on_one_rank(rank, world):
+def _nan_on_one_rank(rank, world, context_parallel):
     model = _model("dense")
-    model.enable_context_parallel(ContextParallel(world, "hcp", "cpu"))
+    if context_parallel:  # else each rank its own batch, as data parallelism runs
+        model.enable_context_parallel(ContextParallel(world, "hcp", "cpu"))
     x0 = torch.randn(1, 3, 4, 16, 16)
     if rank == 1:
-        x0[..., :8, :] = float("nan")  # only rank 1's chunk of the sequence (grouped order) need see it
+        x0[..., :8, :] = float("nan")  # under CP only rank 1's chunk of the sequence (grouped order) need see it
     try:
         model(x0, torch.tensor([0.5]))
     except FloatingPointError as err:
@@ -153,9 +154,12 @@ def _nan_on_one_rank(rank, world):
     return None
 
 
-def test_nan_on_one_rank_raises_on_every_rank(tmp_path):
-    messages = run_distributed(_nan_on_one_rank, 2, out_dir=tmp_path, timeout_s=60)
-    assert all(m is not None and "some rank of the run" in m for m in messages), messages
+@pytest.mark.parametrize("context_parallel", [True, False], ids=["context-parallel", "data-parallel"])
+def test_nan_on_one_rank_raises_on_every_rank(tmp_path, context_parallel):
+    """A rank whose input holds NaN must not raise alone while the other ranks go on into their next
+    collective (CP's exchanges; FSDP's gathers and the predictors' gradient all-reduce under data parallelism)."""
+    messages = run_distributed(_nan_on_one_rank, 2, context_parallel, out_dir=tmp_path, timeout_s=60)
+    assert all(m is not None and "of the run" in m for m in messages), messages
 
 
 def _same_input_twice(rank, world, disagree_on_rank):
@@ -193,25 +197,6 @@ def test_recompute_of_repeated_input_decides_on_every_rank_alike(tmp_path, disag
     else:
         assert "another rank of the run" in messages[0]
         assert "same input and selected different keys" in messages[1]
-
-
-def _nan_on_one_data_parallel_rank(rank, world):
-    model = _model("dense")  # no context parallelism: each rank its own batch, as data parallelism runs
-    x0 = torch.randn(1, 3, 4, 16, 16)
-    if rank == 1:
-        x0[..., :2, :] = float("nan")
-    try:
-        model(x0, torch.tensor([0.5]))
-    except FloatingPointError as err:
-        return str(err)
-    return None
-
-
-def test_nan_on_one_data_parallel_rank_raises_on_every_rank(tmp_path):
-    """Without context parallelism too: a rank whose batch holds NaN must not raise alone while the other
-    ranks go on into the next collective (FSDP's gathers, the predictors' gradient all-reduce)."""
-    messages = run_distributed(_nan_on_one_data_parallel_rank, 2, out_dir=tmp_path, timeout_s=60)
-    assert all(m is not None and "on this rank or another of the run" in m for m in messages), messages
 
 
 def test_scp_volumes_measured_in_a_step_apply_from_the_next_step():
