@@ -134,6 +134,8 @@ class VideoDiT(nn.Module):
         self.context_parallel = context_parallel
         for block in self.blocks:
             block.attn.context_parallel = context_parallel
+            # A cached layout holds the previous instance's process groups: plan afresh.
+            block.attn.__dict__.pop("_cp_layout", None)
 
     def _init_weights(self) -> None:
         # DiT's zero-init of the output paths: every block starts as the identity.

@@ -199,6 +199,24 @@ def test_recompute_of_repeated_input_decides_on_every_rank_alike(tmp_path, disag
         assert "same input and selected different keys" in messages[1]
 
 
+def _layouts_after_switching_mode(rank, world):
+    model = _model("dense")
+    x0, t = torch.randn(1, 3, 4, 16, 16), torch.tensor([0.5])
+    paths = []
+    for mode in ("hcp", "scp"):
+        model.enable_context_parallel(ContextParallel(world, mode, "cpu"))
+        model(x0, t)
+        paths.append(model.blocks[0].attn.last_path)
+    return paths
+
+
+def test_enabling_another_context_parallel_plans_its_own_layouts(tmp_path):
+    """A layer's cached layout holds its `ContextParallel`'s process groups: enabling another one (here SCP
+    after HCP) must not run the old layout."""
+    for hcp_path, scp_path in run_distributed(_layouts_after_switching_mode, 2, out_dir=tmp_path, timeout_s=60):
+        assert "cp 2x1" in hcp_path and "cp 1x2" in scp_path, (hcp_path, scp_path)
+
+
 def test_scp_volumes_measured_in_a_step_apply_from_the_next_step():
     from types import SimpleNamespace
 
