@@ -94,6 +94,10 @@ def heldout_targets(n: int, shape: tuple[int, ...], seed: int) -> tuple[torch.Te
 class Trainer:
     def __init__(self, cfg: Config, resume: bool = False, quiet: bool = False):
         self.cfg = cfg
+        if cfg.model.num_classes:
+            # The model would see only its null class: the datasets carry no labels to condition on.
+            raise ValueError(f"model.num_classes={cfg.model.num_classes}: the trainer's data has no class labels; "
+                             "set model.num_classes=0 (class conditioning needs labelled data)")
         self.run_dir = Path(cfg.train.out_dir)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)

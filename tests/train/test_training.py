@@ -176,6 +176,8 @@ def test_checkpoint_errors_are_clear_and_keep_saved_files(tmp_path):
     assert {p: p.read_bytes() for c in list_checkpoints(tmp_path) for p in c.iterdir()} == snapshot
     with pytest.raises(CheckpointError, match="no checkpoint"):
         Trainer(tiny_config(tmp_path / "empty", "train.steps=2"), resume=True, quiet=True)
+    with pytest.raises(ValueError, match="no class labels"):  # it would train on the null class alone
+        Trainer(tiny_config(tmp_path / "labels", "model.num_classes=4"), quiet=True)
 
 
 def test_resume_recovers_from_a_crash_in_the_logs(tmp_path):
