@@ -262,6 +262,9 @@ def _bench_seq_len(S: int, args, dtype: torch.dtype, flex) -> list[dict]:
                 # Two independent implementations of one mask must agree (DESIGN §4: an ignored
                 # BlockMask computes dense attention silently).
                 agree = _rel_err(flex_attention(q, k, v), attention(q, k, v))
+            if not agree <= 2 * torch.finfo(dtype).eps:  # the gate's tolerance; NaN fails too
+                raise RuntimeError(f"S={S}: FlexAttention differs from DSV on the same mask (relative error "
+                                   f"{agree:.2e}): its block mask was ignored or wrong; it is not timed")
                 flex_fwd_ms = _bench_ms(functools.partial(flex_attention, q, k, v), args.rep_ms)
             step = _fwd_bwd(flex_attention, q, k, v, grad_out)
             flex_ms, flex_mem, flex_gpu_ms = _bench_ms(step, args.rep_ms), _peak_gib(step), _gpu_kernel_ms(step)
@@ -290,9 +293,12 @@ def run(args) -> int:
         print("correctness gate FAILED:\n  " + "\n  ".join(failures), file=sys.stderr)
         return 1
     print("correctness gate passed", flush=True)
-    flex = torch.compile(flex_attention, dynamic=False)
     rows = []
     for S in args.seq_lens:
+        # Compiled afresh per length: past torch.compile's recompile limit FlexAttention would run uncompiled,
+        # and eager FlexAttention ignores this block mask (dense attention).
+        torch._dynamo.reset()
+        flex = torch.compile(flex_attention, dynamic=False)
         rows += _bench_seq_len(S, args, dtype, flex)
         torch.cuda.empty_cache()  # the next length's inputs start from a clean pool
     report = _report(rows, args, torch.cuda.get_device_name())
