@@ -79,6 +79,9 @@ class AttentionConfig:
                              f"got {self.recall_target}")
         if not 0.0 <= self.ema_momentum < 1.0:
             raise ValueError(f"attention.ema_momentum must be in [0, 1), got {self.ema_momentum}")
+        if self.max_stage1_steps and self.max_stage1_steps < self.min_stage1_steps:
+            raise ValueError(f"attention.max_stage1_steps={self.max_stage1_steps} is below "
+                             f"attention.min_stage1_steps={self.min_stage1_steps} (0 = no maximum)")
         if (not isinstance(self.predictor_keys, int) or isinstance(self.predictor_keys, bool)
                 or self.predictor_keys < 0 or self.predictor_keys == 1):
             # One key has no spread: its centred Grams are zero and the loss says nothing.

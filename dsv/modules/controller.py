@@ -38,7 +38,7 @@ class DSVController(nn.Module):
         self.forward_id = 0
         self._layers: list = []
         self._stage_host = 1
-        self.register_load_state_dict_post_hook(lambda module, _keys: module._refresh_host_state())
+        self.register_load_state_dict_post_hook(lambda module, _keys: module._after_load())
 
     # ----- wiring -----
     def attach(self, model: nn.Module) -> "DSVController":
@@ -59,6 +59,16 @@ class DSVController(nn.Module):
 
     def _refresh_host_state(self) -> None:
         self._stage_host = int(self.stage)
+
+    def _after_load(self) -> None:
+        self._refresh_host_state()
+        # The predictors' learning rate follows the loaded stage (`enter_stage2` lowered it in the run that
+        # saved it; a module's state_dict does not hold it). A trainer that restores the predictors'
+        # optimizers afterwards sets the same rate.
+        for layer in self._layers:
+            if layer.predictor is not None:
+                scale = layer.cfg.stage2_lr_scale if self._stage_host == 2 else 1.0
+                layer.predictor.set_lr(layer.cfg.predictor_lr * scale)
 
     # ----- schedule -----
     @property

@@ -263,6 +263,22 @@ def test_dsv_state_keeps_float32_when_the_model_is_cast_to_half_precision():
     assert layer.predictor.q_proj.weight.dtype == layer.sparsity_ema.dtype == torch.float64
 
 
+def test_a_loaded_stage2_state_gets_the_stage2_predictor_learning_rate():
+    """The predictor's learning rate is not in the state_dict: a model loading a stage-2 state (outside the
+    trainer, which restores the predictors' optimizers) must still train its predictors at the stage-2 rate."""
+    x = torch.randn(1, 64, DIM, dtype=torch.float64)
+    trained = in_stage2(x)
+    assert trained.controller.current_stage == 2
+    fresh = make("dsv", max_stage1_steps=1, sparse_threshold=0.0, profile_every_stage1=1)
+    rate = fresh.attn.predictor.optimizer.param_groups[0]["lr"]
+    fresh.load_state_dict(trained.state_dict())
+    cfg = fresh.attn.cfg
+    assert fresh.controller.current_stage == 2 and rate == cfg.predictor_lr
+    assert fresh.attn.predictor.optimizer.param_groups[0]["lr"] == cfg.predictor_lr * cfg.stage2_lr_scale
+    with pytest.raises(ValueError, match="max_stage1_steps=3 is below"):
+        AttentionConfig(min_stage1_steps=8, max_stage1_steps=3)
+
+
 def test_bad_inputs_raise_clear_errors():
     model = make("dense")
     with pytest.raises(ValueError, match=r"\[B, S, C\]"):
