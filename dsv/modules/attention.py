@@ -231,15 +231,18 @@ class DSVAttentionCore(nn.Module):
         """The checks of `check_input` that do not depend on the shape: finite values, a controller."""
         if self.cfg.check_finite and not torch.compiler.is_compiling():
             # A compiled graph cannot branch on values: there `prepare_index` checks inside a runtime op.
-            self._check_finite(x)
+            self._check_finite(x, collective=self.training and torch.is_grad_enabled())
         if self.cfg.mode in ("dsv", "oracle") and self.controller is None:
             raise RuntimeError(
                 f"{type(self).__name__} layer {self.layer_index}: mode={self.cfg.mode!r} needs a DSVController: "
                 "call DSVController(cfg).attach(model) once after building the model"
             )
 
-    def _check_finite(self, x: torch.Tensor) -> None:
-        if any_rank(~torch.isfinite(x).all()):
+    def _check_finite(self, x: torch.Tensor, collective: bool) -> None:
+        # `collective` (a training forward, which every rank of a distributed run makes): decided over all
+        # ranks. An evaluation forward may run on one rank alone (sampling on rank 0, say): checked locally.
+        bad = ~torch.isfinite(x).all()
+        if any_rank(bad) if collective else bool(bad):
             raise FloatingPointError(
                 f"{type(self).__name__} layer {self.layer_index}: NaN or Inf in the attention input x (on this rank "
                 "or another of the run); the run is diverging or its input data is corrupt"
@@ -699,7 +702,7 @@ def _select_kernel(
     layer = _registered_layer(layer_id)
     _release_parked_state(q)
     if check_finite:
-        layer._check_finite(hidden)
+        layer._check_finite(hidden, collective=training)
     with _autocast(q.device.type, autocast_dtype):
         index = layer._select(hidden, q, k, tuple(grid), training)
     return index.indices, index.counts
@@ -749,7 +752,7 @@ def _update_kernel(
     layer = _registered_layer(layer_id)
     _release_parked_state(q)
     if check_finite:
-        layer._check_finite(hidden)
+        layer._check_finite(hidden, collective=learn)
     if not learn:
         return
     # Identity saved-tensor hooks: the predictor's own small graph must not be captured by an enclosing

@@ -162,6 +162,26 @@ def test_nan_on_one_rank_raises_on_every_rank(tmp_path, context_parallel):
     assert all(m is not None and "of the run" in m for m in messages), messages
 
 
+def _nan_in_an_evaluation_on_one_rank(rank, world):
+    if rank != 0:
+        return None  # an evaluation forward on rank 0 alone, as sampling at the end of training may run
+    model = _model("dense").eval()
+    x0 = torch.full((1, 3, 4, 16, 16), float("nan"))
+    try:
+        with torch.no_grad():
+            model(x0, torch.tensor([0.5]))
+    except FloatingPointError as err:
+        return str(err)
+    return None
+
+
+def test_nan_in_an_evaluation_on_one_rank_raises_there_without_a_collective(tmp_path):
+    """Only training forwards, which every rank makes, decide their checks over the run: an evaluation on one
+    rank raises there at once instead of waiting for ranks that never join."""
+    messages = run_distributed(_nan_in_an_evaluation_on_one_rank, 2, out_dir=tmp_path, timeout_s=60)
+    assert messages[1] is None and "NaN or Inf" in messages[0], messages
+
+
 def _same_input_twice(rank, world, disagree_on_rank):
     import dsv.modules.attention as attention
 
