@@ -5,7 +5,7 @@
 Measures the card's two ceilings (device-to-device copy, bf16 8192^3 matmul), then for each kernel
 (forward, backward dq, backward dk/dv) and each candidate ``KernelConfig``: compares the variant's outputs
 with the fp32 PyTorch reference on a small shape, then times it (median of do_bench) on the benchmark shape,
-B=1, H=24, D=128, bf16, S=32k, 90%, 95% and 98% sparsity, for 128- and 64-token blocks. A variant that fails
+B=1, H=24, D=128, bf16, S=32k, 90% and 98% sparsity, for 128- and 64-token blocks. A variant that fails
 to compile or to match is logged and skipped. Writes DIR/sweep.jsonl and prints a table; the winners go
 into ``default_config`` and benchmarks/NOTES.md. ``--host-overhead`` instead measures the host (CPU) time
 of each launcher on a shape with negligible GPU work.
@@ -29,25 +29,24 @@ from dsv.ops.sparse_attention import sparse_attention_reference_with_lse
 from dsv.ops.sparse_attention import triton_kernels as tk
 from dsv.ops.sparse_attention.triton_kernels import KernelConfig as KC
 
-# Candidates per (group_size = kv_block) granularity: (block_m, block_n, num_warps, num_stages[, tma[, exp2_mode]]).
-# Round 6 (rounds 1-5 are in benchmarks/NOTES.md): the v3 defaults, each with the tile's exponentials on the
-# FMA pipe (exp2_mode 1) or split between it and the special-function unit (2); the forward also on 8-warp
-# tiles, whose two warpgroups leave more issue slots to the exponentials.
+# Candidates per (group_size = kv_block) granularity: (block_m, block_n, num_warps, num_stages[, tma]).
+# Round 4 (rounds 1-3 are in benchmarks/NOTES.md): the v3 defaults first, then TMA neighbours not tried yet,
+# above all dk/dv with 128-key tiles over two warpgroups (FlashAttention-2's key-major shape).
 VARIANTS = {
     128: {
-        "fwd": [KC(128, 64, 4, 2, True), KC(128, 64, 4, 2, True, 1), KC(128, 64, 4, 2, True, 2),
-                KC(128, 128, 8, 2, True, 2), KC(128, 64, 8, 2, True, 2), KC(128, 64, 4, 3, True, 2)],
-        "dq": [KC(128, 128, 8, 2), KC(128, 128, 8, 2, False, 1), KC(128, 128, 8, 2, False, 2),
-               KC(128, 64, 4, 2, True, 2)],
-        "dkdv": [KC(64, 64, 4, 3, True), KC(64, 64, 4, 3, True, 1), KC(64, 64, 4, 3, True, 2),
-                 KC(64, 128, 8, 3, True, 2)],
-        # The whole backward without the dq pass (dq added by TMA bulk reductions), against "bwd_default".
-        "bwd_atomic": [KC(64, 128, 8, 2, True), KC(64, 128, 8, 2, True, 2)],
+        "fwd": [KC(128, 64, 4, 2, True), KC(128, 64, 4, 3, True), KC(128, 32, 4, 2, True), KC(128, 32, 4, 3, True)],
+        "dq": [KC(128, 128, 8, 2), KC(128, 128, 8, 2, True), KC(128, 64, 4, 3, True), KC(64, 128, 4, 2, True)],
+        "dkdv": [KC(64, 64, 4, 3, True), KC(32, 128, 8, 2, True), KC(32, 128, 8, 3, True), KC(32, 128, 8, 4, True),
+                 KC(64, 128, 8, 3, True), KC(64, 64, 4, 4, True), KC(32, 64, 4, 3, True)],
+        # The whole backward without the dq pass: dk/dv tiles, dq added by TMA bulk reductions (with TMA)
+        # or element atomics; against the default split backward ("bwd_default" below).
+        "bwd_atomic": [KC(64, 64, 4, 3, True), KC(64, 64, 4, 2, True), KC(64, 128, 8, 2, True),
+                       KC(32, 128, 8, 3, True), KC(64, 64, 4, 3)],
     },
     64: {
-        "fwd": [KC(64, 64, 4, 3, True), KC(64, 64, 4, 3, True, 1), KC(64, 64, 4, 3, True, 2)],
-        "dq": [KC(64, 64, 4, 2, True), KC(64, 64, 4, 2, True, 1), KC(64, 64, 4, 2, True, 2)],
-        "dkdv": [KC(64, 64, 4, 2, True), KC(64, 64, 4, 2, True, 1), KC(64, 64, 4, 2, True, 2)],
+        "fwd": [KC(64, 32, 4, 3), KC(64, 64, 4, 3), KC(64, 32, 4, 2), KC(64, 32, 4, 3, True), KC(64, 64, 4, 3, True)],
+        "dq": [KC(64, 64, 4, 2), KC(64, 64, 4, 3), KC(64, 64, 4, 2, True), KC(64, 32, 4, 2, True)],
+        "dkdv": [KC(64, 64, 4, 2), KC(64, 64, 4, 3), KC(64, 64, 4, 2, True), KC(64, 64, 4, 3, True)],
     },
 }
 
@@ -240,7 +239,6 @@ def main():
     sweep(log, 32768, 0.90, 128)
     if not args.quick:
         sweep(log, 32768, 0.90, 64)
-        sweep(log, 32768, 0.95, 128, check=False)
         sweep(log, 32768, 0.98, 128, check=False)
     print(f"sweep done in {time.time() - t0:.0f} s")
 

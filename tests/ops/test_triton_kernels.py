@@ -25,8 +25,6 @@ if not HAS_CUDA and not TRITON_PREIMPORTED:
 triton = pytest.importorskip("triton", reason="triton not installed: pip install -e '.[triton]'")
 
 # Late imports (E402): TRITON_INTERPRET must be set above before these first import triton.
-import triton.language as tl  # noqa: E402
-
 from dsv.ops.estimate.naive import estimate_index, segment_means  # noqa: E402  (estimate_index: the reference)
 from dsv.ops.estimate.triton_kernels import estimate_index_triton  # noqa: E402
 from dsv.ops.index import SparseIndex  # noqa: E402
@@ -173,56 +171,6 @@ def test_interpreter_sub_tiles_and_lse_gradient(tma, atomic_dq):
                                                G, kv, 0.3, cfg, key_major=key_major)
         for name, a, b in zip(("dq", "dk", "dv"), grads, want):
             assert rel_err(a, b) < FP32_REL_TOL, (name, key_major is None)
-
-
-# The polynomial 2^x's fitted relative error (7.48e-5 at most, measured below), with room for the fp32 rounding
-# of its four Horner steps.
-POLY_EXP2_REL_ERR = 8e-5
-
-
-@interpreter
-@pytest.mark.parametrize("mode", [1, 2], ids=["fma", "split"])
-def test_interpreter_polynomial_exp2_accuracy(mode):
-    """``_exp2`` off the special-function unit: within the fit's error over the softmax's range (x <= 0) down to
-    2^-125, and no more than that (nothing, next to a row's largest term of ~1) below it, -inf included (the
-    result's exponent field is clamped at its least value, so the last binade is computed as a subnormal)."""
-    @triton.jit
-    def exp2_tile(X, Y, MODE: tl.constexpr):
-        offs = tl.arange(0, 32)[:, None] * 64 + tl.arange(0, 64)[None, :]
-        tl.store(Y + offs, tk._exp2(tl.load(X + offs), MODE))
-
-    x = -torch.rand(32, 64) * 140
-    x[0, :4] = torch.tensor([0.0, -0.5, -126.0, float("-inf")])
-    y = torch.full_like(x, float("nan"))
-    exp2_tile[(1,)](x, y, mode)
-    want = torch.exp2(x.double())
-    normal = x > -125
-    assert torch.isfinite(y).all() and (y >= 0).all()
-    assert ((y.double()[normal] - want[normal]).abs() / want[normal]).max() < POLY_EXP2_REL_ERR
-    assert (y[~normal] <= 2.0**-125).all()
-
-
-@interpreter
-@pytest.mark.parametrize("mode", [1, 2], ids=["fma", "split"])
-def test_interpreter_polynomial_exp2_kernels(mode):
-    """Every kernel with its exponentials off the special-function unit, forward, LSE and dq/dk/dv."""
-    B, H, S, D, G, kv = 1, 2, 120, 24, 32, 32
-    tile = KernelConfig(16, 16, 4, 1, exp2_mode=mode)
-    cfg = SparseAttentionConfig(tile, tile, tile)
-    index = random_index(B, H, S, G, kv, keep=[2, 3])
-    q, k, v = (2 * torch.randn(B, H, S, D) for _ in range(3))
-    out, lse = tk.sparse_attention_fwd_launch(q, k, v, index.indices, index.counts, G, kv, 0.3, cfg.fwd)
-    grad_out, grad_lse = torch.randn(B, H, S, D), torch.randn(B, H, S)
-    grads = tk.sparse_attention_bwd_launch(grad_out, q, k, v, out, lse, grad_lse, index.indices, index.counts,
-                                           G, kv, 0.3, cfg)
-    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
-    out64, lse64 = dense_masked_attention(q64, k64, v64, index, scale=0.3)
-    want = torch.autograd.grad((out64 * grad_out.double()).sum() + (lse64 * grad_lse.double()).sum(),
-                               (q64, k64, v64))
-    # Each P element is off by up to POLY_EXP2_REL_ERR; a gradient sums such terms through P and dS, twice.
-    tol = 4 * POLY_EXP2_REL_ERR
-    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), (out64, lse64, *want)):
-        assert torch.isfinite(a).all() and rel_err(a, b) < tol, (name, rel_err(a, b))
 
 
 @interpreter
@@ -534,28 +482,6 @@ def test_gpu_matches_fp32_reference(case, dtype):
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         assert a.dtype == dtype and torch.isfinite(a).all(), name
         assert rel_err(a, b) < dtype_rel_tol(dtype), (name, rel_err(a, b))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("mode", [0, 1, 2], ids=["sfu", "fma", "split"])
-def test_gpu_exp2_modes(mode):
-    """The three ways of computing the exponentials, in every kernel at the default tiles, bf16, ragged S."""
-    B, H, S, D, G, kv = 2, 3, 2000, 128, 128, 128
-    index = random_index(B, H, S, G, kv, [2, 5, 9], device="cuda")
-    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    grad_out = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
-    default = tk.default_config(D, G, kv, tma=True)
-    cfg = SparseAttentionConfig(*(dataclasses.replace(c, exp2_mode=mode)
-                                  for c in (default.fwd, default.bwd_dq, default.bwd_dkdv)))
-    out, lse = tk.sparse_attention_fwd_launch(q, k, v, index.indices, index.counts, G, kv, D**-0.5, cfg.fwd)
-    grads = tk.sparse_attention_bwd_launch(grad_out, q, k, v, out, lse, None, index.indices, index.counts, G, kv,
-                                           D**-0.5, cfg)
-    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
-    ref = sparse_attention_reference(q32, k32, v32, index)
-    want = (ref, *torch.autograd.grad(ref, (q32, k32, v32), grad_out.float()))
-    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), want):
-        assert torch.isfinite(a).all() and rel_err(a, b) < dtype_rel_tol(torch.bfloat16), (name, rel_err(a, b))
 
 
 @pytest.mark.gpu

@@ -48,43 +48,6 @@ _LOG2E = 1.4426950408889634  # the kernels work in base 2 (exp2) and store the L
 # ----------------------------------------------------------------------------------------------------------
 
 
-# 2^f on [-0.5, 0.5] by a degree-3 polynomial fitted for relative error (max 7.5e-5, far under the 3.9e-3 of
-# the bf16 rounding that P gets before its matmuls).
-_EXP2_C0 = tl.constexpr(0.9999280571937561)
-_EXP2_C1 = tl.constexpr(0.6932609677314758)
-_EXP2_C2 = tl.constexpr(0.24261115491390228)
-_EXP2_C3 = tl.constexpr(0.0551716685295105)
-
-
-@triton.jit
-def _exp2_fma(x):
-    # 2^x for x <= 0 on the FMA and integer pipes instead of the special-function unit (FlashAttention-4's
-    # trick: the softmax's exponentials, not the matmuls, bound an attention tile's issue rate). x = n + f
-    # with n = round(x) and |f| <= 1/2; 2^f by the polynomial; n goes into the exponent bits.
-    x = tl.maximum(x, -126.0)  # keeps the exponent field of the result >= 0 (2^-126 is ~1e-38: nothing)
-    shifted = x + 12582912.0  # 1.5 * 2^23: the sum's low mantissa bits hold round(x) in two's complement
-    n = shifted - 12582912.0
-    f = x - n
-    p = tl.fma(tl.fma(tl.fma(_EXP2_C3, f, _EXP2_C2), f, _EXP2_C1), f, _EXP2_C0)
-    # (shifted's bits << 23) == n << 23: its constant high bits shift out of the 32.
-    bits = p.to(tl.int32, bitcast=True) + (shifted.to(tl.int32, bitcast=True) << 23)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _exp2(x, EXP2_MODE: tl.constexpr):
-    # 0: the special-function unit (ex2.approx); 1: the polynomial; 2: half the columns each, so both pipes
-    # work at once (odd and even columns: the split follows the matmul layout's register pairs).
-    if EXP2_MODE == 0:
-        y = tl.math.exp2(x)
-    elif EXP2_MODE == 1:
-        y = _exp2_fma(x)
-    else:
-        even, odd = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
-        y = tl.reshape(tl.join(tl.math.exp2(even), _exp2_fma(odd)), [x.shape[0], x.shape[1]])
-    return y
-
-
 @triton.jit
 def _load_tile(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, EVEN_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
     # Masks only where the shape needs them: unmasked loads vectorise to 16-byte accesses.
@@ -180,7 +143,7 @@ def _sparse_attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, KV_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, EXP2_MODE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -219,7 +182,7 @@ def _sparse_attn_fwd_kernel(
             qk = tl.where(cols[None, :] < S, qk, float("-inf"))
         # Scale applied inside the max and the exponent (scale > 0) so it fuses into one FMA per score.
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = _exp2(qk * qk_scale - m_new[:, None], EXP2_MODE)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -244,7 +207,7 @@ def _sparse_attn_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, KV_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, HAS_DLSE: tl.constexpr,
-    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, EXP2_MODE: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -288,7 +251,7 @@ def _sparse_attn_bwd_dq_kernel(
         v = _load_rows(V_DESC, v_base + cols[:, None] * svs, bi, hi, start_n, cols, S, offs_d,
                        BLOCK_N, D_PAD, HEAD_DIM, EVEN_N, EVEN_D, USE_TMA)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        p = _exp2(qk * qk_scale - lse2[:, None], EXP2_MODE)
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if not EVEN_N:
             p = tl.where(cols[None, :] < S, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
@@ -307,7 +270,7 @@ def _sparse_attn_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, KV_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, EXP2_MODE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -348,7 +311,7 @@ def _sparse_attn_bwd_dkdv_kernel(
             lse2 = tl.load(LSE + vec_base + rows, mask=rows < S, other=float("inf")) * 1.4426950408889634
             delta = tl.load(DELTA + vec_base + rows, mask=rows < S, other=0.0)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-        p_t = _exp2(qk_t * qk_scale - lse2[None, :], EXP2_MODE)
+        p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
@@ -387,8 +350,7 @@ class KernelConfig:
     """Tile sizes and launch settings of one kernel; ``block_m`` must divide group_size, ``block_n`` kv_block.
 
     ``tma``: the loop's gathered tiles (K/V in forward and dq, Q/dO in dk/dv) come through TMA descriptors
-    (Hopper and newer) instead of pointer loads. ``exp2_mode``: how the tile's exponentials are computed,
-    0 on the special-function unit, 1 by a polynomial on the FMA pipe, 2 half each (``_exp2``).
+    (Hopper and newer) instead of pointer loads.
     """
 
     block_m: int
@@ -396,7 +358,6 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     tma: bool = False
-    exp2_mode: int = 0
 
 
 @dataclass(frozen=True)
@@ -529,8 +490,7 @@ def sparse_attention_fwd_launch(q, k, v, indices, counts, group_size: int, kv_bl
         H, S, indices.shape[2], indices.shape[3], scale * _LOG2E,
         HEAD_DIM=D, D_PAD=d_pad, GROUP=group_size, KV_BLOCK=kv_block,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, EVEN_M=even_m, EVEN_N=even_n, EVEN_D=even_d, USE_TMA=cfg.tma,
-        DOT_PRECISION=_dot_precision(q.dtype), EXP2_MODE=cfg.exp2_mode, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
 
@@ -550,7 +510,7 @@ def _launch_bwd_dq(q, k, v, out, do, lse, dlse, indices, counts, group_size, kv_
         H, S, indices.shape[2], indices.shape[3], scale * _LOG2E, scale,
         HEAD_DIM=D, D_PAD=d_pad, GROUP=group_size, KV_BLOCK=kv_block, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         EVEN_M=even_m, EVEN_N=even_n, EVEN_D=even_d, HAS_DLSE=has_dlse, USE_TMA=cfg.tma,
-        DOT_PRECISION=_dot_precision(q.dtype), EXP2_MODE=cfg.exp2_mode,
+        DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return dq, delta
@@ -593,7 +553,7 @@ def _launch_bwd_dkdv(q, k, v, do, lse, delta, offsets, groups, group_size, kv_bl
         H, S, _cdiv(S, kv_block), scale * _LOG2E, scale,
         HEAD_DIM=D, D_PAD=d_pad, GROUP=group_size, KV_BLOCK=kv_block, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         EVEN_M=even_m, EVEN_N=even_n, EVEN_D=even_d, USE_TMA=cfg.tma,
-        DOT_PRECISION=_dot_precision(q.dtype), ATOMIC_DQ=atomic_dq, EXP2_MODE=cfg.exp2_mode, num_warps=cfg.num_warps,
+        DOT_PRECISION=_dot_precision(q.dtype), ATOMIC_DQ=atomic_dq, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     return dk, dv
