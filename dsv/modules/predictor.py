@@ -78,9 +78,10 @@ def predictor_loss_from_factors(
     var_p = ((q_lr @ (k_lr_c.transpose(-1, -2) @ k_lr_c)) * q_lr).sum(-1) / seq_len
     cov = ((q_lr @ (k_lr_c.transpose(-1, -2) @ k_c)) * q).sum(-1) / seq_len
     # Cosine of the raw rows: Σ p·t = S (mean_p mean_t + cov), ‖p‖² = S (mean_p² + var_p); the same
-    # per-norm eps clamp as torch's cosine_similarity (1e-6).
-    norm_p = (seq_len * (mean_p.square() + var_p)).clamp_min(0).sqrt().clamp_min(1e-6)
-    norm_t = (seq_len * (mean_t.square() + var_t)).clamp_min(0).sqrt().clamp_min(1e-6)
+    # per-norm eps clamp as torch's cosine_similarity (1e-6), applied to the squares before the root: the
+    # same values, but a zero row (an all-zero hidden state) gets a zero gradient, not sqrt's 0/0 = NaN.
+    norm_p = (seq_len * (mean_p.square() + var_p)).clamp_min(1e-12).sqrt()
+    norm_t = (seq_len * (mean_t.square() + var_t)).clamp_min(1e-12).sqrt()
     cosine = seq_len * (mean_p * mean_t + cov) / (norm_p * norm_t)
     # MSE of the rows standardised as in `predictor_loss` (centred / sqrt(var + 1e-6)).
     var_p_eps, var_t_eps = var_p + 1e-6, var_t + 1e-6

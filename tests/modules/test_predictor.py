@@ -89,6 +89,21 @@ def test_loss_from_factors_equals_the_loss_on_explicit_scores(dtype, tol):
         torch.testing.assert_close(a, b, rtol=tol * 10, atol=tol * 10)
 
 
+def test_an_all_zero_hidden_row_leaves_the_predictor_finite():
+    """A sampled token whose hidden state is all zeros (LayerNorm of a constant row) projects to a zero row:
+    its cosine's norm is 0, and the update must step on finite gradients, not write NaN weights."""
+    torch.manual_seed(0)
+    predictor = LowRankPredictor(16, 2, rank=4)
+    hidden = torch.randn(1, 64, 16)
+    hidden[0, 0] = 0.0
+    q, k = torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
+    before = [p.detach().clone() for p in predictor.parameters()]
+    loss = predictor.update(hidden, q, k, torch.arange(0, 64, 8), 8**-0.5)
+    assert torch.isfinite(loss)
+    for old, new in zip(before, predictor.parameters()):
+        assert torch.isfinite(new).all() and not torch.equal(old, new)
+
+
 def test_loss_on_a_key_sample_is_the_loss_of_those_keys_and_tracks_the_full_gradient():
     """`keys` restricts the loss to those key positions exactly; a random eighth of the keys gives nearly the
     full loss's gradient on inputs with structure (low-rank scores plus noise), which the update follows."""
