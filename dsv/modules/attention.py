@@ -205,16 +205,18 @@ class DSVAttentionCore(nn.Module):
         # the predictor's AdamW would step bf16 weights against moments of another dtype. The model's own
         # weights follow the cast; a cast to a wide dtype (float64) applies to DSV's state too.
         half = (torch.float16, torch.bfloat16)
-        predictor_params = list(self.predictor.parameters()) if self.predictor is not None else []
-        before = {name: b.dtype for name, b in self._buffers.items() if b is not None}
-        before_params = [p.dtype for p in predictor_params]
+        # The tensors themselves, not just their dtypes: a value cast to half and back has lost its low bits.
+        buffers = {name: b for name, b in self._buffers.items() if b is not None}
+        predictor_data = [p.data for p in self.predictor.parameters()] if self.predictor is not None else []
         super()._apply(fn, recurse)
-        for name, buffer in self._buffers.items():
-            if buffer is not None and buffer.dtype in half and before.get(name) not in (None, *half):
-                self._buffers[name] = buffer.to(before[name])
-        for param, dtype in zip(predictor_params, before_params):
-            if param.dtype in half and dtype not in half:
-                param.data = param.data.to(dtype)
+        for name, old in buffers.items():
+            new = self._buffers[name]
+            if new is not None and new.dtype in half and old.dtype not in half:
+                self._buffers[name] = old.to(new.device)
+        if self.predictor is not None:
+            for param, old in zip(self.predictor.parameters(), predictor_data):
+                if param.dtype in half and old.dtype not in half:
+                    param.data = old.to(param.device)
         return self
 
     # ----- per-forward steps -----

@@ -248,9 +248,15 @@ def test_dsv_state_keeps_float32_when_the_model_is_cast_to_half_precision():
     model(x).sum().backward()  # a stage-1 step: the predictor's AdamW moments exist, in float32
     model.controller.end_step()
     model.controller.begin_step(1)
-    model.to(torch.bfloat16)
     layer = model.attn
+    # Values bf16 cannot hold: the cast must leave them as they were, not round them and widen them back.
+    layer.sparsity_ema.fill_(0.9234567)
+    state = {name: t.detach().clone() for name, t in (*layer.predictor.named_parameters(),
+                                                       ("sparsity_ema", layer.sparsity_ema))}
+    model.to(torch.bfloat16)
     assert layer.to_qkv.weight.dtype == torch.bfloat16
+    for name, value in (*layer.predictor.named_parameters(), ("sparsity_ema", layer.sparsity_ema)):
+        assert torch.equal(value, state[name]), name
     assert all(p.dtype == torch.float32 for p in layer.predictor.parameters())
     assert all(b.dtype == torch.float32 for b in (layer.sparsity_ema, layer.recall_ema, layer.loss_ema,
                                                    layer.keep_fraction, layer.keep_boost))
