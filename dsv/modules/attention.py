@@ -438,12 +438,21 @@ class DSVAttentionCore(nn.Module):
         return reselect(), reselect
 
     def _learn_and_profile(self, hidden, q, k, grid, loss_ema, sparsity_ema, recall_ema, keep_boost) -> None:
-        """Once per training step (a checkpointing recompute skips it): one predictor step, and on
+        """Once per training step (a checkpointing recompute skips it, and raises if no forward of the step
+        came first): one predictor step, and on
         profiling steps the exact per-head sparsity and the recall of this layer's selection. Updates the
         given EMA tensors in place: the layer's buffers, or a compiled graph's copies of them."""
         cfg, controller = self.cfg, self.controller
-        if self._learned_id == controller.forward_id or torch._C._current_graph_task_id() != -1:
-            return  # once per step, and never in a checkpointing recompute (inside the backward)
+        if self._learned_id == controller.forward_id:
+            return  # once per step
+        if torch._C._current_graph_task_id() != -1:
+            # A recompute inside the backward, and no forward of this step learned: that forward ran without
+            # gradients, as under reentrant checkpointing. Stepping here instead would bypass the host offload's
+            # schedule; passing silently would leave the predictor untrained and the model dense for good.
+            raise RuntimeError(
+                f"DSVAttention layer {self.layer_index}: recomputed in the backward, but no forward of this step "
+                "trained its predictor: the forward ran without gradients, as under reentrant activation "
+                "checkpointing. Use torch.utils.checkpoint.checkpoint(..., use_reentrant=False).")
         self._learned_id = controller.forward_id
         seq_len = q.shape[2]
         stride = min(seq_len, max(cfg.sample_stride, -(-seq_len // cfg.max_sample_rows)))

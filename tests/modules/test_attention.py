@@ -218,6 +218,23 @@ def test_recompute_without_its_forward_after_a_predictor_step_raises():
         out.sum().backward()
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_reentrant_checkpointing_is_refused_not_left_untrained(stage):
+    """Under reentrant checkpointing the forward runs without gradients (no predictor step, no profile) and
+    the recompute runs inside the backward: the predictor would never learn and the model stay dense, with
+    nothing said. The recompute raises instead; the non-reentrant form trains."""
+    x = torch.randn(1, 64, DIM, dtype=torch.float64)
+    model = make("dsv", profile_every_stage1=1) if stage == 1 else in_stage2(x)
+    model.controller.begin_step(model.controller.step)
+    out = torch.utils.checkpoint.checkpoint(model, x.clone().requires_grad_(True), use_reentrant=True)
+    with pytest.raises(RuntimeError, match="use_reentrant=False"):
+        out.sum().backward()
+    model.controller.begin_step(model.controller.step + 1)
+    weights = model.attn.predictor.q_proj.weight.detach().clone()
+    torch.utils.checkpoint.checkpoint(model, x.clone().requires_grad_(True), use_reentrant=False).sum().backward()
+    assert not torch.equal(weights, model.attn.predictor.q_proj.weight)
+
+
 def test_recompute_reselects_the_forward_keys_without_keeping_the_index():
     """For the checkpointing recompute the layer keeps the pooled low-rank rows and budgets, not the index
     (which grows with S²): re-selecting from them gives the forward's keys, also after the predictor's step
