@@ -670,8 +670,9 @@ def _registered_layer(layer_id: torch.Tensor) -> DSVAttentionCore:
 
 
 def _autocast(device_type: str, dtype: torch.dtype | None):
-    """The caller's autocast state: a compiled graph runs its ops with autocast off, while selection and
-    profiling run their matmuls in the autocast dtype in eager mode."""
+    """The caller's autocast state, so that the ops inside a runtime op see the same state in a compiled graph
+    (which runs them with autocast off) as in eager mode. DSV's own ops (projections, estimation, profiling)
+    turn it off themselves and compute in float32."""
     return torch.autocast(device_type, dtype=dtype, enabled=dtype is not None)
 
 

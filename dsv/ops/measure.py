@@ -50,10 +50,14 @@ def _check_theta(theta: float) -> None:
 
 
 def _softmax_rows(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, scale: float) -> torch.Tensor:
-    """Dense softmax ``[B, H, R, S]`` of query ``rows`` over all keys, in the compute dtype."""
+    """Dense softmax ``[B, H, R, S]`` of query ``rows`` over all keys, in the compute dtype.
+
+    Autocast off: under it the matmul would run in bf16 whatever the compute dtype (and on the CPU the softmax
+    and the statistics after it too), biasing the measured sparsity and recall."""
     dtype = compute_dtype(q.dtype)
-    scores = (q[:, :, rows].to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale
-    return torch.softmax(scores, dim=-1)
+    with torch.autocast(q.device.type, enabled=False):
+        scores = (q[:, :, rows].to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale
+        return torch.softmax(scores, dim=-1)
 
 
 def _row_chunk(q: torch.Tensor, num_rows: int) -> int:

@@ -99,6 +99,24 @@ def random_index(B, H, S, group_size, kv_block, keep):
     return SparseIndex.from_topk(scores, torch.tensor(keep), group_size, kv_block, S)
 
 
+def test_statistics_ignore_the_callers_autocast():
+    """Sparsity, recall and the oracle are computed in float32 under a bf16 autocast too (under it the scores,
+    and on the CPU the softmax and cumulative sums, would be bf16: sparsity biased upwards)."""
+    torch.manual_seed(0)
+    q, k = (x.float() for x in peaky_inputs(1, 3, 256, 16))
+    rows = sample_query_rows(256, 4)
+    index = oracle_index(q, k, torch.tensor([3, 5, 8]), 16, 16)
+
+    def stats():
+        return (head_sparsity(q, k, rows), index_recall(q, k, index, rows),
+                oracle_index(q, k, torch.tensor([3, 5, 8]), 16, 16).indices)
+
+    plain = stats()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for a, b in zip(plain, stats()):
+            assert torch.equal(a, b)
+
+
 def test_index_recall_matches_brute_force():
     B, H, S, G, kv = 2, 2, 27, 4, 3
     q, k = peaky_inputs(B, H, S, 8)

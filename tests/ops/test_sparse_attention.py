@@ -100,6 +100,25 @@ def test_bfloat16_matches_dense_within_bf16_rounding():
     assert_matches_dense(*make_inputs(B, H, S, D, torch.bfloat16), index)
 
 
+def test_reference_ignores_the_callers_autocast():
+    """The reference computes in float32 under the caller's bf16 autocast too (its matmuls would otherwise run
+    in bf16, and eager training would differ from a compiled graph, which runs them with autocast off):
+    forward and gradients identical with and without it."""
+    B, H, S, D = 1, 2, 40, 16
+    index = random_index(B, H, S, 8, 8, [2, 4])
+    q, k, v = make_inputs(B, H, S, D, torch.bfloat16)
+    grad_out = torch.randn(B, H, S, D).to(torch.bfloat16)
+
+    def run(autocast: bool):
+        inputs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = sparse_attention_reference(*inputs, index)
+        return (out, *torch.autograd.grad(out, inputs, grad_out))
+
+    for plain, autocast in zip(run(False), run(True)):
+        assert torch.equal(plain, autocast)
+
+
 @pytest.mark.parametrize("chunk_groups", [1, 3])
 def test_chunked_matches_dense(chunk_groups):
     index = random_index(2, 2, 43, 4, 4, [3, 7])

@@ -106,6 +106,13 @@ def _reference_fwd(
     scale: float,
     chunk_groups: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    # Autocast off: the op's kernel runs below autocast's dispatch, but its matmuls would still see the
+    # caller's autocast and run in bf16 instead of the compute dtype (and differ from a compiled graph's).
+    with torch.autocast(q.device.type, enabled=False):
+        return _reference_fwd_impl(q, k, v, indices, counts, group_size, kv_block, scale, chunk_groups)
+
+
+def _reference_fwd_impl(q, k, v, indices, counts, group_size, kv_block, scale, chunk_groups):
     batch, heads, seq_len, dim = q.shape
     index = SparseIndex(indices, counts, group_size, kv_block, seq_len)
     index.validate()  # here, not in the caller: its checks read the index's values
@@ -147,6 +154,12 @@ def _reference_bwd(
     scale: float,
     chunk_groups: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    with torch.autocast(q.device.type, enabled=False):  # as in the forward
+        return _reference_bwd_impl(grad_out, q, k, v, out, lse, indices, counts, group_size, kv_block, scale,
+                                   chunk_groups)
+
+
+def _reference_bwd_impl(grad_out, q, k, v, out, lse, indices, counts, group_size, kv_block, scale, chunk_groups):
     batch, heads, seq_len, dim = q.shape
     index = SparseIndex(indices, counts, group_size, kv_block, seq_len)
     chunk = _chunk_groups(index, batch, heads, dim, chunk_groups)  # the forward's chunks
