@@ -485,6 +485,12 @@ class WanVideoModel(nn.Module):
             raise ValueError(f"t must be [B]={x.shape[0]} timesteps in [0, 1], got {tuple(t.shape)}")
         if y is not None:
             raise ValueError("WanVideoModel has no class conditioning: y must be None")
+        # Under FSDP mixed precision the weights arrive in bf16 and the inputs are not cast for us (shard_model
+        # leaves the root's inputs alone so that `t` stays fp32), so cast the video, and with it the null text,
+        # to the patch embedding's dtype, as VideoDiT does. `t` stays fp32: Wan's sinusoidal embedding is taken
+        # in fp32 and only then cast to the time embedder's dtype.
+        if not torch.is_autocast_enabled(x.device.type):
+            x = x.to(self.transformer.patch_embedding.weight.dtype)
         text = self.null_text.expand(x.shape[0], -1, -1).to(x.dtype)
         # Wan's sinusoidal timestep embedding is scaled for its schedulers' timesteps in [0, 1000].
         return self.transformer(x, t * 1000.0, text, return_dict=False)[0]
