@@ -12,30 +12,32 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from dsv.analysis.checkpointed_model import load_model  # noqa: E402
-from dsv.bench.kernels import recall_at_equal_keep  # noqa: E402
-from dsv.ops import head_sparsity, index_recall, keep_blocks_from_sparsity, sample_query_rows  # noqa: E402
+from dsv.ops import head_sparsity, index_recall, keep_blocks_from_sparsity  # noqa: E402
+from dsv.ops.measure import jittered_query_rows, recall_at_equal_keep  # noqa: E402
 from dsv.train.data import build_dataset  # noqa: E402
 
 
 class _Recorder:
     """Observer for every DSVAttention: exact sparsity and the recall of the layer's own selection; with
     `granularity_keep`, also the oracle recall of token-level vs block-level selection at equal kept
-    fractions."""
+    fractions. Every statistic of a call uses the same ``jittered_query_rows`` (about one row in ``stride``), drawn
+    afresh per call from a generator seeded with ``seed``."""
 
-    def __init__(self, theta: float, stride: int, granularity_keep: tuple[float, ...] = ()):
+    def __init__(self, theta: float, stride: int, granularity_keep: tuple[float, ...] = (), seed: int = 0):
         self.theta, self.stride = theta, stride
         self.granularity_keep = granularity_keep
+        self.generator = torch.Generator().manual_seed(seed)
         self.sparsity: dict[int, list[torch.Tensor]] = {}
         self.recall: dict[int, list[torch.Tensor]] = {}
         self.granularity: dict[tuple[float, int], list[float]] = {}
 
     def __call__(self, layer, hidden, q, k, grid) -> None:
+        rows = jittered_query_rows(q.shape[2], self.stride, self.generator, device=q.device)
         for keep in self.granularity_keep:
             kv_blocks = (1, layer.cfg.group_size)
-            by_block = recall_at_equal_keep(q, k, keep, layer.cfg.group_size, kv_blocks, self.stride, layer.scale)
+            by_block = recall_at_equal_keep(q, k, keep, layer.cfg.group_size, kv_blocks, rows, layer.scale)
             for kv_block, recall in by_block.items():
                 self.granularity.setdefault((keep, kv_block), []).append(float(recall.mean()))
-        rows = sample_query_rows(q.shape[2], self.stride, device=q.device)
         sparsity = head_sparsity(q, k, rows, self.theta, scale=layer.scale)
         self.sparsity.setdefault(layer.layer_index, []).append(sparsity.float().cpu())
         if layer.cfg.mode == "dense":

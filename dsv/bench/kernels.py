@@ -22,8 +22,6 @@ from pathlib import Path
 
 import torch
 
-from dsv.ops.measure import index_recall, oracle_index, sample_query_rows
-
 TARGETS = {0.90: 8.0, 0.95: 15.0, 0.98: 25.0}
 """Forward+backward speedup over dense cuDNN asked for at S >= 32k, by sparsity."""
 
@@ -63,36 +61,6 @@ def kept_pairs(index) -> float:
     group_starts = torch.arange(index.num_groups, device=device) * G
     rows = (group_starts + G).clamp(max=S) - group_starts
     return float((keys.double() * rows.double()).sum())
-
-
-def recall_at_equal_keep(q: torch.Tensor, k: torch.Tensor, kept_fraction: float, group_size: int,
-                         kv_blocks=(1, 64), row_stride: int = 16, scale: float | None = None) -> dict:
-    """Attention mass that the oracle index keeps at one kept fraction, for several key granularities.
-
-    For each ``kv_block`` in ``kv_blocks`` every head keeps ``max(1, round(kept_fraction * NKB))`` blocks
-    chosen by ``measure.oracle_index`` (exact per-group mass top-k), so token-level selection (``kv_block=1``)
-    and block-level selection keep about the same number of keys; ``measure.index_recall`` then measures
-    the exact softmax mass captured on every ``row_stride``-th query row.
-
-    Args:
-        q, k: ``[B, H, S, D]`` in grouped token order (e.g. a trained model's attention inputs).
-        kept_fraction: kept fraction of the keys, in (0, 1].
-        group_size: query tokens per group.
-
-    Returns:
-        ``{kv_block: float32 [B, H] recall}``.
-    """
-    if not 0.0 < kept_fraction <= 1.0:
-        raise ValueError(f"kept_fraction must lie in (0, 1], got {kept_fraction!r}")
-    B, H, S, _ = q.shape
-    rows = sample_query_rows(S, row_stride, device=q.device)
-    result = {}
-    for kv_block in kv_blocks:
-        n_blocks = math.ceil(S / kv_block)
-        keep = torch.full((H,), max(1, round(kept_fraction * n_blocks)), dtype=torch.int64)
-        index = oracle_index(q, k, keep, group_size, kv_block, scale=scale)
-        result[kv_block] = index_recall(q, k, index, rows, scale=scale)
-    return result
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

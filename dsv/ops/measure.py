@@ -84,6 +84,23 @@ def sample_query_rows(seq_len: int, stride: int, offset: int = 0,
     return torch.arange(first, seq_len, stride, device=device)
 
 
+def jittered_query_rows(seq_len: int, stride: int, generator: torch.Generator,
+                        device: torch.device | str | None = None) -> torch.Tensor:
+    """One query row drawn uniformly from each window ``[j * stride, (j + 1) * stride)`` (the last one clipped
+    to ``seq_len``): int64 ``[ceil(S / stride)]``, ascending, on ``device``.
+
+    As many rows as ``sample_query_rows`` at that stride, but every position inside a query cube is equally
+    likely: rows come in grouped (cube) order, so a fixed stride sees only some in-cube offsets (only w offset 0
+    of a 2x4x4 cube at stride 4) and never the cube's edge rows, which its shared selection serves worst.
+    Drawn on the CPU from ``generator`` (reproducible whatever the device)."""
+    _check_positive_int(seq_len, "seq_len")
+    _check_positive_int(stride, "stride")
+    starts = torch.arange(0, seq_len, stride)
+    widths = (seq_len - starts).clamp(max=stride)
+    jitter = (torch.rand(starts.numel(), generator=generator, dtype=torch.float64) * widths).long()
+    return (starts + jitter.minimum(widths - 1)).to(device)
+
+
 def sample_key_positions(seq_len: int, count: int, seed: int,
                          device: torch.device | str | None = None) -> torch.Tensor | None:
     """``count`` distinct key positions out of ``seq_len``, uniformly at random, int64 ``[count]`` on
@@ -247,6 +264,36 @@ def oracle_index(
         indices.append(select_top_blocks(block_scores, keep)[0])
     counts = keep.to(torch.int32).view(1, heads, 1).expand(batch, heads, num_groups).contiguous()
     return SparseIndex(torch.cat(indices, dim=2), counts, group_size, kv_block, seq_len)
+
+
+def recall_at_equal_keep(q: torch.Tensor, k: torch.Tensor, kept_fraction: float, group_size: int,
+                         kv_blocks: tuple[int, ...], rows: torch.Tensor, scale: float | None = None) -> dict:
+    """Attention mass that the oracle index keeps at one kept fraction, for several key granularities.
+
+    For each ``kv_block`` in ``kv_blocks`` every head keeps ``max(1, round(kept_fraction * NKB))`` blocks
+    chosen by ``oracle_index`` (exact per-group mass top-k), so token-level selection (``kv_block=1``) and
+    block-level selection keep about the same number of keys; ``index_recall`` then measures the exact softmax
+    mass captured on the query ``rows``.
+
+    Args:
+        q, k: ``[B, H, S, D]`` in grouped token order (e.g. a trained model's attention inputs).
+        kept_fraction: kept fraction of the keys, in (0, 1].
+        group_size: query tokens per group.
+        kv_blocks: the key granularities to compare.
+        rows: integer ``[R]`` query rows to measure on (``jittered_query_rows``: every in-cube position).
+
+    Returns:
+        ``{kv_block: float32 [B, H] recall}``.
+    """
+    if not 0.0 < kept_fraction <= 1.0:
+        raise ValueError(f"kept_fraction must lie in (0, 1], got {kept_fraction!r}")
+    result = {}
+    for kv_block in kv_blocks:
+        keep = torch.full((q.shape[1],), max(1, round(kept_fraction * math.ceil(q.shape[2] / kv_block))),
+                          dtype=torch.int64)
+        index = oracle_index(q, k, keep, group_size, kv_block, scale=scale)
+        result[kv_block] = index_recall(q, k, index, rows, scale=scale)
+    return result
 
 
 def window_extents(

@@ -12,6 +12,7 @@ from dsv.ops.measure import (
     index_recall,
     keep_blocks_from_sparsity,
     oracle_index,
+    recall_at_equal_keep,
     sample_key_positions,
     sample_query_rows,
     window_extents,
@@ -304,3 +305,15 @@ def test_small_memory_budget_chunks_without_changing_results(monkeypatch):
     chunked_counts, chunked_recall, chunked_oracle_rows = measurements()
     assert torch.equal(chunked_counts, counts) and torch.equal(chunked_oracle_rows, oracle_rows)
     torch.testing.assert_close(chunked_recall, recall)
+
+
+def test_recall_at_equal_keep_orders_token_and_block_selection():
+    """With every row sampled and equal kept keys, token-level oracle selection captures at least the mass of
+    block-level selection (each block set is one of the token sets it chooses from); keeping all is 1."""
+    q, k = torch.randn(1, 2, 256, 16), torch.randn(1, 2, 256, 16)
+    rows = torch.arange(256)
+    recall = recall_at_equal_keep(q, k, 0.25, group_size=32, kv_blocks=(1, 16), rows=rows)
+    assert bool((recall[1] >= recall[16] - 1e-6).all())
+    full = recall_at_equal_keep(q, k, 1.0, group_size=32, kv_blocks=(1, 16), rows=rows)
+    for value in full.values():
+        assert torch.allclose(value, torch.ones_like(value), atol=1e-5)

@@ -576,21 +576,3 @@ def test_gpu_estimate_matches_reference(dtype):
     got = estimate_index_triton(q_int, k_int, keep, G, kv)
     want = estimate_index(q_int, k_int, keep, G, kv)
     assert torch.equal(got.indices, want.indices)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# benchmark helpers (pure PyTorch)
-# ----------------------------------------------------------------------------------------------------------
-
-
-def test_recall_at_equal_keep_orders_token_and_block_selection():
-    """With every row sampled and equal kept keys, token-level oracle selection captures at least the mass of
-    block-level selection (each block set is one of the token sets it chooses from); keeping all is 1."""
-    from dsv.bench.kernels import recall_at_equal_keep
-
-    q, k = torch.randn(1, 2, 256, 16), torch.randn(1, 2, 256, 16)
-    recall = recall_at_equal_keep(q, k, 0.25, group_size=32, kv_blocks=(1, 16), row_stride=1)
-    assert bool((recall[1] >= recall[16] - 1e-6).all())
-    full = recall_at_equal_keep(q, k, 1.0, group_size=32, kv_blocks=(1, 16), row_stride=1)
-    for value in full.values():
-        assert torch.allclose(value, torch.ones_like(value), atol=1e-5)
