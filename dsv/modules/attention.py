@@ -488,6 +488,11 @@ class DSVAttentionCore(nn.Module):
             if controller.current_stage == 2:
                 self.update_keep_boost(keep_boost, recall)
 
+    @property
+    def has_learned(self) -> bool:
+        """Whether a training forward has run this layer's predictor step (its loss EMA is measured)."""
+        return self._learned_id != -1
+
     def will_use_predictor(self) -> bool:
         """Whether this layer's next training forward of the current step uses its predictor: a sparse block
         selects with it in every forward; learning and profiling use it in the step's first forward only."""

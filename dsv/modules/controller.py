@@ -136,6 +136,16 @@ class DSVController(nn.Module):
         losses = [x for x in losses if not math.isnan(x)]
         return sum(losses) / len(losses) if losses else None
 
+    def predictor_failed(self) -> torch.Tensor | None:
+        """0-d bool on the device, no host sync: whether a predictor's loss (EMA) is not finite after its
+        update. A predictor whose weights went NaN would select garbage keys for every sparse block until the
+        next profiling step checks; a trainer folds this flag into its per-step check instead. None when no
+        predictor has stepped yet."""
+        emas = [layer.loss_ema for layer in self._layers if layer.predictor is not None and layer.has_learned]
+        if not emas:
+            return None
+        return ~torch.isfinite(torch.stack([e.to(emas[0].device) for e in emas])).all()
+
     def sparse_layers(self) -> list[int]:
         return [i for i, layer in enumerate(self._layers) if layer.runs_sparse()]
 

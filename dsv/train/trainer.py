@@ -327,12 +327,17 @@ class Trainer:
         x0, t, noise = self._batch()
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             loss = flow_matching_loss(self.model, x0, t, noise)
-        bad = (~torch.isfinite(loss.detach())).float()
+        bad = ~torch.isfinite(loss.detach())
+        predictor_failed = self.controller.predictor_failed()
+        if predictor_failed is not None:  # in the same host sync: a failed predictor would pick garbage keys
+            bad = bad | predictor_failed
+        bad = bad.float()
         if self.world > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank stops together instead of hanging
         if bad:
-            raise FloatingPointError(f"step {self.step}: training loss is not finite on some rank; stopping "
-                                     "before the optimizer applies it (the last checkpoint is intact)")
+            raise FloatingPointError(f"step {self.step}: the training loss or a DSV predictor's loss is not finite "
+                                     "on some rank; stopping before the optimizer applies it (the last checkpoint "
+                                     "is intact)")
         loss.backward()
         # grad_clip = 0 disables clipping (the norm is still computed for the log).
         grad_norm = torch.nn.utils.clip_grad_norm_(

@@ -61,6 +61,23 @@ def test_every_attention_mode_trains(tmp_path, mode):
     assert {layer["path"] for layer in result["layers"]} == {expected}
 
 
+def test_a_failed_predictor_stops_the_step_it_fails_in(tmp_path):
+    """A predictor whose weights went NaN (a bad update) makes its loss NaN: the trainer stops at that step,
+    before the model's optimizer steps, not at the next profiling step with garbage keys selected meanwhile."""
+    cfg = tiny_config(tmp_path, "train.steps=1", "train.ckpt_every=1", "attention.max_stage1_steps=100")
+    trainer = Trainer(cfg, quiet=True)
+    trainer.run()
+    assert trainer.step % cfg.attention.profile_every_stage1 != 0  # no profiling check at this step
+    layer = trainer.controller.layers[0]
+    with torch.no_grad():
+        layer.predictor.q_proj.weight[0, 0] = float("nan")
+    model_params = [p for group in trainer.optimizer.param_groups for p in group["params"]]  # no predictors
+    weights = [p.detach().clone() for p in model_params]
+    with pytest.raises(FloatingPointError, match="predictor"):
+        trainer.train_step()
+    assert all(torch.equal(a, b) for a, b in zip(weights, model_params))
+
+
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal bits, where NaN (a never-measured EMA) equals NaN."""
     return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
