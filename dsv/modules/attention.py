@@ -321,7 +321,7 @@ class DSVAttentionCore(nn.Module):
 
     def _keep_blocks(self, num_kv_blocks: int) -> torch.Tensor:
         """Per-head key-block budget from the dispatched kept fraction (host mirror: no device sync)."""
-        sparsity = 1.0 - torch.tensor(self._keep_fraction_host)
+        sparsity = 1.0 - torch.tensor(self._keep_fraction_host, dtype=torch.float64)  # the host values, unrounded
         # Stays on the CPU: the estimation kernel then reads K_max without a device synchronisation.
         return keep_blocks_from_sparsity(sparsity, num_kv_blocks, self.cfg.keep_floor_blocks)
 

@@ -23,8 +23,10 @@ from dsv.ops.index import (
 )
 
 WHOLE_BLOCK_TOLERANCE = 1e-4
-"""A keep count within this many blocks above an integer is not rounded up: float32 sparsity such as
-0.9 (stored as 0.8999999762) would otherwise keep one block more than ``ceil`` of the exact value."""
+"""A keep count within this many blocks (plus one float32 eps per key block) above an integer is not rounded
+up: float32 sparsity such as 0.9 (stored as 0.8999999762) would otherwise keep one block more than ``ceil``
+of the exact value. The eps term grows with the blocks, as that rounding error does (it reached a whole
+block at ~16k key blocks)."""
 
 
 def _check_positive_int(value, name: str) -> int:
@@ -397,5 +399,5 @@ def keep_blocks_from_sparsity(
                              f"got {tuple(margin.shape)}")
         margin = margin.to(device=sparsity.device, dtype=torch.float64)
     wanted = (1.0 - sparsity.double() + margin) * num_kv_blocks
-    keep = torch.ceil(wanted - WHOLE_BLOCK_TOLERANCE)
+    keep = torch.ceil(wanted - (WHOLE_BLOCK_TOLERANCE + torch.finfo(torch.float32).eps * num_kv_blocks))
     return keep.clamp(min=floor_blocks).clamp(max=num_kv_blocks).to(torch.int32)

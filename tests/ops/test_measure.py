@@ -255,6 +255,11 @@ def test_keep_blocks_from_sparsity():
     assert keep.dtype == torch.int32 and keep.tolist() == [2, 10, 2, 5, 3]
     # float32 0.9 is 0.8999999762: one block at 10 blocks, not two.
     assert keep_blocks_from_sparsity(torch.tensor([0.9]), 10, floor_blocks=1).tolist() == [1]
+    # The float32 error grows with the blocks: exact whole budgets stay whole at long sequences too.
+    for blocks in (4096, 16250, 65536):
+        sparsity32 = torch.tensor([0.9, 0.95, 0.99])
+        exact = [math.ceil(round((1 - s) * blocks, 6)) for s in (0.9, 0.95, 0.99)]
+        assert keep_blocks_from_sparsity(sparsity32, blocks, floor_blocks=1).tolist() == exact, blocks
     assert keep_blocks_from_sparsity(torch.tensor([0.9]), 10, floor_blocks=1, margin=0.05).tolist() == [2]
     assert keep_blocks_from_sparsity(torch.tensor([0.0]), 10, floor_blocks=1, margin=0.5).tolist() == [10]
     assert keep_blocks_from_sparsity(torch.tensor([0.99]), 4, floor_blocks=9).tolist() == [4]
