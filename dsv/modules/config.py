@@ -92,6 +92,29 @@ class AttentionConfig:
                      "keep_floor_blocks", "rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"attention.{name} must be >= 1, got {getattr(self, name)}")
+        # Values that would train the predictor the wrong way or not at all, or make the switch and the dispatch
+        # meaningless, without any error later.
+        weights = (self.loss_cosine_weight, self.loss_mse_weight)
+        if min(weights) < 0 or sum(weights) <= 0:
+            raise ValueError(f"attention.loss_cosine_weight and loss_mse_weight must be >= 0 with a positive sum, got "
+                             f"{self.loss_cosine_weight} and {self.loss_mse_weight}")
+        if self.predictor_lr < 0:
+            raise ValueError(f"attention.predictor_lr must be >= 0 (0 freezes the predictor), got {self.predictor_lr}")
+        if self.stage2_lr_scale < 0:
+            raise ValueError(f"attention.stage2_lr_scale must be >= 0 (0 freezes the predictor in stage 2), "
+                             f"got {self.stage2_lr_scale}")
+        if self.switch_loss_threshold < 0:
+            raise ValueError(f"attention.switch_loss_threshold must be >= 0 (0: switch at max_stage1_steps only), "
+                             f"got {self.switch_loss_threshold}")
+        if self.min_stage1_steps < 0 or self.max_stage1_steps < 0:
+            raise ValueError(f"attention.min_stage1_steps and max_stage1_steps must be >= 0, got "
+                             f"{self.min_stage1_steps} and {self.max_stage1_steps}")
+        if not 0.0 <= self.sparse_threshold <= 1.0:
+            raise ValueError(f"attention.sparse_threshold must be a sparsity in [0, 1], got {self.sparse_threshold}")
+        if self.keep_margin < 0:
+            raise ValueError(f"attention.keep_margin must be >= 0, got {self.keep_margin}")
+        if not 0.0 < self.window_frac <= 1.0:
+            raise ValueError(f"attention.window_frac must be in (0, 1], got {self.window_frac}")
 
     @property
     def group_size(self) -> int:

@@ -43,6 +43,14 @@ class ModelConfig:
         self.patch = tuple(int(p) for p in self.patch)
         if len(self.patch) != 3 or min(self.patch) < 1:
             raise ValueError(f"model.patch must be three positive ints (t, h, w), got {self.patch}")
+        for name in ("in_channels", "hidden", "depth", "heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        if self.arch == "dit" and self.hidden < 6:  # the 3-D sin-cos position embedding needs 2 channels per axis
+            raise ValueError(f"model.hidden must be >= 6 for model.arch='dit', got {self.hidden}")
+        if self.head_dim < 0 or self.mlp_ratio <= 0 or self.num_classes < 0:
+            raise ValueError(f"model.head_dim must be >= 0, model.mlp_ratio > 0 and model.num_classes >= 0, got "
+                             f"{self.head_dim}, {self.mlp_ratio}, {self.num_classes}")
         if self.head_dim == 0 and self.hidden % self.heads:
             raise ValueError(f"model.hidden={self.hidden} is not divisible by model.heads={self.heads}")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from dsv.modules.config import AttentionConfig
@@ -20,8 +21,14 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         self.betas = tuple(float(b) for b in self.betas)
-        if self.lr <= 0:
-            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+        if not 0 < self.lr < math.inf:
+            raise ValueError(f"optim.lr must be a finite number > 0, got {self.lr}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"optim.betas must be two numbers in [0, 1), e.g. optim.betas=0.9,0.999, got {self.betas}")
+        if self.weight_decay < 0:
+            raise ValueError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.warmup_steps < 0:  # a negative warmup would make the learning rate negative
+            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.grad_clip < 0:
             raise ValueError(f"optim.grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip}")
 
@@ -45,6 +52,10 @@ class TrainConfig:
         for name in ("steps", "batch_size", "log_every", "eval_every", "ckpt_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.threads < 0:
+            raise ValueError(f"train.threads must be >= 0 (0 leaves torch's default), got {self.threads}")
+        if not str(self.out_dir).strip():
+            raise ValueError("train.out_dir must name a folder (empty would write into the current one)")
 
 
 CP_MODES = ("hcp", "naive_hcp", "scp", "hybrid")  # dsv.parallel.context

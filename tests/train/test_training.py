@@ -251,6 +251,29 @@ def test_config_overrides_reject_bad_input():
         apply_overrides(base, ["train.bf16=maybe"])
     with pytest.raises(ValueError, match="optim.grad_clip must be >= 0"):
         apply_overrides(base, ["optim.grad_clip=-1"])
+    # Values that trained on without an error before: the learning rate's sign flipped, the predictor stepped
+    # backwards or switched at once on a zero loss, no block (or every block) went sparse, no position signal.
+    for override, message in [
+        ("optim.warmup_steps=-5", "optim.warmup_steps must be >= 0"),
+        ("optim.lr=inf", "optim.lr must be a finite number"),
+        ("optim.betas=0.9", "optim.betas must be two numbers"),
+        ("optim.weight_decay=-0.1", "optim.weight_decay must be >= 0"),
+        ("attention.loss_cosine_weight=0", "positive sum"),  # with loss_mse_weight=0 below
+        ("attention.loss_cosine_weight=-1", "must be >= 0 with a positive sum"),
+        ("attention.predictor_lr=-1e-3", "attention.predictor_lr must be >= 0"),
+        ("attention.stage2_lr_scale=-1", "attention.stage2_lr_scale must be >= 0"),
+        ("attention.sparse_threshold=2", r"attention.sparse_threshold must be a sparsity in \[0, 1\]"),
+        ("attention.keep_margin=-1", "attention.keep_margin must be >= 0"),
+        ("attention.switch_loss_threshold=-1", "attention.switch_loss_threshold must be >= 0"),
+        ("attention.window_frac=1.5", r"attention.window_frac must be in \(0, 1\]"),
+        ("model.heads=0", "model.heads must be >= 1"),
+        ("model.hidden=4", "model.hidden must be >= 6"),
+        ("train.threads=-1", "train.threads must be >= 0"),
+        ("train.out_dir=", "train.out_dir must name a folder"),
+    ]:
+        extra = ["attention.loss_mse_weight=0"] if override == "attention.loss_cosine_weight=0" else []
+        with pytest.raises(ValueError, match=message):
+            apply_overrides(base, [override, *extra])
     with pytest.raises(ValueError, match="unknown recipe"):
         get_recipe("nope")
     assert apply_overrides(base, ["attention.cube=4x4x4"]).attention.cube == (4, 4, 4)
