@@ -4,9 +4,12 @@ One process, one device. For each token count and mode the same model shape (a r
 paper's 2.7B: 32 blocks, 16 heads × 128) is built on the device, and full training steps (bf16 autocast,
 activation checkpointing, AdamW) are timed on random latents: throughput only, no quality. DSV runs in
 stage 2 with a per-layer/per-head sparsity profile (the paper's measured 2.7B profile by default, or a
-`dsv profile` JSON), dispatched by the same controller code as training. DSV's overheads are timed
-apart: the predictor update (steps with and without it), a profiling step (amortised over
-`profile_every_stage2`), and the critical-KV estimation.
+`dsv profile` JSON), dispatched by the same controller code as training. With a predictor update every
+`learn_every_stage2` = k > 1 steps, DSV is timed over whole update periods (k steps from an update step, their
+mean per step), so its ms/step carries the update's cost / k. DSV's overheads are timed apart: the predictor
+update (steps with and without it), a profiling step (amortised over `profile_every_stage2`), and the
+critical-KV estimation. `--set` takes the model and attention fields that the bench applies, and refuses
+the others (the bench fixes the rest of the run: see `bench_config`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,45 @@ from dsv.train.config import apply_overrides
 from dsv.train.recipes import get_recipe
 
 MODES = ("dense", "window", "dsv")
+
+# `--set` fields that the bench fixes itself, with the one value it runs: any other value is refused.
+_FIXED = {
+    "model.arch": ("dit", "the bench builds DSV's VideoDiT"),
+    "model.activation_checkpointing": (True, "the bench always checkpoints the blocks"),
+    "attention.check_finite": (False, "the bench turns the per-step finite check (a device sync) off"),
+}
+# Attention fields that the bench never lets act on what it times.
+_NOT_APPLIED = {
+    "attention.mode": "the bench runs every mode of --modes: pick them there",
+    **{f"attention.{name}": "it schedules stage 1 only; the bench enters stage 2 itself after one stage-1 step"
+       for name in ("min_stage1_steps", "max_stage1_steps", "switch_loss_threshold", "profile_every_stage1")},
+}
+
+
+def bench_config(recipe, overrides: list[str]):
+    """The recipe's config with the `--set` overrides applied, refusing those that the bench would not apply:
+    sections other than model and attention (batch 1, AdamW at a fixed learning rate and bf16 autocast on CUDA
+    are the bench's own), attention fields that never act on the timed steps, and a field that the bench fixes
+    set to another value than the one it runs (the last override of a field holds)."""
+    for item in overrides:
+        key = item.split("=", 1)[0]
+        if "." not in key:
+            continue  # malformed: apply_overrides says how
+        section = key.split(".", 1)[0]
+        if section not in ("model", "attention"):
+            raise ValueError(f"--set {key}: dsv bench train applies model.* and attention.* overrides only; it runs "
+                             "batch 1, AdamW and bf16 autocast on CUDA (fp32 on the CPU) whatever the recipe says")
+        if key in _NOT_APPLIED:
+            raise ValueError(f"--set {key}: not applied by dsv bench train: {_NOT_APPLIED[key]}")
+    cfg = apply_overrides(recipe, overrides)
+    for key in dict.fromkeys(item.split("=", 1)[0] for item in overrides):
+        if key in _FIXED:
+            value, why = _FIXED[key]
+            section, name = key.split(".", 1)
+            if getattr(getattr(cfg, section), name) != value:
+                shown = str(value).lower() if isinstance(value, bool) else value
+                raise ValueError(f"--set {key}: dsv bench train runs only {key}={shown}: {why}")
+    return cfg
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -118,12 +160,12 @@ def _memory_history(folder: Path | None, name: str, device: torch.device):
         torch.cuda.memory._record_memory_history(enabled=None)
 
 
-def _timed_steps(run: _Run, args, name: str, device: torch.device) -> tuple[float, float, float]:
-    """Median ms of the timed steps (after warm-up) and their peak GiB, allocated and requested, under the
-    allocator history if asked."""
+def _timed_steps(run: _Run, args, name: str, device: torch.device, period: int = 1) -> tuple[float, float, float]:
+    """Median ms per step of the timed steps (after warm-up; of whole periods of `period` steps, see
+    `_Run.median_ms`) and their peak GiB, allocated and requested, under the allocator history if asked."""
     _reset_peak(device)
     with _memory_history(args.memory_history, name, device):
-        ms = run.median_ms(args.warmup, args.steps)
+        ms = run.median_ms(args.warmup, args.steps, period=period)
     return ms, _peak_gib(device), _peak_requested_gib(device)
 
 
@@ -211,9 +253,13 @@ class _Run:
             layer._refresh_host_state()
 
     def median_ms(self, warmup: int, steps: int,
-                  state: list[tuple[dict[str, torch.Tensor], str]] | None = None) -> float:
-        """Median ms per step; with `state`, the DSV state is put back after each step (untimed), so that
-        steps which profile keep the sparsity profile under test instead of the random model's own."""
+                  state: list[tuple[dict[str, torch.Tensor], str]] | None = None, period: int = 1) -> float:
+        """Median ms per step of `steps` timed periods of `period` steps, each period counting its mean per
+        step (with period 1: the median of single steps). A period > 1 is the predictor's update period in
+        stage 2 (`learn_every_stage2`): untimed steps after the warm-up bring the step index to a multiple of
+        it, so that each period holds exactly one update step, which a median of single steps would leave out.
+        With `state`, the DSV state is put back after each step (untimed), so that steps which profile keep
+        the sparsity profile under test instead of the random model's own."""
         def one() -> float:
             ms = _timed(self.step, self.device)
             if state is not None:
@@ -222,12 +268,15 @@ class _Run:
 
         for _ in range(warmup):
             one()
-        return statistics.median(one() for _ in range(steps))
+        while self.step_index % period:
+            one()
+        return statistics.median(sum(one() for _ in range(period)) / period for _ in range(steps))
 
 
 def run(args) -> int:
     device = torch.device(args.device)
-    cfg = apply_overrides(get_recipe(args.recipe), args.set)
+    cfg = bench_config(get_recipe(args.recipe), args.set)
+    learn_every = cfg.attention.learn_every_stage2
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     rows = []
     for tokens in args.tokens:
@@ -245,12 +294,12 @@ def run(args) -> int:
                     else load_profile(args.profile)
                 run_.enter_stage2(profile)
                 row["sparse_blocks"] = sum(layer.runs_sparse() for layer in run_.model.controller.layers)
+                # Whole update periods: with a predictor update every k > 1 steps, one step in k carries it.
                 row["ms"], row["peak_gib"], row["peak_requested_gib"] = _timed_steps(run_, args, f"{tokens}-{mode}",
-                                                                                      device)
+                                                                                      device, period=learn_every)
                 stage2_state = run_.dsv_state()
-                # Without the predictor update (its cost is the difference). No profiling here, so the
+                # Without the predictor update (its cost per step is the difference). No profiling here, so the
                 # sparsity profile under test stays as it is.
-                learn_every = cfg.attention.learn_every_stage2
                 run_.set_attention(learn_every_stage2=10**9)
                 _reset_peak(device)
                 no_predictor = statistics.median(_timed(run_.step, device) for _ in range(args.steps))
@@ -262,7 +311,7 @@ def run(args) -> int:
                 # Triton specialisations).
                 run_.set_attention(learn_every_stage2=learn_every, profile_every_stage2=1)
                 _reset_peak(device)
-                profiled = run_.median_ms(1, max(1, args.steps // 2), state=stage2_state)
+                profiled = run_.median_ms(1, max(1, args.steps // 2), state=stage2_state, period=learn_every)
                 profiling_peak = _peak_gib(device)  # before the estimation's timed step below
                 run_.set_attention(profile_every_stage2=10**9)
                 every = cfg.attention.profile_every_stage2
@@ -271,7 +320,9 @@ def run(args) -> int:
                     f"{_estimation_ms(run_, device):.1f} ms/step"
                 row["notes"] = (f"profiling step +{profiled - row['ms']:.0f} ms (every {every} steps: "
                                 f"+{(profiled - row['ms']) / every:.1f} ms/step); predictor update "
-                                f"{row['ms'] - no_predictor:.0f} ms/step; critical-KV estimation "
+                                f"{row['ms'] - no_predictor:.0f} ms/step"
+                                f"{f' (one update every {learn_every} steps)' if learn_every > 1 else ''}; "
+                                "critical-KV estimation "
                                 f"{estimation}; peak GiB of a stage-1 step {stage1_peak:.1f}, of a profiling step "
                                 f"{profiling_peak:.1f}, of a step without the predictor update "
                                 f"{no_predictor_peak:.1f}")
@@ -294,13 +345,16 @@ def run(args) -> int:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    periods = f" (DSV: of {args.steps} update periods of {learn_every} steps, each its mean per step)" \
+        if learn_every > 1 and "dsv" in args.modes else ""
     lines = [f"# Training step time, {args.recipe} shape, {machine}", "",
+             f"Overrides of the recipe: {', '.join(f'`{item}`' for item in args.set) or 'none'}.", "",
              f"torch {torch.__version__}; batch 1, {'bf16 autocast' if device.type == 'cuda' else 'fp32'}, "
              "activation checkpointing, "
              f"AdamW{', blocks compiled (' + cfg.model.compile + ')' if cfg.model.compile else ''}; random "
              f"latents of {cfg.model.in_channels} channels, patch {cfg.model.patch}; DSV in stage 2 with the "
              f"{'paper 2.7B' if args.profile == 'paper' else args.profile} sparsity profile; median of "
-             f"{args.steps} steps after {args.warmup} warm-up. DSV dispatch: sparse from mean sparsity "
+             f"{args.steps} steps{periods} after {args.warmup} warm-up. DSV dispatch: sparse from mean sparsity "
              f"{cfg.attention.sparse_threshold} where the kernel-speed model says it pays; predictor update every "
              f"{cfg.attention.learn_every_stage2} step(s) on "
              f"{cfg.attention.predictor_keys or 'all'} keys; predictor state and recompute rows "

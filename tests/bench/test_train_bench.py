@@ -5,8 +5,10 @@ import re
 import pytest
 import torch
 
+import dsv.bench.train as bench_train
 from dsv.bench.train import _peaks_against_dense, _Run, paper_profile
 from dsv.cli import main
+from dsv.modules.predictor import LowRankPredictor
 from dsv.train.config import apply_overrides
 from dsv.train.recipes import get_recipe
 
@@ -82,6 +84,79 @@ def test_profiling_steps_keep_the_profile_under_test():
             assert torch.equal(getattr(layer, name), value), name
         assert layer.dispatch_reason == reason
     assert [layer.runs_sparse() for layer in run.model.controller.layers] == sparse_before
+
+
+TINY = ["--recipe", "debug_cpu", "--device", "cpu", "--tokens", "128", "--spatial", "8", "--set", "model.depth=5",
+        "--set", "model.hidden=32", "--set", "model.heads=2", "--set", "attention.cube=2,2,2"]
+
+
+@pytest.mark.parametrize("learn_every", [1, 3])
+def test_dsv_step_time_carries_the_periodic_predictor_update(tmp_path, monkeypatch, learn_every):
+    """With a predictor update every k steps, DSV's ms/step is the mean over whole update periods: it carries
+    the update's cost / k, and so does the "predictor update" note (a median of single steps left the update
+    step out). A fake clock makes it exact: 10 ms a step, 100 ms more for a step that updates a predictor.
+    With k = 1 every step updates, and the numbers are medians of single steps as before."""
+    updates = []
+    update = LowRankPredictor.update
+
+    def counted_update(self, *args, **kwargs):
+        updates.append(1)
+        return update(self, *args, **kwargs)
+
+    def fake_timed(fn, device):
+        before = len(updates)
+        fn()
+        return 10.0 + (100.0 if len(updates) > before else 0.0)
+
+    monkeypatch.setattr(LowRankPredictor, "update", counted_update)
+    monkeypatch.setattr(bench_train, "_timed", fake_timed)
+    out = tmp_path / "report.md"
+    code = main(["bench", "train", *TINY, "--set", f"attention.learn_every_stage2={learn_every}",
+                 "--modes", "dense", "dsv", "--warmup", "0", "--steps", "2", "--out", str(out)])
+    assert code == 0
+    rows = {row.split("|")[2].strip(): row.split("|") for row in out.read_text().splitlines()
+            if row.startswith("| 128 |")}
+    expected = 10.0 + 100.0 / learn_every
+    assert float(rows["dense"][3]) == 10.0
+    assert float(rows["dsv"][3]) == pytest.approx(expected, abs=0.05)  # the report rounds to 0.1 ms
+    assert float(rows["dsv"][4]) == pytest.approx(10.0 / expected, abs=0.005)
+    update_ms = float(re.search(r"predictor update ([0-9.-]+) ms/step", rows["dsv"][8]).group(1))
+    assert update_ms == pytest.approx(100.0 / learn_every, abs=0.5)
+    assert ("one update every 3 steps" in rows["dsv"][8]) == (learn_every == 3)
+
+
+@pytest.mark.parametrize("override, why", [
+    ("train.batch_size=8", "model.* and attention.* overrides only"),
+    ("optim.lr=5", "model.* and attention.* overrides only"),
+    ("train.bf16=false", "model.* and attention.* overrides only"),
+    ("model.arch=wan", "runs only model.arch=dit"),
+    ("model.activation_checkpointing=false", "runs only model.activation_checkpointing=true"),
+    ("attention.mode=window", "--modes"),
+    ("attention.check_finite=true", "runs only attention.check_finite=false"),
+    ("attention.max_stage1_steps=100", "stage 1 only"),
+    ("attention.switch_loss_threshold=0.5", "stage 1 only"),
+])
+def test_bench_train_refuses_overrides_it_does_not_apply(tmp_path, capsys, override, why):
+    """An override that the bench would silently drop (it builds a VideoDiT with activation checkpointing at
+    batch 1, its own optimizer and precision, the mode from --modes, stage 2 entered directly) is an error
+    naming the key and why, before any model is built."""
+    out = tmp_path / "report.md"
+    code = main(["bench", "train", *TINY, "--set", override, "--modes", "dense", "--warmup", "0", "--steps", "1",
+                 "--out", str(out)])
+    assert code == 2
+    error = capsys.readouterr().err
+    assert f"--set {override.split('=')[0]}" in error and why in error
+    assert not out.exists()
+
+
+def test_bench_train_report_records_the_overrides(tmp_path):
+    """The overrides that the bench applies, fixed fields at the value it runs included, head the report."""
+    out = tmp_path / "report.md"
+    code = main(["bench", "train", *TINY, "--set", "model.arch=dit", "--set", "model.activation_checkpointing=true",
+                 "--modes", "dense", "--warmup", "0", "--steps", "1", "--out", str(out)])
+    assert code == 0
+    assert ("Overrides of the recipe: `model.depth=5`, `model.hidden=32`, `model.heads=2`, `attention.cube=2,2,2`, "
+            "`model.arch=dit`, `model.activation_checkpointing=true`.") in out.read_text().splitlines()
 
 
 @pytest.mark.gpu
