@@ -87,7 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="device of the evaluation (the runs pick their own)")
     parser.add_argument("--runs-per-gpu", type=_positive_int, default=1,
                         help="training runs at a time on each GPU (they share its time and the host's cores: "
-                             "each run's own step time rises)")
+                             "each run's own step time rises); at most, fewer where that leaves every run as many "
+                             "co-runners on its GPU, so that their speeds compare")
     parser.add_argument("--train-step-json", type=Path, default=Path(TRAIN_STEP_JSON),
                         help="measured training-step times to plot beside this run's (skipped if absent)")
     parser.add_argument("--train-seeds", type=int, nargs="+", metavar="SEED",
@@ -154,29 +155,78 @@ def visible_gpus() -> list[str]:
     return ids[:count]
 
 
+def plan_runs(names: list[str], gpus: list[str], runs_per_gpu: int = 1) -> list[list[tuple[str, str | None]]]:
+    """The waves in which ``train_all`` runs ``names`` (in the order given): each a list of ``(name, GPU)``, the
+    GPU None without visible GPUs (one run at a time on the CPU). Every run shares its GPU with the same number
+    of other runs, so that the runs' training speeds compare: the runs go in groups of ``k`` to a GPU, ``k`` the
+    divisor of the number of runs up to ``runs_per_gpu`` that needs the fewest waves (the smallest of those), and
+    each wave takes one group per GPU. Three runs on one GPU with ``runs_per_gpu=3`` run together; with
+    ``runs_per_gpu=2`` they run one after another, not two together and the third alone."""
+    if runs_per_gpu < 1:
+        raise ValueError(f"runs_per_gpu={runs_per_gpu}: expected a positive number of runs per GPU")
+    slots: list[str | None] = list(gpus) or [None]
+    together = 1 if not gpus else min(
+        (k for k in range(1, runs_per_gpu + 1) if len(names) % k == 0),
+        key=lambda k: (math.ceil(len(names) // k / len(slots)), k), default=1)
+    groups = [names[first:first + together] for first in range(0, len(names), together)]
+    return [[(name, slots[i]) for i, group in enumerate(groups[first:first + len(slots)]) for name in group]
+            for first in range(0, len(groups), len(slots))]
+
+
+def run_placement(plan: list[list[tuple[str, str | None]]]) -> dict[str, dict]:
+    """Where each run of ``plan`` (``plan_runs``) trained, by name: its wave, its GPU (None: the CPU), the runs
+    that shared that GPU with it (``co_runners``) and the runs on the machine at the same time
+    (``concurrent``, itself excluded)."""
+    placement = {}
+    for wave, runs in enumerate(plan):
+        for name, gpu in runs:
+            placement[name] = {"wave": wave, "gpu": gpu,
+                               "co_runners": [other for other, g in runs if g == gpu and other != name],
+                               "concurrent": [other for other, _ in runs if other != name]}
+    return placement
+
+
+def unequal_sharing(placement: dict[str, dict], names: list[str]) -> str | None:
+    """None when the runs ``names`` each shared their GPU with as many other runs (``run_placement``), so that
+    their training speeds compare; otherwise what each shared, in words."""
+    counts = {len(placement[name]["co_runners"]) for name in names}
+    if len(counts) <= 1:
+        return None
+
+    def where(name: str) -> str:
+        place = placement[name]
+        device = "the CPU" if place["gpu"] is None else f"GPU {place['gpu']}"
+        others = place["co_runners"]
+        return f"{name} on {device} " + (f"with {', '.join(others)}" if others else "alone")
+
+    return "; ".join(where(name) for name in names)
+
+
 def train_all(commands: dict[str, list[str]], logs_dir: Path, gpus: list[str], runs_per_gpu: int = 1
               ) -> dict[str, float]:
     """Run the training commands (by run name) as subprocesses, each logging to ``logs_dir/<name>.log``, in
-    waves of ``runs_per_gpu`` runs per visible GPU (one after another on the CPU), in the order given. Returns
-    each run's wall seconds by name; raises with the end of the log if a run fails."""
-    if runs_per_gpu < 1:
-        raise ValueError(f"runs_per_gpu={runs_per_gpu}: expected a positive number of runs per GPU")
-    per_wave = max(1, len(gpus)) * runs_per_gpu if gpus else 1
-    names = list(commands)
+    the waves of ``plan_runs`` (at most ``runs_per_gpu`` runs per visible GPU, every run with as many
+    co-runners on its GPU; one after another on the CPU), in the order given. Returns each run's wall seconds
+    by name; raises with the end of the log if a run fails."""
+    plan = plan_runs(list(commands), gpus, runs_per_gpu)
+    # The same thread count for every run, the last wave's too, so that their data pipelines compare.
+    per_wave = max(len(runs) for runs in plan) if plan else 1
+    placement = run_placement(plan)
     seconds: dict[str, float] = {}
-    for first in range(0, len(names), per_wave):
+    for runs in plan:
         running = {}
-        for slot, name in enumerate(names[first:first + per_wave]):
+        for name, gpu in runs:
             env = {**os.environ, "PYTHONUNBUFFERED": "1"}
             if per_wave > 1 and "OMP_NUM_THREADS" not in os.environ:
                 # Runs sharing the machine split its cores: three runs on one H200 host, each with all 16
                 # CPU threads for its data pipeline, took 1.85 s per step instead of 0.12 s, the GPU idle.
                 env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // per_wave))
             if len(gpus) >= 2:
-                env["CUDA_VISIBLE_DEVICES"] = gpus[slot % len(gpus)]
+                env["CUDA_VISIBLE_DEVICES"] = gpu
             log = open(logs_dir / f"{name}.log", "w")
-            print(f"[quality] training {name}" + (f" on GPU {gpus[slot % len(gpus)]}" if len(gpus) >= 2 else ""),
-                  flush=True)
+            others = placement[name]["co_runners"]
+            print(f"[quality] training {name}" + (f" on GPU {gpu}" if len(gpus) >= 2 else "")
+                  + (f" with {', '.join(others)}" if others else ""), flush=True)
             running[name] = (subprocess.Popen(commands[name], stdout=log, stderr=subprocess.STDOUT, env=env), log,
                              time.perf_counter())
         while running:  # poll, so that each run's time ends when it does, not when the wave does
@@ -479,9 +529,11 @@ def _plot_tiles(images: dict[str, Path], path: Path) -> None:
     _save(fig, path)
 
 
-def _plot_speed(sampling: dict, train_speed: dict[str, float], reference: dict | None, path: Path) -> None:
-    """Bars: sampling time of the DSV model (sparse vs dense), the runs' training speed, and, when given, the
-    measured training-step speedups of a larger shape (``--train-step-json``)."""
+def _plot_speed(sampling: dict, train_speed: dict[str, float], reference: dict | None, path: Path,
+                unequal: str | None = None) -> None:
+    """Bars: sampling time of the DSV model (sparse vs dense), the runs' training speed (withheld when they
+    shared their GPUs unequally: ``unequal``, from ``unequal_sharing``), and, when given, the measured
+    training-step speedups of a larger shape (``--train-step-json``)."""
     import matplotlib.pyplot as plt
 
     colors = {"dense": "tab:blue", "dsv": "tab:orange", "window": "tab:green", CONTROL: "lightsteelblue"}
@@ -493,9 +545,15 @@ def _plot_speed(sampling: dict, train_speed: dict[str, float], reference: dict |
     ax.set_ylabel("seconds")
     ax.set_title(f"sampling, DSV-trained model:\nDSV {sampling['speedup']:.2f}× dense", fontsize=9)
     ax = axes[1]
-    ax.bar(list(train_speed), list(train_speed.values()), color=[colors[mode] for mode in train_speed])
-    ax.set_ylabel("steps/s")
-    ax.set_title(f"training speed of the {len(train_speed)} runs\n(steps after DSV's switch)", fontsize=9)
+    if unequal:
+        ax.axis("off")
+        ax.set_title(f"training speed of the {len(train_speed)} runs: withheld", fontsize=9)
+        ax.text(0.5, 0.5, "not comparable:\nthe runs shared their GPUs\nwith unequal numbers of runs\n(report.md)",
+                ha="center", va="center", fontsize=9, transform=ax.transAxes)
+    else:
+        ax.bar(list(train_speed), list(train_speed.values()), color=[colors[mode] for mode in train_speed])
+        ax.set_ylabel("steps/s")
+        ax.set_title(f"training speed of the {len(train_speed)} runs\n(steps after DSV's switch)", fontsize=9)
     if reference:
         ax = axes[2]
         ms = {(row["tokens"], row["mode"]): row["ms"] for row in reference["rows"]}
@@ -546,14 +604,16 @@ def loss_target(late: dict, heldout_by_seed: dict[str, list[dict]], switch_by_se
         measured = (f"means over {len(seed_gaps)} seeds: {measured}; per seed: "
                     + ", ".join(f"seed {seed} {p['dsv_gap']:+.2%}" for seed, p in late["per_seed"].items())
                     + f" (min {min(seed_gaps):+.2%}, max {max(seed_gaps):+.2%})")
-    # Before the switch DSV computes dense attention: its gap to dense there is the comparison's own noise.
+    # Before the switch DSV computes dense attention: its gap to dense there is the comparison's own noise. The
+    # controller sets switch_step to the step after the one that switched and dispatches sparse blocks at once,
+    # so the evaluation logged at switch_step already ran them: stage 1 is the steps before it.
     ranges = []
     for seed, table in heldout_by_seed.items():
         switch = switch_by_seed[seed]
-        stage1_gaps = [r["dsv"] / r["dense"] - 1 for r in table if switch is not None and r["step"] <= switch]
+        stage1_gaps = [r["dsv"] / r["dense"] - 1 for r in table if switch is not None and r["step"] < switch]
         if stage1_gaps:
             ranges.append(f"{min(stage1_gaps):+.2%}…{max(stage1_gaps):+.2%} "
-                          f"({f'seed {seed}, ' if several else ''}steps ≤ {switch})")
+                          f"({f'seed {seed}, ' if several else ''}steps < {switch})")
     noise = ("; in stage 1 (DSV attention dense) the same comparison ranged " + ", ".join(ranges)
              + ": the noise of one evaluation") if ranges else ""
     return {"target": f"DSV held-out loss within {LOSS_TOLERANCE:.0%} of dense (mean of the {late['count']} "
@@ -669,6 +729,37 @@ def _fmt(value, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def training_speed_lines(results: dict) -> list[str]:
+    """The report's lines on where the runs trained (``train_placement``) and on their speeds: wall time per run
+    (``train_seconds``) and steps/s after DSV's switch (``stage2_steps_per_s``, the first seed's runs), each
+    said to be not comparable, with no numbers side by side, when its runs shared their GPUs with unequal
+    numbers of other runs (``unequal_sharing``)."""
+    placement = results["train_placement"]
+
+    def where(place: dict) -> str:
+        device = "CPU" if place["gpu"] is None else f"GPU {place['gpu']}"
+        return device + (f" with {', '.join(place['co_runners'])}" if place["co_runners"] else " alone")
+
+    lines = ["Training placement (each run's device and the runs that shared it): "
+             + "; ".join(f"{name} {where(place)}" for name, place in placement.items()) + "."]
+    seconds, speed = results["train_seconds"], results["stage2_steps_per_s"]
+    unequal_seconds, unequal_speed = unequal_sharing(placement, list(seconds)), unequal_sharing(placement, list(speed))
+    if unequal_seconds:
+        lines.append("Training wall time per run: **not comparable between runs**, they shared their GPUs with "
+                     f"unequal numbers of other runs ({unequal_seconds}); per run: "
+                     + ", ".join(f"{m} {s:.0f} s" for m, s in seconds.items()) + ".")
+    else:
+        lines.append("Training wall time per run (process start to exit, data loading included): "
+                     + ", ".join(f"{m} {s:.0f} s" for m, s in seconds.items()) + ".")
+    if unequal_speed:
+        lines.append("Training speed after DSV's switch: **withheld**, not comparable between modes: the runs shared "
+                     f"their GPUs with unequal numbers of other runs ({unequal_speed}).")
+    else:
+        lines.append("Training speed after DSV's switch (speed.png): "
+                     + ", ".join(f"{m} {v:.2f}" for m, v in speed.items()) + " steps/s.")
+    return lines
+
+
 def render_report(results: dict) -> str:
     facts, sampling = results["dsv"], results["sampling"]
     seeds, late = results["seeds"], results["late_means"]
@@ -686,10 +777,13 @@ def render_report(results: dict) -> str:
         seeds_text += (f" Dense control: a second dense run{' per seed' if len(seeds) > 1 else ''}, the same command "
                        "as the dense one; its gap to dense is the run-to-run noise of the comparison (GPU kernels are "
                        "not bitwise deterministic and training amplifies the differences).")
+    # Runs at a time on a GPU: --runs-per-gpu at most, fewer where that leaves every run as many co-runners.
+    together = 1 + max((len(place["co_runners"]) for place in results["train_placement"].values()), default=0)
     lines = [f"# Quality: dense vs DSV vs window from scratch, {results['machine']}, {results['date']}", "",
              f"torch {results['torch']}, triton {results['triton']}; {results['gpus']} GPU(s) used for training"
-             + (f", {results['runs_per_gpu']} runs at a time on each (their step times include the sharing)"
-                if results["runs_per_gpu"] > 1 else "") + ". "
+             + (f", {together} runs at a time on each (their step times include the sharing)" if together > 1 else "")
+             + (f" (--runs-per-gpu {results['runs_per_gpu']}: {together} at a time gives every run as many "
+                "co-runners)" if together < results["runs_per_gpu"] else "") + ". "
              f"Recipe `{results['recipe']}`: {results['model']}; {results['steps']} steps of batch "
              f"{results['batch_size']}, {seeds_text}", "",
              "## Commands", "", "```", results["command"], "```", "", "Training (run by the command above):", "",
@@ -722,9 +816,7 @@ def render_report(results: dict) -> str:
               f"{r['dsv'] / r['dense'] - 1:+.2%} |"
               + (f" {r[CONTROL]:.4f} | {r[CONTROL] / r['dense'] - 1:+.2%} |" if control else "")
               for r in results["heldout"]]
-    lines += ["", "Training wall time per run (process start to exit, data loading included): "
-              + ", ".join(f"{m} {s:.0f} s" for m, s in results["train_seconds"].items()) + ".", "",
-              "## FVD (samples.png)", "",
+    lines += ["", *training_speed_lines(results), "", "## FVD (samples.png)", "",
               (f"Kinetics-400 I3D logits, {results['videos']} samples per run ({results['sample_steps']} Euler steps, "
                f"the same noise for every run) against {results['videos']} held-out real clips; bootstrap: "
                f"{results['bootstrap']} paired draws. FVD of few videos is biased upwards and noisy: compare the "
@@ -865,6 +957,8 @@ def run(args) -> int:
     gpus = visible_gpus()
     commands = training_commands(args.recipe, args.set, runs_dir, seeds, args.dense_control)
     train_seconds = train_all(commands, runs_dir, gpus, args.runs_per_gpu)
+    # Where each run trained (train_all's plan): the report compares speeds only of runs that shared alike.
+    placement = run_placement(plan_runs(list(commands), gpus, args.runs_per_gpu))
     # Keyed by the seed as text, as results.json writes it, so that the results read back compare equal.
     run_dirs = {str(seed): {mode: runs_dir / run_name(mode, seed, seeds[0]) for mode in run_modes(args.dense_control)}
                 for seed in seeds}
@@ -889,7 +983,7 @@ def run(args) -> int:
     (out / "training.json").write_text(json.dumps(
         {"seeds": seeds, "heldout": table, "heldout_by_seed": heldout_by_seed, "switch_step_by_seed": switch_by_seed,
          "mean_sparse_blocks_in_stage2_by_seed": sparse_by_seed, "final_sparse_blocks_by_seed": final_sparse_by_seed,
-         "late_means": late, "train_seconds": train_seconds,
+         "late_means": late, "train_seconds": train_seconds, "train_placement": placement,
          "curves": curves}, indent=1))
     print(f"[quality] training done in {wall['training']:.0f} s; held-out loss at step {table[-1]['step']} by "
           "seed: " + json.dumps({seed: {k: v for k, v in t[-1].items() if k != "step"}
@@ -944,7 +1038,7 @@ def run(args) -> int:
              for name in ("power_law", "locality", "heterogeneity", "dynamics", "neighbours")}
     tiles["profile: recall of the DSV selection"] = out / "profile" / "recall.png"
     _plot_tiles({name: path for name, path in tiles.items() if path.is_file()}, out / "observations.png")
-    _plot_speed(sampling, stage2_speed, reference, out / "speed.png")
+    _plot_speed(sampling, stage2_speed, reference, out / "speed.png", unequal_sharing(placement, list(stage2_speed)))
     wall["plots"] = time.perf_counter() - phase
 
     model = cfg.model
@@ -963,7 +1057,9 @@ def run(args) -> int:
         # The interpreter by name in the report: the path that ran it is this machine's.
         "command": _command_line(args),
         "train_commands": {mode: shlex.join(["python", *c[1:]]) for mode, c in commands.items()},
-        "train_seconds": train_seconds, "same_initial_weights": same_initial_weights(cfg),
+        "train_seconds": train_seconds, "train_placement": placement,
+        "train_speeds_comparable": unequal_sharing(placement, list(train_seconds)) is None,
+        "same_initial_weights": same_initial_weights(cfg),
         "heldout": table, "curves": curves, "seeds": seeds, "heldout_by_seed": heldout_by_seed,
         "switch_step_by_seed": switch_by_seed, "mean_sparse_blocks_in_stage2_by_seed": sparse_by_seed,
         "final_sparse_blocks_by_seed": final_sparse_by_seed,

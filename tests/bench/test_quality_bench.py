@@ -12,11 +12,14 @@ from dsv.bench.quality import (
     CONTROL,
     late_run_means,
     loss_target,
+    plan_runs,
     resolve_train_seeds,
+    run_placement,
     seed_late_means,
     targets,
     train_all,
     training_commands,
+    training_speed_lines,
 )
 from dsv.cli import main
 from tests.eval.test_fvd import needs_i3d
@@ -93,8 +96,15 @@ def test_quality_bench_writes_a_complete_report(tmp_path, capsys):
     assert results["i3d_check"][0]["top3"][0][0] in {"riding mountain bike", "riding a bike"}
     assert [t["met"] in (True, False) for t in results["targets"]] == [True] * 4
 
+    # Each run's device and co-runners are recorded; every run shared alike, so the speeds are reported.
+    placement = results["train_placement"]
+    assert list(placement) == ["dense", "dsv", "window"]
+    assert len({len(p["co_runners"]) for p in placement.values()}) == 1 and results["train_speeds_comparable"]
+
     report = (out / "report.md").read_text()
     assert "dsv bench quality --recipe debug_cpu" in report and "attention.mode=window" in report
+    assert "Training placement (each run's device and the runs that shared it): dense " in report
+    assert "Training speed after DSV's switch (speed.png): dense " in report and "withheld" not in report
     assert report.count("| met |") + report.count("| **missed** |") == 4
     assert "No DSV verdict" not in report and "dense control" not in report
 
@@ -103,10 +113,10 @@ def test_quality_bench_writes_a_complete_report(tmp_path, capsys):
 # Without a sparse block the DSV model samples exactly as densely: their PSNR is infinite.
 @pytest.mark.filterwarnings("ignore:divide by zero encountered in scalar divide:RuntimeWarning")
 def test_dense_control_is_evaluated_like_the_others_and_no_sparse_block_is_not_judged(tmp_path, capsys):
-    # Threshold 2 (above any sparsity): DSV switches at step 2 but dispatches no block sparse, so it trains dense
-    # attention and its rows compare dense with dense, like the control's.
+    # Threshold 1 (above any sparsity: a row keeps at least one key): DSV switches at step 2 but dispatches no
+    # block sparse, so it trains dense attention and its rows compare dense with dense, like the control's.
     out = tmp_path / "quality"
-    overrides = [item for o in [*TINY, "attention.sparse_threshold=2.0"] for item in ("--set", o)]
+    overrides = [item for o in [*TINY, "attention.sparse_threshold=1.0"] for item in ("--set", o)]
     assert main(["bench", "quality", "--recipe", "debug_cpu", *overrides, "--out", str(out), "--sample-steps", "2",
                  "--bootstrap", "3", "--timing-repeats", "1", "--observe-clips", "1", "--dense-control"]) == 0
     capsys.readouterr()
@@ -170,14 +180,14 @@ def test_loss_target_is_judged_on_the_mean_over_seeds_and_lists_each_seed():
     assert math.isclose(per_seed["0"]["window_gap"], 0.2) and math.isclose(per_seed["1"]["window_gap"], 0.1)
     assert "control_gap" not in late and all("control_gap" not in p for p in per_seed.values())  # no control run
 
-    target = loss_target(late, tables, {"0": 100, "1": 200}, "what DSV ran")
+    target = loss_target(late, tables, {"0": 200, "1": 300}, "what DSV ran")
     assert target["met"] is True
     assert "then over 2 training seeds" in target["target"]
     assert target["measured"] == ("means over 2 seeds: DSV 1.9950, dense 2.0000: -0.25% (at step 400 alone: -0.25%); "
                                   "per seed: seed 0 +5.00%, seed 1 -2.00% (min -2.00%, max +5.00%)")
-    # Each seed's gaps up to its own switch: seed 0 at step 100 only, seed 1 at steps 100 and 200.
+    # Each seed's gaps before its own switch: seed 0 at step 100 only, seed 1 at steps 100 and 200.
     assert target["context"] == ("what DSV ran; in stage 1 (DSV attention dense) the same comparison ranged "
-                                 "+1.00%…+1.00% (seed 0, steps ≤ 100), +0.00%…+10.00% (seed 1, steps ≤ 200): "
+                                 "+1.00%…+1.00% (seed 0, steps < 200), +0.00%…+10.00% (seed 1, steps < 300): "
                                  "the noise of one evaluation")
 
     # Seed 1 at +2% instead: the seed means are +2.75% apart, missed.
@@ -284,7 +294,7 @@ def _targets_results(sparse_by_seed: dict[str, float], switch_by_seed: dict[str,
 def test_dsv_without_a_sparse_block_is_compared_with_dense_but_not_judged():
     # The θ=0.95 GPU run: seed 0 dispatched one block sparse at its switch and none after (0.04 of 12 on
     # average); here seed 1 never switches. Both trained dense attention: dense against dense, not judged.
-    results = _targets_results({"0": 0.04, "1": 0.0}, {"0": 100, "1": None})
+    results = _targets_results({"0": 0.04, "1": 0.0}, {"0": 200, "1": None})
     loss, fvd, window, recall = targets(results)
     assert [loss["met"], fvd["met"], window["met"], recall["met"]] == [None] * 4
     # The measured numbers stay.
@@ -351,3 +361,79 @@ def test_dense_control_gap_is_the_noise_floor_beside_each_loss_and_fvd_target():
     assert fvd["context"].endswith("; dense control 2800.0: +3.6% vs dense, paired bootstrap of control/dense "
                                    "1.010–1.060 (5–95%): the noise floor of this comparison")
     assert "dense control" not in targets(_targets_results({"0": 3.0, "1": 2.5}, {"0": 100, "1": 200}))[0]["context"]
+
+
+def _gpu_sharing(tmp_path, gpus, runs_per_gpu):
+    """Train three stub runs that each record their GPU and when they ran; returns, by name, the runs that ran
+    on its GPU at the same time, as observed."""
+    stub = [sys.executable, "-c", "import json, os, time; start = time.time(); time.sleep(0.5); print(json.dumps("
+            "{'gpu': os.environ.get('CUDA_VISIBLE_DEVICES'), 'start': start, 'end': time.time()}))"]
+    commands = {mode: stub for mode in ("dense", "dsv", "window")}
+    train_all(commands, tmp_path, gpus, runs_per_gpu)
+    ran = {name: json.loads((tmp_path / f"{name}.log").read_text().splitlines()[-1]) for name in commands}
+    if len(gpus) == 1:  # one GPU: the runs inherit this process's devices, all on that GPU
+        ran = {name: {**r, "gpu": gpus[0]} for name, r in ran.items()}
+    return {name: sorted(other for other, o in ran.items() if other != name and o["gpu"] == r["gpu"]
+                         and o["start"] < r["end"] and r["start"] < o["end"]) for name, r in ran.items()}
+
+
+@pytest.mark.parametrize("gpus, runs_per_gpu", [(["0"], 2), (["0", "1"], 2)])
+def test_every_run_shares_its_gpu_with_as_many_runs(tmp_path, gpus, runs_per_gpu):
+    # Waves of len(gpus) * runs_per_gpu runs, each on GPU slot % len(gpus), put dense and dsv together and
+    # window alone on one GPU (dense and window on GPU 0, dsv alone on GPU 1 with two): their speeds were
+    # compared as if they had trained alike.
+    shared = _gpu_sharing(tmp_path, gpus, runs_per_gpu)
+    assert len({len(others) for others in shared.values()}) == 1, shared
+    # What results.json records is what happened.
+    placement = run_placement(plan_runs(["dense", "dsv", "window"], gpus, runs_per_gpu))
+    assert {name: sorted(p["co_runners"]) for name, p in placement.items()} == shared
+    assert all(p["gpu"] in gpus for p in placement.values())
+
+
+def test_three_runs_on_one_gpu_with_three_per_gpu_still_train_together():
+    names = ["dense", "dsv", "window"]
+    assert plan_runs(names, ["0"], 3) == [[("dense", "0"), ("dsv", "0"), ("window", "0")]]
+    assert run_placement(plan_runs(names, ["0"], 3))["dsv"] == {
+        "wave": 0, "gpu": "0", "co_runners": ["dense", "window"], "concurrent": ["dense", "window"]}
+    # Without a GPU: one at a time on the CPU.
+    assert plan_runs(names, [], 3) == [[("dense", None)], [("dsv", None)], [("window", None)]]
+    # Three GPUs, three per GPU: each run alone on its own GPU, in one wave; two seeds on two GPUs: one seed per GPU.
+    assert plan_runs(names, ["0", "1", "2"], 3) == [[("dense", "0"), ("dsv", "1"), ("window", "2")]]
+    two_seeds = [*names, *(f"{name}-seed1" for name in names)]
+    assert plan_runs(two_seeds, ["0", "1"], 3) == [[*((name, "0") for name in names),
+                                                    *((f"{name}-seed1", "1") for name in names)]]
+    # A fourth run (the dense control) on one GPU with three per GPU: two waves of two, not three and one alone.
+    placement = run_placement(plan_runs([*names, CONTROL], ["0"], 3))
+    assert {name: len(p["co_runners"]) for name, p in placement.items()} == {name: 1 for name in [*names, CONTROL]}
+
+
+def test_training_speeds_of_runs_that_shared_their_gpus_unequally_are_withheld():
+    names = ["dense", "dsv", "window"]
+    results = {"train_seconds": {"dense": 120.0, "dsv": 118.0, "window": 61.0},
+               "stage2_steps_per_s": {"dense": 4.1, "dsv": 4.3, "window": 8.2}}
+    # Placed as the fixed waves of two on one GPU did: dense and dsv together, window alone.
+    unequal = run_placement([[("dense", "0"), ("dsv", "0")], [("window", "0")]])
+    placement, seconds, speed = training_speed_lines({**results, "train_placement": unequal})
+    assert placement == ("Training placement (each run's device and the runs that shared it): dense GPU 0 with dsv; "
+                         "dsv GPU 0 with dense; window GPU 0 alone.")
+    assert "**not comparable between runs**" in seconds and "window on GPU 0 alone" in seconds
+    assert speed.startswith("Training speed after DSV's switch: **withheld**, not comparable between modes")
+    assert "steps/s" not in speed and "4.1" not in speed and "8.2" not in speed
+    # Every run alike (each alone, one after another): the numbers, side by side.
+    equal = run_placement(plan_runs(names, ["0"], 2))
+    _, seconds, speed = training_speed_lines({**results, "train_placement": equal})
+    assert seconds == ("Training wall time per run (process start to exit, data loading included): dense 120 s, "
+                       "dsv 118 s, window 61 s.")
+    assert speed == "Training speed after DSV's switch (speed.png): dense 4.10, dsv 4.30, window 8.20 steps/s."
+
+
+def test_stage1_noise_excludes_the_evaluation_at_the_switch_step():
+    # The controller sets switch_step to the step after the one that switched and dispatches sparse blocks in the
+    # same call: the evaluation logged at step 400 = switch_step already ran sparse (+8%), not stage-1 noise.
+    table = {"0": _heldout([(100, 1.00, 1.001, 1.1), (200, 0.90, 0.899, 1.0), (300, 0.85, 0.851, 0.95),
+                            (400, 0.80, 0.864, 0.9), (800, 0.70, 0.705, 0.8), (1200, 0.65, 0.652, 0.7)])}
+    target = loss_target(seed_late_means(table, steps=1200), table, {"0": 400}, "ctx")
+    assert target["context"] == ("ctx; in stage 1 (DSV attention dense) the same comparison ranged -0.11%…+0.12% "
+                                 "(steps < 400): the noise of one evaluation")
+    # Switched at the first evaluation: no stage-1 evaluation, no noise claimed.
+    assert loss_target(seed_late_means(table, steps=1200), table, {"0": 100}, "ctx")["context"] == "ctx"
