@@ -11,16 +11,37 @@ import torch
 from dsv.train.checkpoint import CheckpointError
 
 
+def _checkpoint_step(run_dir: str) -> int | None:
+    """The step of the checkpoint that `--resume` would continue from `run_dir` (its manifest alone, not the
+    weights), or None when there is none or it is unreadable (the trainer then says why)."""
+    from dsv.train.checkpoint import MANIFEST, list_checkpoints
+
+    existing = list_checkpoints(run_dir)
+    if not existing:
+        return None
+    try:
+        step = json.loads((existing[-1] / MANIFEST).read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
 def _train(args) -> int:
     from dsv.train.config import apply_overrides
     from dsv.train.recipes import get_recipe
     from dsv.train.trainer import Trainer
 
     cfg = apply_overrides(get_recipe(args.recipe), args.set or [])
+    # Checked before the trainer starts: resuming drops the log records after the checkpoint's step.
+    start = _checkpoint_step(cfg.train.out_dir) if args.resume else 0
+    if start is not None and cfg.train.steps <= start:
+        where = f"the checkpoint in {cfg.train.out_dir} is at step {start}" if args.resume else "a new run"
+        raise ValueError(f"train.steps={cfg.train.steps} leaves nothing to train ({where}); set train.steps above "
+                         f"{start} (nothing was changed)")
     trainer = Trainer(cfg, resume=args.resume)
     result = trainer.run()
     if trainer.rank == 0:
-        print(f"done: step {cfg.train.steps}, final loss {result.get('loss', float('nan')):.4f}, "
+        print(f"done: step {trainer.step}, final loss {result.get('loss', float('nan')):.4f}, "
               f"held-out loss {result.get('heldout_loss', float('nan')):.4f}, switch step {result['switch_step']}, "
               f"sparse blocks {result['sparse_blocks_list']}")
     if torch.distributed.is_initialized():  # started by the trainer under torchrun
@@ -63,6 +84,17 @@ def _bench(args) -> int:
     raise AssertionError(args.what)
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv", description="DSV: dynamic sparse attention for video DiT training")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -76,8 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     sample = sub.add_parser("sample", help="write generated videos (mp4 or gif) from a checkpoint")
     sample.add_argument("--checkpoint", required=True, help="run folder or checkpoint folder")
     sample.add_argument("--out", default="samples.mp4", help="output file (.mp4 or .gif)")
-    sample.add_argument("--num", type=int, default=4)
-    sample.add_argument("--steps", type=int, default=25, help="Euler steps")
+    sample.add_argument("--num", type=positive_int, default=4, help="samples to write")
+    sample.add_argument("--steps", type=positive_int, default=25, help="Euler steps")
     sample.add_argument("--seed", type=int, default=0)
     sample.add_argument("--device", default="auto")
     sample.add_argument("--attention-mode", default=None, help="override the attention mode (e.g. dense)")
@@ -88,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     profile = sub.add_parser("profile", help="per-layer × per-head sparsity and recall heatmaps from a checkpoint")
     profile.add_argument("--checkpoint", required=True, help="run folder or checkpoint folder")
     profile.add_argument("--out", default="profile", help="output folder")
-    profile.add_argument("--clips", type=int, default=8, help="held-out clips to measure on")
+    profile.add_argument("--clips", type=positive_int, default=8, help="held-out clips to measure on")
     profile.add_argument("--theta", type=float, default=None, help="critical mass (default: the run's)")
     profile.add_argument("--device", default="auto")
     profile.add_argument("--granularity", type=float, nargs="*", default=[], metavar="KEPT",

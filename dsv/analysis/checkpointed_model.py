@@ -14,15 +14,42 @@ from dsv.train.trainer import build_model, resolve_device
 
 def load_model(path: str, device: str = "auto", attention_mode: str | None = None) -> tuple[VideoDiT, Config, int]:
     """Return `(model in eval mode, config, step)`. `attention_mode` swaps the attention mode (e.g. run a
-    DSV-trained model densely); the predictors' weights are then left out when the new mode has none."""
+    DSV-trained model densely); the predictors' weights are then left out when the new mode has none.
+
+    A sparse `attention_mode` (anything but dense) is refused with a ValueError when no block of the loaded
+    model would run sparse (a checkpoint still in stage 1, a dense-trained one, or one whose blocks were all
+    dispatched dense), and `dsv` is refused for a checkpoint without trained predictors: the model would
+    otherwise run densely under a sparse mode's name."""
     ckpt = resolve_checkpoint(path)
     weights, state, manifest = load_checkpoint(ckpt)
     cfg = config_from_dict(manifest["config"])
-    if attention_mode is not None and attention_mode != cfg.attention.mode:
+    trained_mode = cfg.attention.mode
+    if attention_mode == "dsv" and trained_mode != "dsv":
+        others = "oracle, window or dense" if trained_mode == "oracle" else "window or dense"
+        raise ValueError(f"--attention-mode dsv: checkpoint {ckpt} was trained with attention.mode={trained_mode} "
+                         f"and has no trained predictors to select keys with; sample it with --attention-mode {others}")
+    if attention_mode is not None and attention_mode != trained_mode:
         cfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, mode=attention_mode))
         reference = build_model(cfg, torch.device("cpu")).state_dict()
         weights = {k: v for k, v in weights.items() if k in reference}
     model = build_model(cfg, resolve_device(device))
     load_weights_into(model, weights, str(ckpt))
     model.controller.step = state["step"]
+    if attention_mode is not None and attention_mode != "dense" and not model.controller.sparse_layers():
+        stage = model.controller.current_stage
+        if stage == 1 and trained_mode in ("dense", "window"):
+            why = (f"was trained with attention.mode={trained_mode}, which has no stage switch: its blocks stay in "
+                   "stage 1, dense under a selecting mode")
+            fix = "sample it with --attention-mode window or dense"
+        elif stage == 1:
+            why = (f"is still in stage 1 (step {state['step']}, trained with attention.mode={trained_mode}; "
+                   "stage 1 runs every block dense)")
+            fix = ("train it on past the stage switch (--resume with a larger train.steps), or sample it with "
+                   "--attention-mode window or dense")
+        else:
+            why = (f"is in stage 2 (step {state['step']}) but dispatched every block dense (mean sparsity below "
+                   f"attention.sparse_threshold={cfg.attention.sparse_threshold}, or slower sparse kernels)")
+            fix = "sample it with --attention-mode window or dense"
+        raise ValueError(f"--attention-mode {attention_mode}: checkpoint {ckpt} {why}, so no block would run sparse "
+                         f"and the samples would be dense; {fix}")
     return model.eval(), cfg, state["step"]

@@ -26,12 +26,11 @@ import matplotlib.pyplot as plt
 import torch
 
 from dsv.analysis.checkpointed_model import load_model
-from dsv.analysis.profile import heatmap
+from dsv.analysis.profile import check_clips_and_theta, heatmap, heldout_clips
 from dsv.ops import head_sparsity
 from dsv.ops.grouping import check_sequence_matches_grid, cube_permutation
 from dsv.ops.index import check_bhsd, compute_dtype, resolve_chunk_size
 from dsv.train.checkpoint import resolve_checkpoint
-from dsv.train.data import build_dataset
 
 NEAR, FAR = 5, 10
 """A critical key is *near* at distance <= NEAR and *far* at distance > FAR (the paper's 5 and 10 tokens)."""
@@ -343,15 +342,13 @@ def observe_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clip
     ``max_cubes`` cubes per shape for the overlap. ``overlap_threshold`` picks the recommended cube. Returns the
     numbers of ``observations.json`` plus ``files`` (paths written) and ``summary`` (the markdown).
     """
-    if clips < 1:
-        raise ValueError(f"clips must be >= 1, got {clips}")
+    check_clips_and_theta(clips, theta)
     if not 0.0 <= overlap_threshold <= 1.0:
         raise ValueError(f"overlap_threshold must lie in [0, 1], got {overlap_threshold!r}")
     model, cfg, step = load_model(checkpoint, device)
     dev = next(model.parameters()).device
     theta = cfg.attention.theta if theta is None else theta
-    data = build_dataset(cfg.data)
-    x0 = data.heldout_batch()[:clips].to(dev)
+    x0 = heldout_clips(cfg, clips).to(dev)
     cubes = tuple(tuple(int(s) for s in cube) for cube in cube_shapes)
     collector = _Collector(theta, rows, cubes, max_cubes)
     for layer in model.controller.layers:

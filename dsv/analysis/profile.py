@@ -68,18 +68,35 @@ def heatmap(matrix: torch.Tensor, title: str, path: Path, vmin: float, vmax: flo
     plt.close(fig)
 
 
+def check_clips_and_theta(clips: int, theta: float | None) -> None:
+    """ValueError unless ``clips >= 1`` and ``theta`` is None (the run's) or a critical mass in (0, 1]."""
+    if isinstance(clips, bool) or not isinstance(clips, int) or clips < 1:
+        raise ValueError(f"clips must be an integer >= 1, got {clips!r}")
+    if theta is not None and not 0.0 < theta <= 1.0:
+        raise ValueError(f"theta must lie in (0, 1], got {theta!r}")
+
+
+def heldout_clips(cfg, clips: int) -> torch.Tensor:
+    """The first ``clips`` clips of the run's held-out batch; ValueError when it holds fewer."""
+    x0 = build_dataset(cfg.data).heldout_batch()
+    if clips > x0.shape[0]:
+        raise ValueError(f"clips={clips}, but the checkpoint's run holds out {x0.shape[0]} clips "
+                         f"(data.heldout_clips={cfg.data.heldout_clips}); pass at most {x0.shape[0]}")
+    return x0[:clips]
+
+
 @torch.no_grad()
 def profile_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clips: int = 8,
                        theta: float | None = None, stride: int = 4,
                        granularity_keep: tuple[float, ...] = ()) -> dict:
+    check_clips_and_theta(clips, theta)
     model, cfg, step = load_model(checkpoint, device)
     dev = next(model.parameters()).device
-    theta = theta or cfg.attention.theta
+    theta = cfg.attention.theta if theta is None else theta
+    x0 = heldout_clips(cfg, clips).to(dev)
     recorder = _Recorder(theta, stride, granularity_keep)
     for layer in model.controller.layers:
         layer.observer = recorder
-    data = build_dataset(cfg.data)
-    x0 = data.heldout_batch()[:clips].to(dev)
     gen = torch.Generator().manual_seed(0)
     t = torch.rand(x0.shape[0], generator=gen).to(dev)
     noise = torch.randn(x0.shape, generator=gen).to(dev)
@@ -100,7 +117,8 @@ def profile_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clip
     if recall is not None:
         heatmap(recall, f"recall of the {cfg.attention.mode} selection (step {step})", out / "recall.png", 0.0, 1.0)
         files.append("recall.png")
-    lines = [f"# Attention profile, checkpoint step {step}, mode {cfg.attention.mode}, θ = {theta}", "",
+    lines = [f"# Attention profile, checkpoint step {step}, mode {cfg.attention.mode}, θ = {theta}, "
+             f"{x0.shape[0]} held-out clips", "",
              "| block | path | sparse | mean sparsity | per-head sparsity | mean recall |",
              "|---|---|---|---|---|---|"]
     for i, layer in enumerate(model.controller.layers):
@@ -120,7 +138,7 @@ def profile_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clip
             lines.append(f"| {keep:.2f} | {token:.3f} | {cube:.3f} |")
             granularity.append({"kept_fraction": keep, "token_level": token, "key_cubes": cube, "cube_tokens": group})
     (out / "profile.md").write_text("\n".join(lines) + "\n")
-    result = {"step": step, "theta": theta, "sparsity": sparsity.tolist(),
+    result = {"step": step, "theta": theta, "clips": x0.shape[0], "sparsity": sparsity.tolist(),
               "recall": None if recall is None else recall.tolist(), "granularity": granularity}
     (out / "profile.json").write_text(json.dumps(result, indent=1))
     files += ["profile.md", "profile.json"]

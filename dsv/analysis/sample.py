@@ -10,7 +10,7 @@ import torch
 from dsv.analysis.checkpointed_model import load_model
 from dsv.modules.dit import VideoDiT, sample_euler
 from dsv.train.config import Config
-from dsv.train.video_io import write_video
+from dsv.train.video_io import WRITE_SUFFIXES, write_video
 
 
 def to_uint8_grid(videos: torch.Tensor, columns: int) -> torch.Tensor:
@@ -49,7 +49,8 @@ def _generate(checkpoint: str, num: int, steps: int, seed: int, device: str,
     # of whichever model samples first (the sparse one, against the dense one that follows).
     generate(model, cfg, num, 1, seed)
     videos, seconds = generate(model, cfg, num, steps, seed)
-    facts = {"checkpoint_step": step, "mode": cfg.attention.mode, "attention_paths": attention_paths(model)}
+    facts = {"checkpoint_step": step, "mode": cfg.attention.mode, "attention_paths": attention_paths(model),
+             "sparse_blocks": model.controller.sparse_layers()}
     return videos, seconds, facts
 
 
@@ -74,7 +75,16 @@ def sample_videos(checkpoint: str, out: str, num: int = 4, steps: int = 25, seed
                   device: str = "auto", attention_mode: str | None = None, fps: int = 8,
                   compare_dense: bool = False) -> dict:
     """Write `num` samples as one video grid. With `compare_dense`, also sample the same noise with dense
-    attention and report both sampling times and the PSNR/SSIM of these samples against the dense ones."""
+    attention and report both sampling times and the PSNR/SSIM of these samples against the dense ones.
+    Bad arguments (`num` or `steps` below 1, an `out` suffix the writer does not take) raise ValueError before
+    any sampling."""
+    if num < 1:
+        raise ValueError(f"num must be >= 1 (samples to write), got {num}")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1 (Euler steps; 0 would write the initial noise), got {steps}")
+    if Path(out).suffix.lower() not in WRITE_SUFFIXES:
+        raise ValueError(f"unsupported output suffix {Path(out).suffix!r} in {out}; supported: "
+                         f"{', '.join(WRITE_SUFFIXES)}")
     videos, seconds, facts = _generate(checkpoint, num, steps, seed, device, attention_mode)
     write_video(to_uint8_grid(videos, columns=min(num, 4)), Path(out), fps=fps)
     result = {"out": out, "seconds": seconds, **facts}

@@ -327,3 +327,20 @@ def test_resume_from_an_older_checkpoint_logs_each_step_once(tmp_path):
     Trainer(tiny_config(tmp_path, "train.steps=6", "train.ckpt_every=4", "train.keep_checkpoints=3"),
             resume=True, quiet=True).run()
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [2, 4, 6]
+
+
+def test_resume_with_no_steps_left_is_refused_before_it_touches_the_run(tmp_path, capsys):
+    """`--resume` with train.steps at or below the checkpoint's step trains nothing: an error, not a "done"
+    line that reports train.steps as the step reached."""
+    overrides = TINY + [f"train.out_dir={tmp_path}", "train.ckpt_every=2", "attention.mode=dense"]
+    Trainer(apply_overrides(get_recipe("debug_cpu"), overrides + ["train.steps=2"]), quiet=True).run()
+    metrics = (tmp_path / "metrics.jsonl").read_text()
+    for steps in (1, 2):
+        args = [item for o in overrides + [f"train.steps={steps}"] for item in ("--set", o)]
+        assert main(["train", "--recipe", "debug_cpu", "--resume", *args]) == 2
+        captured = capsys.readouterr()
+        assert "done" not in captured.out
+        assert f"train.steps={steps} leaves nothing to train" in captured.err
+        assert "checkpoint" in captured.err and "at step 2" in captured.err
+    assert (tmp_path / "metrics.jsonl").read_text() == metrics
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002"]

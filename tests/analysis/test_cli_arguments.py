@@ -1,0 +1,104 @@
+"""`dsv sample`, `dsv profile` and `dsv observe` refuse arguments that would give silently wrong results: a
+sparse sampling mode on a checkpoint that would run dense, no Euler steps or samples, an output suffix found
+out only after sampling, θ = 0 taken as the run's θ, and clip counts beyond (or below) the held-out clips."""
+
+import json
+
+import pytest
+
+import dsv.analysis.sample
+from dsv.analysis.observations import observe_checkpoint
+from dsv.analysis.profile import profile_checkpoint
+from dsv.analysis.sample import sample_videos
+from dsv.cli import main
+from dsv.train.trainer import Trainer
+from tests.train.test_training import tiny_config
+
+HELDOUT = 4  # data.heldout_clips of tiny_config
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Three 1-step tiny runs: DSV still in stage 1, DSV in stage 2 (switched at its one step), and dense."""
+    root = tmp_path_factory.mktemp("runs")
+    schedules = {
+        "stage1": ["attention.max_stage1_steps=100"],  # switch_loss_threshold=0: only max_stage1_steps switches
+        "stage2": ["attention.max_stage1_steps=1"],
+        "dense": ["attention.mode=dense"],
+    }
+    for name, extra in schedules.items():
+        Trainer(tiny_config(root / name, "train.steps=1", "train.ckpt_every=1", *extra), quiet=True).run()
+    return root
+
+
+def _fail_if_sampling(*args, **kwargs):
+    raise AssertionError("sampled before checking the arguments")
+
+
+def test_sample_refuses_a_sparse_mode_that_would_sample_densely(runs, tmp_path, capsys):
+    out = tmp_path / "s.gif"
+    for run, mode, reason in (("stage1", "oracle", "still in stage 1"), ("stage1", "dsv", "still in stage 1"),
+                              ("dense", "oracle", "no stage switch"), ("dense", "dsv", "no trained predictors")):
+        assert main(["sample", "--checkpoint", str(runs / run), "--attention-mode", mode, "--out", str(out),
+                     "--num", "1", "--steps", "1", "--device", "cpu"]) == 2, (run, mode)
+        err = capsys.readouterr().err
+        assert f"--attention-mode {mode}" in err and reason in err, err
+        assert not out.exists()
+    # A checkpoint in stage 2 with sparse blocks samples sparsely under the mode it reports.
+    assert main(["sample", "--checkpoint", str(runs / "stage2"), "--attention-mode", "oracle", "--out", str(out),
+                 "--num", "1", "--steps", "1", "--device", "cpu"]) == 0
+    sampled = json.loads(capsys.readouterr().out)
+    assert sampled["mode"] == "oracle" and sampled["attention_paths"] == ["sparse:reference"]
+    assert sampled["sparse_blocks"] == [0, 1] and out.stat().st_size > 0
+
+
+def test_sample_checks_its_arguments_before_sampling(runs, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(dsv.analysis.sample, "_generate", _fail_if_sampling)
+    checkpoint = str(runs / "stage2")
+    for option, value in (("--steps", "0"), ("--num", "0"), ("--num", "-2")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["sample", "--checkpoint", checkpoint, "--out", str(tmp_path / "s.gif"), option, value])
+        assert exit_info.value.code == 2
+        assert f"argument {option}: expected an integer >= 1" in capsys.readouterr().err
+    assert main(["sample", "--checkpoint", checkpoint, "--out", str(tmp_path / "s.avi"), "--num", "1",
+                 "--steps", "1"]) == 2
+    assert "unsupported output suffix '.avi'" in capsys.readouterr().err
+    for kwargs, match in (({"steps": 0}, "steps must be >= 1"), ({"num": 0}, "num must be >= 1")):
+        with pytest.raises(ValueError, match=match):
+            sample_videos(checkpoint, str(tmp_path / "s.gif"), **kwargs)
+    assert not any(tmp_path.iterdir())
+
+
+def test_profile_takes_theta_0_as_given_and_checks_and_records_the_clips(runs, tmp_path, capsys):
+    checkpoint = str(runs / "stage2")
+    for theta in (0.0, -0.5, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="theta must lie in"):
+            profile_checkpoint(checkpoint, str(tmp_path / "p"), device="cpu", clips=1, theta=theta)
+    assert main(["profile", "--checkpoint", checkpoint, "--out", str(tmp_path / "p"), "--theta", "0",
+                 "--device", "cpu"]) == 2
+    assert "theta must lie in (0, 1], got 0.0" in capsys.readouterr().err
+    for clips in (0, -3):
+        with pytest.raises(ValueError, match="clips must be an integer >= 1"):
+            profile_checkpoint(checkpoint, str(tmp_path / "p"), device="cpu", clips=clips)
+        with pytest.raises(SystemExit):
+            main(["profile", "--checkpoint", checkpoint, "--out", str(tmp_path / "p"), "--clips", str(clips)])
+        assert "argument --clips" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=f"holds out {HELDOUT} clips"):
+        profile_checkpoint(checkpoint, str(tmp_path / "p"), device="cpu", clips=HELDOUT + 1)
+    assert not (tmp_path / "p").exists()
+
+    result = profile_checkpoint(checkpoint, str(tmp_path / "p"), device="cpu", clips=2, theta=0.5)
+    written = json.loads((tmp_path / "p" / "profile.json").read_text())
+    assert written["clips"] == result["clips"] == 2 and written["theta"] == 0.5
+    assert "2 held-out clips" in (tmp_path / "p" / "profile.md").read_text()
+
+
+def test_observe_checks_theta_and_the_clips_available(runs, tmp_path):
+    checkpoint = str(runs / "stage2")
+    with pytest.raises(ValueError, match=f"holds out {HELDOUT} clips"):
+        observe_checkpoint(checkpoint, str(tmp_path / "o"), device="cpu", clips=HELDOUT + 1, rows=16)
+    with pytest.raises(ValueError, match="theta must lie in"):
+        observe_checkpoint(checkpoint, str(tmp_path / "o"), device="cpu", clips=1, theta=0.0, rows=16)
+    with pytest.raises(ValueError, match="clips must be an integer >= 1"):
+        observe_checkpoint(checkpoint, str(tmp_path / "o"), device="cpu", clips=0, rows=16)
+    assert not (tmp_path / "o").exists()
