@@ -3,6 +3,12 @@
 ``add_arguments(parser)`` fills an argparse parser; ``run(args)`` prints the plan as markdown and
 returns 0. Everything printed is a model prediction (``dsv.parallel.planner``), not a measurement.
 Until ``dsv plan`` is wired, ``python -m dsv.parallel.plan_cli [options]`` runs the same thing.
+
+Without ``--recipe`` the links and kernel speeds are the planning defaults below (ideal sparse kernels, no
+per-layout overheads). With ``--recipe NAME`` they are what ``dsv train --recipe NAME`` plans with: the
+recipe's ``parallel`` links, the kernel-speed model's dense rate and sparse efficiency, the layouts' measured
+overheads (``dsv.parallel.context.default_cluster``), its dispatch threshold and model shape. Options given
+explicitly win over both.
 """
 
 from __future__ import annotations
@@ -23,6 +29,10 @@ from dsv.parallel.planner import (
 
 # The paper's 2.7B model (DESIGN §2) and the H200 anchors of DESIGN §3.
 DEFAULT_LAYERS, DEFAULT_HEADS, DEFAULT_HEAD_DIM = 32, 16, 128
+# Planning defaults without --recipe: NVLink-class and 400 Gb/s links, cuDNN's fwd+bwd rate, ideal sparse
+# kernels, the released code's dispatch rule.
+PLANNING_DEFAULTS = dict(intra_node_gbps=450.0, inter_node_gbps=50.0, dense_tflops=560.0, sparse_efficiency=1.0,
+                         sparse_threshold=0.8)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--layers", type=int, default=None,
                        help=f"attention blocks (default {DEFAULT_LAYERS}, or the profile's)")
     model.add_argument("--heads", type=int, default=None, help=f"heads (default {DEFAULT_HEADS}, or the profile's)")
-    model.add_argument("--head-dim", type=int, default=DEFAULT_HEAD_DIM)
+    model.add_argument("--head-dim", type=int, default=None, help=f"default {DEFAULT_HEAD_DIM}, or the recipe's")
+    model.add_argument("--recipe", default=None,
+                       help="plan as `dsv train --recipe NAME` does: its links, kernel-speed model, measured "
+                            "overheads, dispatch threshold and model shape (explicit options still win)")
     model.add_argument("--tokens", type=int, default=262144, help="sequence length S per sample")
     model.add_argument("--batch", type=int, default=1, help="samples per GPU group")
     model.add_argument("--bytes-per-element", type=int, default=2, help="2 for bf16")
@@ -39,18 +52,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "default: the built-in paper 2.7B profile")
     cluster = parser.add_argument_group("cluster")
     cluster.add_argument("--gpus", type=int, nargs="+", default=[4, 8, 16, 32, 64, 128])
-    cluster.add_argument("--gpus-per-node", type=int, default=8)
-    cluster.add_argument("--intra-node-gbps", type=float, default=450.0,
-                         help="GB/s per GPU and direction inside a node (NVLink)")
-    cluster.add_argument("--inter-node-gbps", type=float, default=50.0,
-                         help="GB/s per GPU and direction between nodes (a 400 Gb/s NIC per GPU)")
-    cluster.add_argument("--dense-tflops", type=float, default=560.0,
-                         help="dense attention fwd+bwd TFLOP/s per GPU (cuDNN on an H200, DESIGN §3)")
-    cluster.add_argument("--sparse-efficiency", type=float, default=1.0,
-                         help="sparse kernel TFLOP/s per kept FLOP as a fraction of dense (1 = ideal)")
+    cluster.add_argument("--gpus-per-node", type=int, default=None, help="default 8, or the recipe's")
+    cluster.add_argument("--intra-node-gbps", type=float, default=None,
+                         help="GB/s per GPU and direction inside a node (NVLink; default 450, or the recipe's)")
+    cluster.add_argument("--inter-node-gbps", type=float, default=None,
+                         help="GB/s per GPU and direction between nodes (default 50: a 400 Gb/s NIC per GPU; "
+                              "or the recipe's)")
+    cluster.add_argument("--dense-tflops", type=float, default=None,
+                         help="dense attention fwd+bwd TFLOP/s per GPU (default 560: cuDNN on an H200, DESIGN §3; "
+                              "with --recipe, the kernel-speed model's)")
+    cluster.add_argument("--sparse-efficiency", type=float, default=None,
+                         help="sparse kernel TFLOP/s per kept FLOP as a fraction of dense (default 1 = ideal; "
+                              "with --recipe, the kernel-speed model's)")
     planning = parser.add_argument_group("planning")
-    planning.add_argument("--sparse-threshold", type=float, default=0.8,
-                          help="a block runs sparse when its mean head sparsity is at least this")
+    planning.add_argument("--sparse-threshold", type=float, default=None,
+                          help="a block runs sparse when its mean head sparsity is at least this (default 0.8, "
+                               "or the recipe's)")
     planning.add_argument("--memory-cap-gib", type=float, default=None,
                           help="per-GPU cap on one block's attention working set for the hybrid plan")
     planning.add_argument("--placement", nargs="+", choices=METHODS, default=["naive", "lpt"],
@@ -59,10 +76,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           help="GPU counts whose per-block plans are printed (default: all of --gpus)")
 
 
+def _resolve(args) -> tuple[str, object]:
+    """Fill the options left unset (None): from ``--recipe`` as ``dsv train`` plans, else the planning defaults.
+    Returns a description of the source and a function ``gpus -> Cluster``."""
+    import dataclasses
+
+    from dsv.parallel.context import default_cluster
+
+    explicit = {name: getattr(args, name) for name in ("intra_node_gbps", "inter_node_gbps", "dense_tflops",
+                                                       "sparse_efficiency")}
+    if args.recipe is None:
+        args.layers = args.layers or (None if args.profile else DEFAULT_LAYERS)
+        args.heads = args.heads or (None if args.profile else DEFAULT_HEADS)
+        args.head_dim = args.head_dim or DEFAULT_HEAD_DIM
+        args.gpus_per_node = args.gpus_per_node or 8
+        if args.sparse_threshold is None:
+            args.sparse_threshold = PLANNING_DEFAULTS["sparse_threshold"]
+        for name, value in explicit.items():
+            setattr(args, name, PLANNING_DEFAULTS[name] if value is None else value)
+        return "planning defaults (no per-layout overheads)", lambda gpus: Cluster(
+            gpus, args.gpus_per_node, args.intra_node_gbps, args.inter_node_gbps, args.dense_tflops,
+            args.sparse_efficiency)
+    from dsv.train.recipes import get_recipe
+
+    cfg = get_recipe(args.recipe)
+    args.layers = args.layers or (None if args.profile else cfg.model.depth)
+    args.heads = args.heads or (None if args.profile else cfg.model.heads)
+    args.head_dim = args.head_dim or cfg.model.attention_head_dim
+    args.gpus_per_node = args.gpus_per_node or cfg.parallel.gpus_per_node
+    if args.sparse_threshold is None:
+        args.sparse_threshold = cfg.attention.sparse_threshold
+    args.intra_node_gbps = explicit["intra_node_gbps"] or cfg.parallel.intra_node_gbps
+    args.inter_node_gbps = explicit["inter_node_gbps"] or cfg.parallel.inter_node_gbps
+    model = default_cluster(1)
+    args.dense_tflops = explicit["dense_tflops"] or model.dense_tflops
+    args.sparse_efficiency = explicit["sparse_efficiency"] or model.sparse_efficiency
+
+    def cluster(gpus: int) -> Cluster:
+        base = default_cluster(gpus, args.gpus_per_node if gpus > args.gpus_per_node else None,
+                               args.intra_node_gbps, args.inter_node_gbps)
+        return dataclasses.replace(base, dense_tflops=args.dense_tflops, sparse_efficiency=args.sparse_efficiency)
+
+    return (f"recipe {args.recipe} (as dsv train plans: measured per-layout overheads "
+            f"{model.hcp_overhead_s * 1e3:g} ms HCP, {model.scp_overhead_s * 1e3:g} ms SCP per block)"), cluster
+
+
 def _profile(args) -> tuple[list[list[float]], str]:
     if args.profile is None:
-        layers = args.layers or DEFAULT_LAYERS
-        heads = args.heads or DEFAULT_HEADS
+        layers, heads = args.layers, args.heads
         description = (
             f"built-in paper 2.7B profile (DESIGN §2), {layers} blocks x {heads} heads: blocks 1-3 and the "
             "last in [0.01, 0.02], block 4 in [0.70, 0.80], the rest in [0.90, 0.99]; heads spread "
@@ -110,13 +171,13 @@ def _per_block_table(plan: ModelPlan, cap_bytes: int | None) -> list[str]:
 
 
 def run(args) -> int:
+    source, make_cluster = _resolve(args)
     profile, description = _profile(args)
     shape = AttentionShape(args.tokens, len(profile[0]), args.head_dim, args.batch, args.bytes_per_element)
     cap_bytes = None if args.memory_cap_gib is None else int(args.memory_cap_gib * 2**30)
     plans = []
     for gpus in args.gpus:
-        cluster = Cluster(gpus, args.gpus_per_node, args.intra_node_gbps, args.inter_node_gbps,
-                          args.dense_tflops, args.sparse_efficiency)
+        cluster = make_cluster(gpus)
         plans.append(plan_model(profile, shape, cluster, args.sparse_threshold, cap_bytes, args.placement))
 
     print("# Context-parallel plan (cost-model predictions, not measurements)\n")
@@ -124,7 +185,7 @@ def run(args) -> int:
           f"{shape.tokens} tokens, batch {shape.batch}, {shape.bytes_per_element} bytes per element")
     print(f"- cluster: {args.gpus_per_node} GPUs per node; {args.intra_node_gbps:g} GB/s intra-node, "
           f"{args.inter_node_gbps:g} GB/s inter-node per GPU and direction; dense attention "
-          f"{args.dense_tflops:g} TFLOP/s fwd+bwd; sparse efficiency {args.sparse_efficiency:g}")
+          f"{args.dense_tflops:g} TFLOP/s fwd+bwd; sparse efficiency {args.sparse_efficiency:.3g}; from {source}")
     print(f"- profile: {description}")
     print(f"- dispatch: a block runs sparse when its mean head sparsity >= {args.sparse_threshold:g}, "
           "else dense with every key kept")

@@ -195,6 +195,23 @@ def test_cli_builtin_profile_and_errors(capsys):
         plan_cli.run(parse(["--gpus", "4", "--per-block", "8"]))
 
 
+def test_cli_plans_with_a_recipes_settings_as_the_trainer_does(capsys):
+    """`--recipe` takes what `dsv train` plans with (the recipe's links and dispatch threshold, the kernel-speed
+    model, the layouts' measured overheads); explicit options still win."""
+    from dsv.parallel.context import default_cluster
+    from dsv.train.recipes import get_recipe
+
+    cfg, model = get_recipe("dit_2p7b"), default_cluster(1)
+    assert plan_cli.run(parse(["--gpus", "8", "--tokens", "65536", "--recipe", "dit_2p7b"])) == 0
+    out = capsys.readouterr().out
+    assert f"{cfg.parallel.intra_node_gbps:g} GB/s intra-node, {cfg.parallel.inter_node_gbps:g} GB/s inter-node" in out
+    assert f"dense attention {model.dense_tflops:g} TFLOP/s" in out and "from recipe dit_2p7b" in out
+    assert f"mean head sparsity >= {cfg.attention.sparse_threshold:g}" in out
+    assert f"{cfg.model.depth} blocks x {cfg.model.heads} heads x head dim {cfg.model.attention_head_dim}" in out
+    assert plan_cli.run(parse(["--gpus", "8", "--recipe", "dit_2p7b", "--intra-node-gbps", "900"])) == 0
+    assert "900 GB/s intra-node" in capsys.readouterr().out
+
+
 def test_scp_cost_grows_with_the_fetched_union():
     from dsv.parallel.planner import evaluate
 
