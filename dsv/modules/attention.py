@@ -264,7 +264,8 @@ class DSVAttentionCore(nn.Module):
             The `SparseIndex` when this layer runs sparse now, else None (dense).
         """
         self.resolve_backends(q, q.shape[2])
-        if self.observer is not None:
+        if self.observer is not None and torch._C._current_graph_task_id() == -1:
+            # Not in a checkpointing recompute (inside the backward): it would see the same forward twice.
             self.observer(self, hidden, q, k, grid)
         training = self.training and torch.is_grad_enabled()
         learning = training and self.controller is not None

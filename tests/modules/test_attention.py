@@ -235,6 +235,18 @@ def test_reentrant_checkpointing_is_refused_not_left_untrained(stage):
     assert not torch.equal(weights, model.attn.predictor.q_proj.weight)
 
 
+def test_observer_sees_each_forward_once_under_checkpointing():
+    """The measurement hook runs in the forward, not again in the checkpointing recompute, which would count
+    the same forward twice."""
+    x = torch.randn(1, 64, DIM, dtype=torch.float64)
+    model = in_stage2(x)
+    seen = []
+    model.attn.observer = lambda layer, hidden, q, k, grid: seen.append(q.shape)
+    out = torch.utils.checkpoint.checkpoint(model, x.clone().requires_grad_(True), use_reentrant=False)
+    out.sum().backward()
+    assert len(seen) == 1
+
+
 def test_recompute_reselects_the_forward_keys_without_keeping_the_index():
     """For the checkpointing recompute the layer keeps the pooled low-rank rows and budgets, not the index
     (which grows with S²): re-selecting from them gives the forward's keys, also after the predictor's step
