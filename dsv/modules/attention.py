@@ -264,8 +264,9 @@ class DSVAttentionCore(nn.Module):
             The `SparseIndex` when this layer runs sparse now, else None (dense).
         """
         self.resolve_backends(q, q.shape[2])
-        if self.observer is not None and torch._C._current_graph_task_id() == -1:
-            # Not in a checkpointing recompute (inside the backward): it would see the same forward twice.
+        # Not in an eager checkpointing recompute (inside the backward): it would see the same forward twice. A
+        # compiled block cannot ask (the graph task id is no tensor), so there the hook runs as traced.
+        if self.observer is not None and (torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1):
             self.observer(self, hidden, q, k, grid)
         training = self.training and torch.is_grad_enabled()
         learning = training and self.controller is not None
@@ -438,23 +439,32 @@ class DSVAttentionCore(nn.Module):
             (proxies, block_keys), offload=keep_for_recompute and cfg.host_offload)
         return reselect(), reselect
 
-    def _learn_and_profile(self, hidden, q, k, grid, loss_ema, sparsity_ema, recall_ema, keep_boost) -> None:
-        """Once per training step (a checkpointing recompute skips it, and raises if no forward of the step
-        came first): one predictor step, and on
-        profiling steps the exact per-head sparsity and the recall of this layer's selection. Updates the
-        given EMA tensors in place: the layer's buffers, or a compiled graph's copies of them."""
-        cfg, controller = self.cfg, self.controller
-        if self._learned_id == controller.forward_id:
-            return  # once per step
+    def claim_step(self) -> bool:
+        """Whether this call is the step's first training forward of this layer, which learns and profiles
+        (then marked as done): not a second forward of the step, nor a checkpointing recompute (inside the
+        backward). A recompute with no forward of the step before it means that forward ran without gradients,
+        as under reentrant checkpointing: a layer with a predictor raises (stepping here would bypass the host
+        offload's schedule; passing silently would leave the predictor untrained and the model dense for good);
+        dense, window and oracle layers have nothing to train and skip."""
+        if self._learned_id == self.controller.forward_id:
+            return False
         if torch._C._current_graph_task_id() != -1:
-            # A recompute inside the backward, and no forward of this step learned: that forward ran without
-            # gradients, as under reentrant checkpointing. Stepping here instead would bypass the host offload's
-            # schedule; passing silently would leave the predictor untrained and the model dense for good.
+            if self.predictor is None:
+                return False
             raise RuntimeError(
                 f"DSVAttention layer {self.layer_index}: recomputed in the backward, but no forward of this step "
                 "trained its predictor: the forward ran without gradients, as under reentrant activation "
                 "checkpointing. Use torch.utils.checkpoint.checkpoint(..., use_reentrant=False).")
-        self._learned_id = controller.forward_id
+        self._learned_id = self.controller.forward_id
+        return True
+
+    def _learn_and_profile(self, hidden, q, k, grid, loss_ema, sparsity_ema, recall_ema, keep_boost) -> None:
+        """Once per training step (`claim_step`): one predictor step, and on profiling steps the exact per-head
+        sparsity and the recall of this layer's selection. Updates the given EMA tensors in place: the layer's
+        buffers, or a compiled graph's copies of them."""
+        cfg, controller = self.cfg, self.controller
+        if not self.claim_step():
+            return
         seq_len = q.shape[2]
         stride = min(seq_len, max(cfg.sample_stride, -(-seq_len // cfg.max_sample_rows)))
         learn_period = 1 if controller.current_stage == 1 else cfg.learn_every_stage2

@@ -395,9 +395,8 @@ class ContextParallel:
     def _learn_and_profile(self, layer, x, q, k, layout: Layout, grid) -> None:
         """`DSVAttentionCore._learn_and_profile` on this rank's heads over the whole sequence."""
         cfg, controller = layer.cfg, layer.controller
-        if layer._learned_id == controller.forward_id or torch._C._current_graph_task_id() != -1:
+        if not layer.claim_step():
             return
-        layer._learned_id = controller.forward_id
         learn_period = 1 if controller.current_stage == 1 else cfg.learn_every_stage2
         profile_period = cfg.profile_every_stage1 if controller.current_stage == 1 else cfg.profile_every_stage2
         learn = layer.predictor is not None and controller.step % learn_period == 0

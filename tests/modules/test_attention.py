@@ -235,6 +235,16 @@ def test_reentrant_checkpointing_is_refused_not_left_untrained(stage):
     assert not torch.equal(weights, model.attn.predictor.q_proj.weight)
 
 
+@pytest.mark.parametrize("mode", ["dense", "window", "oracle"])
+def test_reentrant_checkpointing_trains_the_modes_without_a_predictor(mode):
+    """Dense, window and oracle layers have no predictor to train: reentrant checkpointing runs them."""
+    x = torch.randn(1, 64, DIM, dtype=torch.float64)
+    model = make(mode)
+    model.controller.begin_step(0)
+    torch.utils.checkpoint.checkpoint(model, x.clone().requires_grad_(True), use_reentrant=True).sum().backward()
+    assert all(p.grad is not None for p in model.attn.to_qkv.parameters())
+
+
 def test_observer_sees_each_forward_once_under_checkpointing():
     """The measurement hook runs in the forward, not again in the checkpointing recompute, which would count
     the same forward twice."""

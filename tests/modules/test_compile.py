@@ -210,6 +210,19 @@ def test_compiled_block_rejects_non_finite_input(mode, grad):
         forward(x, t_mod, GRID)
 
 
+def test_compiled_block_runs_a_simple_observer():
+    """A measurement hook that only records what it sees traces into a fullgraph-compiled block (the eager
+    layer's recompute check, a graph task id, is not asked there)."""
+    model = Block(attention_config("dsv"))
+    seen = []
+    model.block.attn.observer = lambda layer, hidden, q, k, grid: seen.append(tuple(q.shape))
+    forward = torch.compile(model.block, backend="eager", fullgraph=True)
+    model.controller.begin_step(0)
+    with torch.no_grad():
+        forward(torch.randn(1, 64, 32), torch.randn(1, 6, 32), GRID)
+    assert seen and seen[0][2] == 64
+
+
 def test_runtime_ops_pass_opcheck():
     """Schema, fake (meta) implementation and autograd registration of `dsv::layer_select/layer_update`."""
     model = Block(attention_config("dsv", max_stage1_steps=1))
