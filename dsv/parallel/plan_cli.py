@@ -76,6 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           help="GPU counts whose per-block plans are printed (default: all of --gpus)")
 
 
+def _given(value, default):
+    """An option's value, or ``default`` when it was not given (None): an explicit 0 stays 0, for the checks
+    downstream to refuse."""
+    return default if value is None else value
+
+
 def _resolve(args) -> tuple[str, object]:
     """Fill the options left unset (None): from ``--recipe`` as ``dsv train`` plans, else the planning defaults.
     Returns a description of the source and a function ``gpus -> Cluster``."""
@@ -86,10 +92,10 @@ def _resolve(args) -> tuple[str, object]:
     explicit = {name: getattr(args, name) for name in ("intra_node_gbps", "inter_node_gbps", "dense_tflops",
                                                        "sparse_efficiency")}
     if args.recipe is None:
-        args.layers = args.layers or (None if args.profile else DEFAULT_LAYERS)
-        args.heads = args.heads or (None if args.profile else DEFAULT_HEADS)
-        args.head_dim = args.head_dim or DEFAULT_HEAD_DIM
-        args.gpus_per_node = args.gpus_per_node or 8
+        args.layers = _given(args.layers, None if args.profile else DEFAULT_LAYERS)
+        args.heads = _given(args.heads, None if args.profile else DEFAULT_HEADS)
+        args.head_dim = _given(args.head_dim, DEFAULT_HEAD_DIM)
+        args.gpus_per_node = _given(args.gpus_per_node, 8)
         if args.sparse_threshold is None:
             args.sparse_threshold = PLANNING_DEFAULTS["sparse_threshold"]
         for name, value in explicit.items():
@@ -100,17 +106,17 @@ def _resolve(args) -> tuple[str, object]:
     from dsv.train.recipes import get_recipe
 
     cfg = get_recipe(args.recipe)
-    args.layers = args.layers or (None if args.profile else cfg.model.depth)
-    args.heads = args.heads or (None if args.profile else cfg.model.heads)
-    args.head_dim = args.head_dim or cfg.model.attention_head_dim
-    args.gpus_per_node = args.gpus_per_node or cfg.parallel.gpus_per_node
+    args.layers = _given(args.layers, None if args.profile else cfg.model.depth)
+    args.heads = _given(args.heads, None if args.profile else cfg.model.heads)
+    args.head_dim = _given(args.head_dim, cfg.model.attention_head_dim)
+    args.gpus_per_node = _given(args.gpus_per_node, cfg.parallel.gpus_per_node)
     if args.sparse_threshold is None:
         args.sparse_threshold = cfg.attention.sparse_threshold
-    args.intra_node_gbps = explicit["intra_node_gbps"] or cfg.parallel.intra_node_gbps
-    args.inter_node_gbps = explicit["inter_node_gbps"] or cfg.parallel.inter_node_gbps
+    args.intra_node_gbps = _given(explicit["intra_node_gbps"], cfg.parallel.intra_node_gbps)
+    args.inter_node_gbps = _given(explicit["inter_node_gbps"], cfg.parallel.inter_node_gbps)
     model = default_cluster(1)
-    args.dense_tflops = explicit["dense_tflops"] or model.dense_tflops
-    args.sparse_efficiency = explicit["sparse_efficiency"] or model.sparse_efficiency
+    args.dense_tflops = _given(explicit["dense_tflops"], model.dense_tflops)
+    args.sparse_efficiency = _given(explicit["sparse_efficiency"], model.sparse_efficiency)
 
     def cluster(gpus: int) -> Cluster:
         base = default_cluster(gpus, args.gpus_per_node if gpus > args.gpus_per_node else None,

@@ -210,6 +210,10 @@ def test_cli_plans_with_a_recipes_settings_as_the_trainer_does(capsys):
     assert f"{cfg.model.depth} blocks x {cfg.model.heads} heads x head dim {cfg.model.attention_head_dim}" in out
     assert plan_cli.run(parse(["--gpus", "8", "--recipe", "dit_2p7b", "--intra-node-gbps", "900"])) == 0
     assert "900 GB/s intra-node" in capsys.readouterr().out
+    # An explicit 0 is taken as given (and refused), not replaced by the recipe's or the default value.
+    for argv in (["--recipe", "dit_2p7b", "--intra-node-gbps", "0"], ["--gpus-per-node", "0"]):
+        with pytest.raises(ValueError, match="must be"):
+            plan_cli.run(parse(["--gpus", "8", *argv]))
 
 
 def test_scp_cost_grows_with_the_fetched_union():
