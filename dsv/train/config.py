@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass, field
 
 from dsv.modules.config import AttentionConfig
@@ -144,12 +145,14 @@ def config_to_dict(cfg: Config) -> dict:
 
 
 def config_from_dict(data: dict) -> Config:
-    """Inverse of `config_to_dict`; unknown sections or fields raise (a config from another version)."""
+    """Inverse of `config_to_dict`; unknown sections or fields raise (a config from another version). Fields
+    it lacks (saved before they existed) take today's defaults, with a warning naming them: the run that saved
+    it behaved as before they existed, which a default need not reproduce."""
     sections = {f.name: f for f in dataclasses.fields(Config)}
     unknown = set(data) - set(sections)
     if unknown:
         raise ValueError(f"config has unknown sections {sorted(unknown)}; expected {sorted(sections)}")
-    built = {}
+    built, missing = {}, []
     for name, section_field in sections.items():
         cls = section_field.default_factory().__class__
         values = data.get(name, {})
@@ -157,5 +160,9 @@ def config_from_dict(data: dict) -> Config:
         extra = set(values) - names
         if extra:
             raise ValueError(f"config section {name!r} has unknown fields {sorted(extra)}")
+        missing += [f"{name}.{field}" for field in sorted(names - set(values))]
         built[name] = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+    if missing:
+        warnings.warn(f"the stored config lacks {', '.join(missing)} (saved by an older version): today's defaults "
+                      "apply to them", stacklevel=2)
     return Config(**built)

@@ -279,6 +279,18 @@ def test_config_overrides_reject_bad_input():
     assert apply_overrides(base, ["attention.cube=4x4x4"]).attention.cube == (4, 4, 4)
 
 
+def test_a_stored_config_without_newer_fields_loads_with_a_warning():
+    """A checkpoint's config from before a field existed takes today's default for it, and says which."""
+    from dsv.train.config import config_from_dict, config_to_dict
+
+    data = config_to_dict(get_recipe("debug_cpu"))
+    assert config_from_dict(data) == get_recipe("debug_cpu")  # a complete config loads as it was
+    del data["attention"]["recall_target"], data["train"]["threads"]
+    with pytest.warns(UserWarning, match=r"lacks attention.recall_target, train.threads"):
+        loaded = config_from_dict(data)
+    assert loaded.attention.recall_target == 0.0 and loaded.train.threads == 0
+
+
 def test_cli_sample_and_profile_write_their_files(tmp_path, capsys):
     run = tmp_path / "run"
     overrides = [item for o in TINY + [f"train.out_dir={run}", "train.steps=6", "train.ckpt_every=6",
