@@ -162,6 +162,26 @@ def test_nan_on_one_rank_raises_on_every_rank(tmp_path, context_parallel):
     assert all(m is not None and "of the run" in m for m in messages), messages
 
 
+def _reentrant_checkpointing(rank, world):
+    model = _model("dsv")
+    model.enable_context_parallel(ContextParallel(world, "hybrid", "cpu"))
+    model.controller.begin_step(0)
+    x = torch.randn(1, 3, 4, 16, 16, requires_grad=True)
+    out = torch.utils.checkpoint.checkpoint(model, x, torch.tensor([0.5]), use_reentrant=True)
+    try:
+        out.float().pow(2).mean().backward()
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def test_reentrant_checkpointing_is_refused_under_context_parallelism(tmp_path):
+    """The CP path shares the layer's check: under reentrant checkpointing its forward runs without gradients,
+    and every rank's recompute raises alike, instead of leaving the predictors silently untrained."""
+    messages = run_distributed(_reentrant_checkpointing, 2, out_dir=tmp_path, timeout_s=120)
+    assert all(m is not None and "use_reentrant=False" in m for m in messages), messages
+
+
 def _nan_in_an_evaluation_on_one_rank(rank, world):
     if rank != 0:
         return None  # an evaluation forward on rank 0 alone, as sampling at the end of training may run
