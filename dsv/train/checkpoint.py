@@ -94,20 +94,7 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Ten
     _write_text_atomic(root / "latest", name + "\n")
     for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old)
-    _remove_leftovers(root)
     return final
-
-
-def _remove_leftovers(root: Path) -> None:
-    """Remove what interrupted saves of earlier processes left (each up to a checkpoint's size): their
-    unfinished `.tmp_` folders, and `.stale_` copies of steps that were re-saved in full since. A save that
-    just completed means this process owns the run folder."""
-    for leftover in root.glob(".tmp_step_*"):
-        if leftover.is_dir() and not leftover.name.endswith(f"_{os.getpid()}"):
-            shutil.rmtree(leftover)
-    for stale in root.glob(".stale_step_*"):
-        if (root / stale.name[len(".stale_"):].rsplit("_", 1)[0]).exists():
-            shutil.rmtree(stale)
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:

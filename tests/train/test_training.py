@@ -331,22 +331,6 @@ def test_an_interrupted_resave_is_recovered(tmp_path):
     assert state["step"] == 2 and (root / "step_00000002" / "manifest.json").is_file()
 
 
-def test_a_save_removes_what_crashed_saves_left(tmp_path):
-    """An unfinished `.tmp_` folder of a crashed save and the old copy of a completed re-save (each up to a
-    checkpoint's size) go at the next save; complete checkpoints stay."""
-    cfg = tiny_config(tmp_path, "train.steps=2", "train.ckpt_every=2", "train.keep_checkpoints=3")
-    Trainer(cfg, quiet=True).run()
-    root = tmp_path / "checkpoints"
-    leftovers = [root / ".tmp_step_00000004_999999", root / ".stale_step_00000002_999999"]
-    for folder in leftovers:
-        folder.mkdir()
-        (folder / "weights.safetensors").write_bytes(b"partial")
-    Trainer(tiny_config(tmp_path, "train.steps=4", "train.ckpt_every=2", "train.keep_checkpoints=3"), resume=True,
-            quiet=True).run()
-    assert not any(folder.exists() for folder in leftovers)
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002", "step_00000004"]
-
-
 def test_resume_from_an_older_checkpoint_logs_each_step_once(tmp_path):
     import shutil
 
