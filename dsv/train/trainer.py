@@ -244,7 +244,10 @@ class Trainer:
     def _restore(self, ckpt: Path) -> None:
         self._unpark_predictors()
         weights, state, manifest = load_checkpoint(ckpt)
-        saved = config_from_dict(manifest["config"])
+        with warnings.catch_warnings():
+            if self.rank != 0:  # its fields missing from an old checkpoint are named once, not by every rank
+                warnings.simplefilter("ignore")
+            saved = config_from_dict(manifest["config"])
         diff = [f"{section}.{k}: checkpoint {v!r}, run {getattr(getattr(self.cfg, section), k)!r}"
                 for section in vars(saved) for k, v in vars(getattr(saved, section)).items()
                 if getattr(getattr(self.cfg, section), k) != v and k not in RESUMABLE_CHANGES.get(section, ())]
