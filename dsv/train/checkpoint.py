@@ -12,7 +12,9 @@ import hashlib
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
+from typing import IO
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -26,6 +28,32 @@ FORMAT_VERSION = 1
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupt, or does not match the model/config."""
+
+
+def lock_run_dir(run_dir: str | Path) -> IO | None:
+    """Hold an exclusive lock on the run folder for this process (on ``<run_dir>/.lock``; released when the
+    returned file is closed, or the process ends). Two processes training into one folder (two launches at once
+    that both found it empty, a duplicate ``--resume``, a requeued job while the old one still runs) would
+    interleave their checkpoints and logs without an error; the second now stops before writing anything.
+    Raises CheckpointError when another process holds the lock; where the file system cannot lock, warns and
+    returns None."""
+    import fcntl
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handle = open(run_dir / ".lock", "a")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise CheckpointError(f"another process is training into {run_dir} (it holds {run_dir / '.lock'}): wait "
+                              "for it to end, or set train.out_dir to another folder (nothing was written)") from None
+    except OSError as err:
+        handle.close()
+        warnings.warn(f"could not lock {run_dir} ({err}): make sure no other process trains into it",
+                      stacklevel=2)
+        return None
+    return handle
 
 
 def _sha256(path: Path) -> str:

@@ -30,6 +30,7 @@ from dsv.train.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     load_weights_into,
+    lock_run_dir,
     save_checkpoint,
 )
 from dsv.train.config import Config, config_from_dict, config_to_dict
@@ -103,6 +104,17 @@ class Trainer:
             torch.set_num_threads(cfg.train.threads)
         self.rank, self.world, self.device = init_distributed(cfg.train.device)
         self.quiet = quiet or self.rank != 0  # rank 0 alone logs and writes
+        # Rank 0 writes the folder, so it alone locks it, before looking at what the folder holds.
+        self._run_lock = lock_run_dir(self.run_dir) if self.rank == 0 else None
+        try:
+            self._setup(cfg, resume)
+        except BaseException:
+            self._release_run_lock()  # a refused or failed start leaves the folder free for the next attempt
+            raise
+
+    def _setup(self, cfg: Config, resume: bool) -> None:
+        self.metrics_file = None
+        self.writer = None
         self.replicas_checked = 0  # replicated DSV tensors compared across ranks at the last save
         existing = list_checkpoints(self.run_dir)
         if existing and not resume:
@@ -140,8 +152,6 @@ class Trainer:
         self.autocast = mixed and self.world == 1
         if resume:
             self._restore(existing[-1])
-        self.metrics_file = None
-        self.writer = None
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if resume:
@@ -468,4 +478,10 @@ class Trainer:
             self.metrics_file.close()
         if self.writer is not None:
             self.writer.close()
+        self._release_run_lock()
+
+    def _release_run_lock(self) -> None:
+        if self._run_lock is not None:
+            self._run_lock.close()
+            self._run_lock = None
 

@@ -356,3 +356,26 @@ def test_resume_with_no_steps_left_is_refused_before_it_touches_the_run(tmp_path
         assert "checkpoint" in captured.err and "at step 2" in captured.err
     assert (tmp_path / "metrics.jsonl").read_text() == metrics
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002"]
+
+
+def test_a_second_process_training_into_the_same_folder_is_refused(tmp_path):
+    """Two trainers writing one run folder would interleave checkpoints and logs: the second stops before it
+    writes anything, whether it starts a run or resumes one; the folder is free again once the first ends."""
+    import subprocess
+    import sys
+
+    cfg = tiny_config(tmp_path, "train.steps=2", "train.ckpt_every=2")
+    Trainer(cfg, quiet=True).run()
+    holder = Trainer(tiny_config(tmp_path, "train.steps=4", "train.ckpt_every=2"), resume=True, quiet=True)
+    # Another process (flock is per open file: a second lock in this process would conflict just the same).
+    probe = ("import sys; from dsv.train.checkpoint import lock_run_dir, CheckpointError\n"
+             "try:\n    lock_run_dir(sys.argv[1])\nexcept CheckpointError as err:\n    print(err); sys.exit(3)\n")
+    other = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True)
+    assert other.returncode == 3 and "another process is training into" in other.stdout
+    with pytest.raises(CheckpointError, match="another process is training into"):
+        Trainer(tiny_config(tmp_path, "train.steps=4", "train.ckpt_every=2"), resume=True, quiet=True)
+    metrics = (tmp_path / "metrics.jsonl").read_text()
+    holder.run()  # it trains on, and releases the folder when it ends
+    assert (tmp_path / "metrics.jsonl").read_text().startswith(metrics)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002", "step_00000004"]
+    assert subprocess.run([sys.executable, "-c", probe, str(tmp_path)]).returncode == 0
