@@ -192,14 +192,13 @@ def unequal_sharing(placement: dict[str, dict], names: list[str]) -> str | None:
     counts = {len(placement[name]["co_runners"]) for name in names}
     if len(counts) <= 1:
         return None
+    return "; ".join(f"{name} on {_where(placement[name], 'the CPU')}" for name in names)
 
-    def where(name: str) -> str:
-        place = placement[name]
-        device = "the CPU" if place["gpu"] is None else f"GPU {place['gpu']}"
-        others = place["co_runners"]
-        return f"{name} on {device} " + (f"with {', '.join(others)}" if others else "alone")
 
-    return "; ".join(where(name) for name in names)
+def _where(place: dict, cpu: str = "CPU") -> str:
+    """A run's device (``cpu`` for the CPU) and the runs that shared it (``run_placement``), in words."""
+    device = cpu if place["gpu"] is None else f"GPU {place['gpu']}"
+    return device + (f" with {', '.join(place['co_runners'])}" if place["co_runners"] else " alone")
 
 
 def train_all(commands: dict[str, list[str]], logs_dir: Path, gpus: list[str], runs_per_gpu: int = 1
@@ -735,13 +734,8 @@ def training_speed_lines(results: dict) -> list[str]:
     said to be not comparable, with no numbers side by side, when its runs shared their GPUs with unequal
     numbers of other runs (``unequal_sharing``)."""
     placement = results["train_placement"]
-
-    def where(place: dict) -> str:
-        device = "CPU" if place["gpu"] is None else f"GPU {place['gpu']}"
-        return device + (f" with {', '.join(place['co_runners'])}" if place["co_runners"] else " alone")
-
     lines = ["Training placement (each run's device and the runs that shared it): "
-             + "; ".join(f"{name} {where(place)}" for name, place in placement.items()) + "."]
+             + "; ".join(f"{name} {_where(place)}" for name, place in placement.items()) + "."]
     seconds, speed = results["train_seconds"], results["stage2_steps_per_s"]
     unequal_seconds, unequal_speed = unequal_sharing(placement, list(seconds)), unequal_sharing(placement, list(speed))
     if unequal_seconds:
