@@ -54,7 +54,7 @@ def _sample(args) -> int:
 
     result = sample_videos(args.checkpoint, args.out, num=args.num, steps=args.steps, seed=args.seed,
                            device=args.device, attention_mode=args.attention_mode, compare_dense=args.compare_dense)
-    print(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1, allow_nan=False))
     return 0
 
 

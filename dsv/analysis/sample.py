@@ -61,14 +61,19 @@ def attention_paths(model: VideoDiT) -> list[str]:
 
 def similarity(videos: torch.Tensor, reference: torch.Tensor) -> dict:
     """Mean PSNR (dB) and SSIM over the frames of `videos` against `reference`, both `[N, 3, T, H, W]` in
-    [-1, 1] (data range 2)."""
+    [-1, 1] (data range 2).
+
+    A frame equal to its reference has infinite PSNR: such frames are counted in `identical_frames` and left
+    out of the PSNR mean, which is None when every frame is identical (so the result stays valid JSON)."""
     from skimage.metrics import peak_signal_noise_ratio, structural_similarity
 
     a = videos.clamp(-1, 1).permute(0, 2, 3, 4, 1).reshape(-1, *videos.shape[-2:], videos.shape[1]).numpy()
     b = reference.clamp(-1, 1).permute(0, 2, 3, 4, 1).reshape(-1, *reference.shape[-2:], reference.shape[1]).numpy()
-    psnr = [peak_signal_noise_ratio(y, x, data_range=2.0) for x, y in zip(a, b)]
+    differing = [(x, y) for x, y in zip(a, b) if (x != y).any()]
+    psnr = [peak_signal_noise_ratio(y, x, data_range=2.0) for x, y in differing]
     ssim = [structural_similarity(y, x, data_range=2.0, channel_axis=-1) for x, y in zip(a, b)]
-    return {"psnr_db": float(sum(psnr) / len(psnr)), "ssim": float(sum(ssim) / len(ssim))}
+    return {"psnr_db": float(sum(psnr) / len(psnr)) if psnr else None, "ssim": float(sum(ssim) / len(ssim)),
+            "identical_frames": len(a) - len(differing), "frames": len(a)}
 
 
 def sample_videos(checkpoint: str, out: str, num: int = 4, steps: int = 25, seed: int = 0,

@@ -754,6 +754,14 @@ def training_speed_lines(results: dict) -> list[str]:
     return lines
 
 
+
+def _psnr_words(similarity: dict) -> str:
+    """PSNR in words: frames equal to their reference have no finite PSNR and are counted instead."""
+    identical = f"{similarity['identical_frames']} of {similarity['frames']} frames identical"
+    if similarity["psnr_db"] is None:
+        return f"PSNR infinite ({identical})"
+    return f"PSNR {similarity['psnr_db']:.2f} dB" + (f" ({identical})" if similarity["identical_frames"] else "")
+
 def render_report(results: dict) -> str:
     facts, sampling = results["dsv"], results["sampling"]
     seeds, late = results["seeds"], results["late_means"]
@@ -829,7 +837,7 @@ def render_report(results: dict) -> str:
                "timed passes (CUDA-synchronised on a GPU) after a warm-up:"), "",
               f"- DSV {sampling['dsv_seconds']:.3f} s, dense {sampling['dense_seconds']:.3f} s: "
               f"**{sampling['speedup']:.2f}×**",
-              f"- DSV samples against dense samples: PSNR {sampling['psnr_db']:.2f} dB, SSIM {sampling['ssim']:.4f}",
+              f"- DSV samples against dense samples: {_psnr_words(sampling)}, SSIM {sampling['ssim']:.4f}",
               "", "## DSV state at the end (sparsity.png)", "",
               (f"Stage 2 from step {facts['switch_step']}; sparse blocks at the end: "
                f"{facts['final_sparse_blocks']} (dispatch threshold {facts['sparse_threshold']} and the kernel-speed "

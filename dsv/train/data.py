@@ -16,6 +16,7 @@ whether or not they are installed.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
 import math
@@ -198,6 +199,7 @@ class VideoClipDataset:
     ) -> None:
         self.cfg = cfg
         self._sources: list[SourceInfo] = []
+        self._pixels: dict[str, torch.Tensor] = {}  # every source in use, for `fingerprint`
         train, heldout = _Pool([], []), _Pool([], [])
         for name, frames in videos.items():
             if frames.dtype != torch.uint8 or frames.dim() != 4 or frames.shape[-1] != 3:
@@ -212,6 +214,7 @@ class VideoClipDataset:
                 )
                 continue
             self._sources.append(SourceInfo(name, "video", total, heldout_from))
+            self._pixels[name] = frames
             train.videos.append(_VideoPart(name, frames, 0, heldout_from))
             # A held-out part too short for one clip still stays out of training; it just yields no clips.
             if total - heldout_from >= cfg.frames:
@@ -227,6 +230,7 @@ class VideoClipDataset:
             if image.dtype != torch.uint8 or image.dim() != 3 or image.shape[-1] != 3:
                 raise ValueError(f"photo {name!r} must be uint8 [H, W, 3], got {image.dtype} {tuple(image.shape)}")
             self._sources.append(SourceInfo(name, "photo", 1, 0 if is_heldout else 1))
+            self._pixels[name] = image
             (heldout if is_heldout else train).photos.append((name, image))
         if not train.videos and not train.photos:
             raise ValueError(
@@ -240,6 +244,17 @@ class VideoClipDataset:
     def sources(self) -> list[SourceInfo]:
         """The sources in use (videos in load order, then photos by name, train-only photos last)."""
         return list(self._sources)
+
+    def fingerprint(self) -> list[dict]:
+        """What the clips are drawn from, for checking a resumed run against its checkpoint: per source (in
+        ``sources()`` order) its name, kind, decoded shape, held-out split and a SHA-256 of its pixels.
+
+        The same sources decoded by another FFmpeg build can differ in their pixels only: resuming tells
+        those apart from a changed set of sources (``dsv.train.trainer``)."""
+        return [{"name": s.name, "kind": s.kind, "shape": list(self._pixels[s.name].shape),
+                 "heldout_from": s.heldout_from,
+                 "sha256": hashlib.sha256(self._pixels[s.name].contiguous().numpy().tobytes()).hexdigest()}
+                for s in self._sources]
 
     def sample(self, batch: int, generator: torch.Generator) -> torch.Tensor:
         """A random training batch: float32 [B, 3, T, size, size] in [-1, 1].

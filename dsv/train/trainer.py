@@ -38,10 +38,17 @@ from dsv.train.data import build_dataset
 
 # A resumed run must match the checkpoint's configuration except in these fields, which change neither
 # the model nor the sequence of batches and updates (so the continuation stays exact up to the rounding of a
-# compiled graph).
+# compiled graph). `data.path` may name the same videos elsewhere: the data itself is checked against the
+# checkpoint's fingerprint of it (`_check_data`).
 RESUMABLE_CHANGES = {"train": {"steps", "log_every", "eval_every", "ckpt_every", "keep_checkpoints", "tensorboard",
                                "threads", "out_dir", "device"},
-                     "model": {"compile"}}
+                     "model": {"compile"},
+                     "data": {"path"}}
+
+
+def _layout(sources: list[dict]) -> list[dict]:
+    """A data fingerprint (`VideoClipDataset.fingerprint`) without the pixel digests."""
+    return [{k: v for k, v in source.items() if k != "sha256"} for source in sources]
 
 
 def init_distributed(device_name: str) -> tuple[int, int, torch.device]:
@@ -149,6 +156,10 @@ class Trainer:
         self.heldout_t, self.heldout_noise = heldout_targets(
             self.heldout.shape[0], tuple(self.heldout.shape[1:]), cfg.data.heldout_seed + 1)
         self.step = 0
+        # Training losses summed since the last logged step (kept on the device until logged) and their
+        # count: saved with a checkpoint, so that a resumed run's first record averages the same steps.
+        self._window_loss: torch.Tensor | float = 0.0
+        self._window_steps = 0
         self.autocast = mixed and self.world == 1
         if resume:
             self._restore(existing[-1])
@@ -195,6 +206,8 @@ class Trainer:
             "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
             # Rank-local host state of context parallelism (measured SCP volumes the hybrid planner uses).
             "context_parallel": None if self.context_parallel is None else self.context_parallel.state_dict(),
+            "log_window": {"loss_sum": torch.as_tensor(self._window_loss).detach().cpu(),
+                           "steps": self._window_steps},
         }
 
     def full_state(self) -> tuple[dict[str, torch.Tensor], dict]:
@@ -217,6 +230,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "predictor_optimizers": [p.optimizer.state_dict() for p in self._predictors()],
             "rng_per_rank": rng,
+            "data": self.data.fingerprint(),
         }
 
     def save(self) -> Path:
@@ -266,6 +280,7 @@ class Trainer:
                                    for section, fields in RESUMABLE_CHANGES.items())
             raise CheckpointError(f"checkpoint {ckpt} was made with another configuration (only {allowed} may "
                                   "change on resume): " + "; ".join(diff))
+        self._check_data(ckpt, state.get("data"))
         if state["world_size"] != self.world:
             raise CheckpointError(f"checkpoint {ckpt} was saved by {state['world_size']} ranks; this run has "
                                   f"{self.world} (resume with the same number of processes)")
@@ -299,8 +314,36 @@ class Trainer:
             torch.cuda.set_rng_state(rng["cuda_rng"], self.device)
         if self.context_parallel is not None and rng.get("context_parallel") is not None:
             self.context_parallel.load_state_dict(rng["context_parallel"])
+        window = rng.get("log_window")  # absent from checkpoints saved before it was recorded
+        if window is not None and window["steps"] > 0:
+            self._window_loss = window["loss_sum"].to(self.device)
+            self._window_steps = window["steps"]
         self.step = state["step"]
         self.controller.step = self.step
+
+    def _check_data(self, ckpt: Path, saved: list[dict] | None) -> None:
+        """Refuse to resume on other data than the checkpoint's (sources added, removed, cut or split
+        differently: the batches would differ silently, e.g. when an optional package's photos appear);
+        warn when only decoded pixels differ (the same files through another FFmpeg build)."""
+        if saved is None:
+            warnings.warn(f"checkpoint {ckpt} has no fingerprint of its data (saved before they were recorded): "
+                          "the data is not checked against it", stacklevel=3)
+            return
+        current = self.data.fingerprint()
+        if _layout(saved) != _layout(current):
+            saved_names = [s["name"] for s in saved]
+            names = [s["name"] for s in current]
+            changed = [s["name"] for s in current if s["name"] in saved_names
+                       and _layout([s]) != _layout([saved[saved_names.index(s["name"])]])]
+            raise CheckpointError(
+                f"checkpoint {ckpt} was trained on other data: missing now {sorted(set(saved_names) - set(names))}, "
+                f"new {sorted(set(names) - set(saved_names))}, other frames/size/split {changed}"
+                + (", other order" if not changed and set(names) == set(saved_names) else "")
+                + " (resume with the data and packages the run started with)")
+        differing = [s["name"] for s, c in zip(saved, current) if s["sha256"] != c["sha256"]]
+        if differing:
+            warnings.warn(f"resuming {ckpt}: the decoded pixels of {differing} differ from the run's (another "
+                          "FFmpeg/PyAV build?): the continuation will not be bitwise exact", stacklevel=3)
 
     def _drop_metrics_after(self, step: int) -> None:
         """Resuming re-runs the steps after the checkpoint: drop their old records so the log has each
@@ -415,15 +458,16 @@ class Trainer:
                     f"params={sum(p.numel() for p in self.model.parameters()) / 1e6:.2f}M, "
                     f"data={len(self.data.sources())} real sources "
                     f"({', '.join(s.name.split('/')[-1] for s in self.data.sources())}), run_dir={self.run_dir}")
-        window_loss, window_n, t_start = 0.0, 0, time.perf_counter()
+        timed_steps, t_start = 0, time.perf_counter()
         last = {}
         bar = tqdm(total=cfg.steps, initial=self.step, disable=self.quiet, dynamic_ncols=True, leave=False,
                    mininterval=2.0)
         while self.step < cfg.steps:
             out = self.train_step()
             bar.update(1)
-            window_loss = window_loss + out["loss"]  # stays on the device until logged
-            window_n += 1
+            self._window_loss = self._window_loss + out["loss"]  # stays on the device until logged
+            self._window_steps += 1
+            timed_steps += 1
             events = out["events"]
             if events.switched:
                 summary = self.controller.summary()
@@ -434,14 +478,14 @@ class Trainer:
                 elapsed = time.perf_counter() - t_start
                 record = {
                     "step": self.step,
-                    "loss": self._mean_over_ranks(window_loss) / window_n,
+                    "loss": self._mean_over_ranks(self._window_loss) / self._window_steps,
                     "lr": self.scheduler.get_last_lr()[0],
                     "grad_norm": float(out["grad_norm"].full_tensor() if isinstance(out["grad_norm"], DTensor)
                                        else out["grad_norm"]),
                     "stage": summary["stage"],
                     "predictor_loss": summary["predictor_loss"],
                     "sparse_blocks": len(self.controller.sparse_layers()),
-                    "steps_per_s": window_n / elapsed,
+                    "steps_per_s": timed_steps / elapsed,
                 }
                 for i, layer in enumerate(summary["layers"]):
                     for key in ("sparsity", "recall"):
@@ -454,7 +498,8 @@ class Trainer:
                 self._print(f"step {self.step:5d} | loss {record['loss']:.4f} | stage {summary['stage']} | "
                             f"predictor loss {'-' if pl is None else f'{pl:.4f}'} | sparse blocks "
                             f"{self.controller.sparse_layers()} | {record['steps_per_s']:.1f} it/s")
-                window_loss, window_n, t_start = 0.0, 0, time.perf_counter()
+                self._window_loss, self._window_steps = 0.0, 0
+                timed_steps, t_start = 0, time.perf_counter()
                 last = record
             if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
                 held = self.heldout_loss()
