@@ -138,6 +138,31 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and (p / MANIFEST).is_file())
 
 
+def remove_unfinished_saves(run_dir: str | Path) -> list[str]:
+    """Delete what crashed saves left in a run's checkpoint folder: unfinished ``.tmp_step_*`` folders (never
+    renamed into a checkpoint) and ``.stale_step_*`` copies of re-saved steps whose new copy is complete.
+    A stale copy whose step is missing is the only copy of it: ``list_checkpoints`` moves it back first.
+
+    Call it only while holding the run folder's lock (``lock_run_dir``): a ``.tmp_`` folder of a save in
+    progress elsewhere would be deleted under its writer. Best effort: a folder that cannot be deleted warns
+    and stays. Returns the names deleted."""
+    root = checkpoint_root(run_dir)
+    list_checkpoints(run_dir)  # restores a re-save interrupted between its two renames
+    if not root.is_dir():
+        return []
+    removed = []
+    for leftover in sorted(root.glob(".tmp_step_*")) + sorted(root.glob(".stale_step_*")):
+        if not leftover.is_dir():
+            continue
+        try:
+            shutil.rmtree(leftover)
+            removed.append(leftover.name)
+        except OSError as err:
+            warnings.warn(f"could not delete {leftover}, left by a crashed save ({err}); it is not a checkpoint "
+                          "and may be deleted by hand", stacklevel=2)
+    return removed
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint folder, or a run folder (its `latest` checkpoint)."""
     path = Path(path)

@@ -31,6 +31,7 @@ from dsv.train.checkpoint import (
     load_checkpoint,
     load_weights_into,
     lock_run_dir,
+    remove_unfinished_saves,
     save_checkpoint,
 )
 from dsv.train.config import Config, config_from_dict, config_to_dict
@@ -123,6 +124,9 @@ class Trainer:
         self.metrics_file = None
         self.writer = None
         self.replicas_checked = 0  # replicated DSV tensors compared across ranks at the last save
+        if self._run_lock is not None:  # no other process writes the folder: clear what crashed saves left
+            for name in remove_unfinished_saves(self.run_dir):
+                warnings.warn(f"{self.run_dir}: deleted {name}, left by a crashed save (not a checkpoint)", stacklevel=3)
         existing = list_checkpoints(self.run_dir)
         if existing and not resume:
             raise FileExistsError(

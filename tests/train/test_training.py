@@ -335,6 +335,36 @@ def test_an_interrupted_resave_is_recovered(tmp_path):
     assert state["step"] == 2 and (root / "step_00000002" / "manifest.json").is_file()
 
 
+def test_a_resume_deletes_what_crashed_saves_left_and_keeps_every_checkpoint(tmp_path, monkeypatch):
+    """Unfinished `.tmp_` folders and stale copies of completed re-saves go at the next start; a stale copy
+    that is a step's only copy is moved back instead; a folder that cannot be deleted warns and stays."""
+    import shutil
+
+    from dsv.train import checkpoint
+
+    Trainer(tiny_config(tmp_path, "train.steps=4", "train.ckpt_every=2", "train.keep_checkpoints=3"),
+            quiet=True).run()
+    root = tmp_path / "checkpoints"
+    shutil.copytree(root / "step_00000004", root / ".tmp_step_00000006_99")  # a save cut short
+    shutil.copytree(root / "step_00000004", root / ".stale_step_00000004_98")  # a completed re-save's old copy
+    (root / "step_00000002").rename(root / ".stale_step_00000002_97")  # a re-save cut between its renames
+    with pytest.warns(UserWarning, match="deleted .tmp_step_00000006_99, left by a crashed save"):
+        Trainer(tiny_config(tmp_path, "train.steps=6", "train.ckpt_every=2", "train.keep_checkpoints=3"),
+                resume=True, quiet=True).run()
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step_00000002", "step_00000004",
+                                                                   "step_00000006"]
+
+    shutil.copytree(root / "step_00000006", root / ".tmp_step_00000008_96")
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", refuse)
+    with pytest.warns(UserWarning, match="could not delete .*tmp_step_00000008_96"):
+        assert checkpoint.remove_unfinished_saves(tmp_path) == []
+    assert (root / ".tmp_step_00000008_96").is_dir()
+
+
 def test_resume_from_an_older_checkpoint_logs_each_step_once(tmp_path):
     import shutil
 
