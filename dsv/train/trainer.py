@@ -126,7 +126,8 @@ class Trainer:
         self.replicas_checked = 0  # replicated DSV tensors compared across ranks at the last save
         if self._run_lock is not None:  # no other process writes the folder: clear what crashed saves left
             for name in remove_unfinished_saves(self.run_dir):
-                warnings.warn(f"{self.run_dir}: deleted {name}, left by a crashed save (not a checkpoint)", stacklevel=3)
+                warnings.warn(f"{self.run_dir}: deleted {name}, left by a crashed save (not a checkpoint)",
+                              stacklevel=3)
         existing = list_checkpoints(self.run_dir)
         if existing and not resume:
             raise FileExistsError(
