@@ -326,7 +326,9 @@ class LowRankPredictor(nn.Module):
 
     def step(self, compute_loss, device_type: str) -> torch.Tensor:
         """One optimizer step on the 0-d loss that `compute_loss()` builds from this predictor's
-        parameters (fp32: autocast is off inside); returns the loss, detached."""
+        parameters (fp32: autocast is off inside); returns the loss, detached, or NaN when the step left a
+        weight non-finite (a finite loss can still have an overflowing gradient): the loss EMA then goes NaN
+        in this step and `DSVController.predictor_failed` stops the run before the weights select keys."""
         self.unpark()
         with torch.enable_grad(), torch.autocast(device_type, enabled=False):
             loss = compute_loss()
@@ -340,7 +342,8 @@ class LowRankPredictor(nn.Module):
         self.optimizer.step()
         # Freed at once: kept, the gradients would sit through the rest of the step (and its peak).
         self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        weights_finite = torch.isfinite(torch.stack([p.detach().sum() for p in self.parameters()]).sum())
+        return torch.where(weights_finite, loss.detach(), torch.full_like(loss.detach(), float("nan")))
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

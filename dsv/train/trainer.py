@@ -388,21 +388,25 @@ class Trainer:
         x0, t, noise = self._batch()
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             loss = flow_matching_loss(self.model, x0, t, noise)
-        bad = ~torch.isfinite(loss.detach())
+        loss.backward()
+        # grad_clip = 0 disables clipping (the norm is still computed for the log).
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for g in self.optimizer.param_groups for p in g["params"]], self.cfg.optim.grad_clip or float("inf"))
+        # One host sync per step, before the optimizer applies anything: a non-finite loss, a non-finite
+        # gradient (a finite loss can overflow in the backward; clipping would then write NaN into every
+        # weight) or a failed predictor (it would select garbage keys) stops the run.
+        norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+        bad = ~torch.isfinite(loss.detach()) | ~torch.isfinite(norm)
         predictor_failed = self.controller.predictor_failed()
-        if predictor_failed is not None:  # in the same host sync: a failed predictor would pick garbage keys
+        if predictor_failed is not None:
             bad = bad | predictor_failed
         bad = bad.float()
         if self.world > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank stops together instead of hanging
         if bad:
-            raise FloatingPointError(f"step {self.step}: the training loss or a DSV predictor's loss is not finite "
-                                     "on some rank; stopping before the optimizer applies it (the last checkpoint "
-                                     "is intact)")
-        loss.backward()
-        # grad_clip = 0 disables clipping (the norm is still computed for the log).
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for g in self.optimizer.param_groups for p in g["params"]], self.cfg.optim.grad_clip or float("inf"))
+            raise FloatingPointError(f"step {self.step}: the training loss, the gradient norm or a DSV predictor's "
+                                     "loss is not finite on some rank; stopping before the optimizer applies it "
+                                     "(the last checkpoint is intact)")
         self.optimizer.step()
         # Freed now, not before the next backward: the next forward's peak need not hold a model's worth
         # of old gradients (6 GiB at the 2.7B shape).

@@ -179,3 +179,16 @@ def test_pooled_projection_ignores_autocast():
     # fp32 throughout: only summation order differs (pooling before or after the projection).
     torch.testing.assert_close(proxies, segment_means(q_lr, 8), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(block_keys, segment_means(k_lr, 8), rtol=1e-5, atol=1e-6)
+
+
+def test_a_predictor_update_that_overflows_reports_nan_at_once():
+    """A predictor step from a finite loss that leaves a weight non-finite returns NaN, so the loss EMA and
+    `predictor_failed` catch it in the same step (not at its next update, up to learn_every_stage2 later)."""
+    predictor = LowRankPredictor(dim=8, heads=2, rank=2)
+    finite = predictor.step(lambda: sum((p ** 2).sum() for p in predictor.parameters()), "cpu")
+    assert torch.isfinite(finite)
+    weight = next(predictor.parameters())
+    handle = weight.register_hook(lambda grad: torch.full_like(grad, float("inf")))
+    failed = predictor.step(lambda: sum((p ** 2).sum() for p in predictor.parameters()), "cpu")
+    handle.remove()
+    assert torch.isnan(failed) and not torch.isfinite(weight).all()

@@ -78,6 +78,20 @@ def test_a_failed_predictor_stops_the_step_it_fails_in(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(weights, model_params))
 
 
+def test_a_non_finite_gradient_stops_the_step_before_any_weight_changes(tmp_path):
+    """A finite loss whose backward overflows (here an inf gradient on one weight) stops the step: clipping
+    would otherwise scale every gradient by inf/inf = NaN and the optimizer write NaN into all weights."""
+    cfg = tiny_config(tmp_path, "train.steps=1", "train.ckpt_every=1", "attention.max_stage1_steps=100")
+    trainer = Trainer(cfg, quiet=True)
+    trainer.run()
+    model_params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+    weights = [p.detach().clone() for p in model_params]
+    model_params[0].register_hook(lambda grad: torch.full_like(grad, float("inf")))
+    with pytest.raises(FloatingPointError, match="gradient norm"):
+        trainer.train_step()
+    assert all(torch.equal(a, b) for a, b in zip(weights, model_params))
+
+
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal bits, where NaN (a never-measured EMA) equals NaN."""
     return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
