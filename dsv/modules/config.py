@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 
 ATTENTION_MODES = ("dense", "dsv", "window", "oracle")
 BACKENDS = ("auto", "reference", "triton")
+
+
+def require_finite_floats(config, section: str) -> None:
+    """Raise ValueError naming the first float field of a config dataclass (or float in a tuple field) that is
+    NaN or infinite: every range check below compares False with NaN, so NaN would pass them all."""
+    for f in fields(config):
+        value = getattr(config, f.name)
+        values = value if isinstance(value, tuple) else (value,)
+        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            raise ValueError(f"{section}.{f.name} must be finite, got {value!r}")
 
 
 @dataclass
@@ -64,6 +75,7 @@ class AttentionConfig:
 
     def __post_init__(self) -> None:
         self.cube = tuple(int(c) for c in self.cube)
+        require_finite_floats(self, "attention")
         if self.mode not in ATTENTION_MODES:
             raise ValueError(f"attention.mode must be one of {ATTENTION_MODES}, got {self.mode!r}")
         if self.backend not in BACKENDS:
@@ -106,6 +118,9 @@ class AttentionConfig:
         if self.switch_loss_threshold < 0:
             raise ValueError(f"attention.switch_loss_threshold must be >= 0 (0: switch at max_stage1_steps only), "
                              f"got {self.switch_loss_threshold}")
+        if self.mode == "dsv" and self.switch_loss_threshold == 0 and self.max_stage1_steps == 0:
+            raise ValueError("attention.switch_loss_threshold=0 with max_stage1_steps=0 never leaves stage 1 (dense); "
+                             "set a loss threshold, a maximum number of stage-1 steps, or attention.mode=dense")
         if self.min_stage1_steps < 0 or self.max_stage1_steps < 0:
             raise ValueError(f"attention.min_stage1_steps and max_stage1_steps must be >= 0, got "
                              f"{self.min_stage1_steps} and {self.max_stage1_steps}")

@@ -7,7 +7,7 @@ import math
 import warnings
 from dataclasses import dataclass, field
 
-from dsv.modules.config import AttentionConfig
+from dsv.modules.config import AttentionConfig, require_finite_floats
 from dsv.modules.dit import ModelConfig
 from dsv.train.data import DataConfig
 
@@ -22,6 +22,7 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         self.betas = tuple(float(b) for b in self.betas)
+        require_finite_floats(self, "optim")
         if not 0 < self.lr < math.inf:
             raise ValueError(f"optim.lr must be a finite number > 0, got {self.lr}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
@@ -75,8 +76,13 @@ class ParallelConfig:
     inter_node_gbps: float = 25.0  # between nodes (a 200 Gb/s NIC per GPU)
 
     def __post_init__(self) -> None:
+        require_finite_floats(self, "parallel")
         if self.cp < 1:
             raise ValueError(f"parallel.cp must be >= 1, got {self.cp}")
+        if self.gpus_per_node < 1 or self.intra_node_gbps <= 0 or self.inter_node_gbps <= 0:
+            raise ValueError(f"parallel.gpus_per_node must be >= 1 and the link speeds > 0 (GB/s), got "
+                             f"{self.gpus_per_node}, intra_node_gbps={self.intra_node_gbps}, "
+                             f"inter_node_gbps={self.inter_node_gbps}")
         if self.cp_mode not in CP_MODES:
             raise ValueError(f"parallel.cp_mode must be one of {CP_MODES}, got {self.cp_mode!r}")
         if self.cp_hcp < 0 or (self.cp_hcp and (self.cp_mode != "hybrid" or self.cp % self.cp_hcp)):
