@@ -172,6 +172,8 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if resume:
                 self._drop_metrics_after(self.step)
+            else:
+                self._set_aside_logs_without_checkpoint()
             self.metrics_file = open(self.run_dir / "metrics.jsonl", "a")
         if cfg.train.tensorboard and self.rank == 0:
             from torch.utils.tensorboard import SummaryWriter
@@ -349,6 +351,21 @@ class Trainer:
         if differing:
             warnings.warn(f"resuming {ckpt}: the decoded pixels of {differing} differ from the run's (another "
                           "FFmpeg/PyAV build?): the continuation will not be bitwise exact", stacklevel=3)
+
+    def _set_aside_logs_without_checkpoint(self) -> None:
+        """A new run in a folder whose earlier run stopped before its first checkpoint (the folder holds no
+        checkpoint, or this run would have been refused) would append to that run's logs: they are renamed,
+        kept, and the new run logs afresh."""
+        for name in ("metrics.jsonl", "tensorboard"):
+            old = self.run_dir / name
+            if not old.exists():
+                continue
+            number = 1
+            while (self.run_dir / f"{name}.unfinished-{number}").exists():
+                number += 1
+            old.rename(self.run_dir / f"{name}.unfinished-{number}")
+            warnings.warn(f"{old} holds the logs of an earlier run that saved no checkpoint: kept as "
+                          f"{name}.unfinished-{number}; this run logs afresh", stacklevel=4)
 
     def _drop_metrics_after(self, step: int) -> None:
         """Resuming re-runs the steps after the checkpoint: drop their old records so the log has each

@@ -269,7 +269,16 @@ def test_config_overrides_reject_bad_input():
     # backwards or switched at once on a zero loss, no block (or every block) went sparse, no position signal.
     for override, message in [
         ("optim.warmup_steps=-5", "optim.warmup_steps must be >= 0"),
-        ("optim.lr=inf", "optim.lr must be a finite number"),
+        ("optim.lr=inf", "optim.lr must be finite"),
+        # NaN passes every range comparison: each float is checked finite first.
+        ("optim.grad_clip=nan", "optim.grad_clip must be finite"),
+        ("attention.switch_loss_threshold=nan", "attention.switch_loss_threshold must be finite"),
+        ("attention.keep_margin=inf", "attention.keep_margin must be finite"),
+        ("model.mlp_ratio=nan", "model.mlp_ratio must be finite"),
+        ("parallel.intra_node_gbps=nan", "parallel.intra_node_gbps must be finite"),
+        ("parallel.inter_node_gbps=0", "link speeds > 0"),
+        ("parallel.gpus_per_node=0", "parallel.gpus_per_node must be >= 1"),
+        ("attention.switch_loss_threshold=0", "never leaves stage 1"),  # with max_stage1_steps=0 below
         ("optim.betas=0.9", "optim.betas must be two numbers"),
         ("optim.weight_decay=-0.1", "optim.weight_decay must be >= 0"),
         ("attention.loss_cosine_weight=0", "positive sum"),  # with loss_mse_weight=0 below
@@ -285,7 +294,8 @@ def test_config_overrides_reject_bad_input():
         ("train.threads=-1", "train.threads must be >= 0"),
         ("train.out_dir=", "train.out_dir must name a folder"),
     ]:
-        extra = ["attention.loss_mse_weight=0"] if override == "attention.loss_cosine_weight=0" else []
+        extra = {"attention.loss_cosine_weight=0": ["attention.loss_mse_weight=0"],
+                 "attention.switch_loss_threshold=0": ["attention.max_stage1_steps=0"]}.get(override, [])
         with pytest.raises(ValueError, match=message):
             apply_overrides(base, [override, *extra])
     with pytest.raises(ValueError, match="unknown recipe"):
@@ -377,6 +387,23 @@ def test_a_resume_deletes_what_crashed_saves_left_and_keeps_every_checkpoint(tmp
     with pytest.warns(UserWarning, match="could not delete .*tmp_step_00000008_96"):
         assert checkpoint.remove_unfinished_saves(tmp_path) == []
     assert (root / ".tmp_step_00000008_96").is_dir()
+
+
+def test_a_new_run_sets_aside_the_logs_of_one_that_saved_no_checkpoint(tmp_path):
+    """A run that died before its first checkpoint left logs; a new run in that folder keeps them under another
+    name and logs afresh, instead of appending to them (steps 2, 4, 2, 4, 6 in one file)."""
+    import shutil
+
+    Trainer(tiny_config(tmp_path, "train.steps=4", "train.ckpt_every=100", "train.tensorboard=true"),
+            quiet=True).run()
+    shutil.rmtree(tmp_path / "checkpoints")  # as if it had died before saving
+    with pytest.warns(UserWarning, match="saved no checkpoint: kept as metrics.jsonl.unfinished-1"):
+        Trainer(tiny_config(tmp_path, "train.steps=6", "train.ckpt_every=6", "train.tensorboard=true"),
+                quiet=True).run()
+    assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [2, 4, 6]
+    old = [json.loads(line) for line in (tmp_path / "metrics.jsonl.unfinished-1").read_text().splitlines()]
+    assert [r["step"] for r in old if "loss" in r] == [2, 4]
+    assert (tmp_path / "tensorboard.unfinished-1").is_dir() and (tmp_path / "tensorboard").is_dir()
 
 
 def test_resume_from_an_older_checkpoint_logs_each_step_once(tmp_path):
