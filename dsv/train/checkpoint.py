@@ -121,21 +121,43 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Ten
     _fsync_dir(root)
     _write_text_atomic(root / "latest", name + "\n")
     for old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old)
+        _prune(old)
     return final
 
 
-def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first. A step whose re-save was interrupted between moving the old
-    copy aside and moving the new one in is restored from the old copy first."""
+def _prune(checkpoint: Path) -> None:
+    """Delete an old checkpoint: renamed first (a deletion cut short would otherwise leave a folder whose
+    manifest still makes it look complete), then removed; best effort, as the new checkpoint is complete."""
+    doomed = checkpoint.with_name(f".tmp_{checkpoint.name}_prune{os.getpid()}")
+    try:
+        os.replace(checkpoint, doomed)
+        shutil.rmtree(doomed)
+    except OSError as err:
+        warnings.warn(f"could not delete the old checkpoint {checkpoint} ({err}); the new one is complete",
+                      stacklevel=3)
+
+
+def _step_name(folder: Path) -> str:
+    """``step_XXXXXXXX`` for a checkpoint folder and for the old copy a re-save moved aside."""
+    return folder.name[len(".stale_"):].rsplit("_", 1)[0] if folder.name.startswith(".stale_") else folder.name
+
+
+def list_checkpoints(run_dir: str | Path, repair: bool = False) -> list[Path]:
+    """Complete checkpoints, oldest first. A step whose re-save was interrupted between moving the old copy
+    aside and moving the new one in is listed as that old copy; with ``repair`` (only while holding the run
+    folder's lock: a live trainer may be between those two renames) it is moved back into place first."""
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return []
+    found = {p.name: p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_")}
     for stale in root.glob(".stale_step_*"):
-        final = root / stale.name[len(".stale_"):].rsplit("_", 1)[0]
-        if not final.exists():
-            os.replace(stale, final)
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and (p / MANIFEST).is_file())
+        name = _step_name(stale)
+        if name not in found and (stale / MANIFEST).is_file():
+            if repair:
+                os.replace(stale, root / name)
+                stale = root / name
+            found[name] = stale
+    return [found[name] for name in sorted(found) if (found[name] / MANIFEST).is_file()]
 
 
 def remove_unfinished_saves(run_dir: str | Path) -> list[str]:
@@ -147,7 +169,7 @@ def remove_unfinished_saves(run_dir: str | Path) -> list[str]:
     progress elsewhere would be deleted under its writer. Best effort: a folder that cannot be deleted warns
     and stays. Returns the names deleted."""
     root = checkpoint_root(run_dir)
-    list_checkpoints(run_dir)  # restores a re-save interrupted between its two renames
+    list_checkpoints(run_dir, repair=True)  # restores a re-save interrupted between its two renames
     if not root.is_dir():
         return []
     removed = []
@@ -169,12 +191,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if (path / MANIFEST).is_file():
         return path
     latest = checkpoint_root(path) / "latest"
-    list_checkpoints(path)  # restores an interrupted re-save before `latest` is followed
     if latest.is_file():
-        candidate = checkpoint_root(path) / latest.read_text().strip()
-        if (candidate / MANIFEST).is_file():
-            return candidate
-        raise CheckpointError(f"{latest} names {candidate.name}, which is missing or incomplete")
+        name = latest.read_text().strip()
+        # Listed, not repaired: a trainer may hold the folder (an interrupted re-save reads from its old copy).
+        match = [p for p in list_checkpoints(path) if _step_name(p) == name]
+        if match:
+            return match[0]
+        raise CheckpointError(f"{latest} names {name}, which is missing or incomplete")
     raise CheckpointError(f"no checkpoint at {path}: expected a checkpoint folder with {MANIFEST} "
                           f"or a run folder with checkpoints/latest")
 

@@ -1,7 +1,9 @@
 """End-to-end training on the bundled real data: smoke run, all modes, exact resume, checkpoint safety, CLI."""
 
 import json
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -348,7 +350,9 @@ def test_cli_sample_and_profile_write_their_files(tmp_path, capsys):
 
 
 def test_an_interrupted_resave_is_recovered(tmp_path):
-    """A crash between moving a step's old copy aside and moving the new one in loses nothing."""
+    """A crash between moving a step's old copy aside and moving the new one in loses nothing: readers load
+    the old copy where it is (they hold no lock: a live trainer may be between the two renames), and the next
+    trainer, holding the run folder's lock, moves it back."""
     from dsv.train.checkpoint import load_checkpoint
 
     cfg = tiny_config(tmp_path, "train.steps=2", "train.ckpt_every=2")
@@ -356,7 +360,28 @@ def test_an_interrupted_resave_is_recovered(tmp_path):
     root = tmp_path / "checkpoints"
     (root / "step_00000002").rename(root / ".stale_step_00000002_1234")  # the state right after the crash
     weights, state, _ = load_checkpoint(tmp_path)
-    assert state["step"] == 2 and (root / "step_00000002" / "manifest.json").is_file()
+    assert state["step"] == 2 and (root / ".stale_step_00000002_1234").is_dir()
+    assert not (root / "step_00000002").exists()  # a reader renames nothing
+    Trainer(tiny_config(tmp_path, "train.steps=4", "train.ckpt_every=2"), resume=True, quiet=True).run()
+    assert (root / "step_00000002" / "manifest.json").is_file() and not (root / ".stale_step_00000002_1234").exists()
+
+
+def test_pruning_renames_before_it_deletes(tmp_path, monkeypatch):
+    """An old checkpoint's deletion cut short leaves a `.tmp_` folder, not a `step_` folder whose manifest
+    makes it look complete; and a failed deletion warns instead of failing the save."""
+    from dsv.train import checkpoint
+
+    def cut_short(path, *args, **kwargs):
+        (Path(path) / "weights.safetensors").unlink()
+        raise OSError(5, "Input/output error", str(path))
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", cut_short)
+    with pytest.warns(UserWarning, match="could not delete the old checkpoint"):
+        Trainer(tiny_config(tmp_path, "train.steps=4", "train.ckpt_every=2", "train.keep_checkpoints=1"),
+                quiet=True).run()
+    root = tmp_path / "checkpoints"
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step_00000004"]
+    assert [p.name for p in root.iterdir() if p.name.startswith(".tmp_")] == [f".tmp_step_00000002_prune{os.getpid()}"]
 
 
 def test_a_resume_deletes_what_crashed_saves_left_and_keeps_every_checkpoint(tmp_path, monkeypatch):
