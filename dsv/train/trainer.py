@@ -238,6 +238,9 @@ class Trainer:
             "predictor_optimizers": [p.optimizer.state_dict() for p in self._predictors()],
             "rng_per_rank": rng,
             "data": self.data.fingerprint(),
+            # Host-side text of each layer's last dispatch decision (its inputs are buffers, in the weights),
+            # so a resumed run logs what an uninterrupted one does until the next dispatch.
+            "dispatch_reasons": [layer.dispatch_reason for layer in self.controller.layers],
         }
 
     def save(self) -> Path:
@@ -325,6 +328,10 @@ class Trainer:
         if window is not None and window["steps"] > 0:
             self._window_loss = window["loss_sum"].to(self.device)
             self._window_steps = window["steps"]
+        reasons = state.get("dispatch_reasons")  # absent from checkpoints saved before it was recorded
+        if reasons is not None and len(reasons) == len(self.controller.layers):
+            for layer, reason in zip(self.controller.layers, reasons):
+                layer.dispatch_reason = reason
         self.step = state["step"]
         self.controller.step = self.step
 
@@ -367,6 +374,18 @@ class Trainer:
             warnings.warn(f"{old} holds the logs of an earlier run that saved no checkpoint: kept as "
                           f"{name}.unfinished-{number}; this run logs afresh", stacklevel=4)
 
+    def _kept_on_resume(self, record: dict, step: int) -> bool:
+        """Records up to the checkpoint `step`, less the ones a run logs only because it ends there (a loss or
+        held-out record off the `log_every` / `eval_every` schedule): an uninterrupted run has none of them,
+        and the open loss window of such an end goes on into the resumed run's next record."""
+        if record["step"] != step:
+            return record["step"] < step
+        if "loss" in record:
+            return step % self.cfg.train.log_every == 0
+        if "heldout_loss" in record:
+            return step % self.cfg.train.eval_every == 0
+        return True
+
     def _drop_metrics_after(self, step: int) -> None:
         """Resuming re-runs the steps after the checkpoint: drop their old records so the log has each
         step once (rewritten atomically)."""
@@ -386,7 +405,7 @@ class Trainer:
                 warnings.warn(f"{path}: dropping its last line, cut short: {line[:80]!r}", stacklevel=2)
         tmp = path.with_name(f".{path.name}.tmp")
         with open(tmp, "w") as out:
-            out.write("".join(line + "\n" for record, line in records if record["step"] <= step))
+            out.write("".join(line + "\n" for record, line in records if self._kept_on_resume(record, step)))
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, path)
@@ -499,7 +518,8 @@ class Trainer:
                 summary = self.controller.summary()
                 self._print(f"step {self.step}: stage 2 ({events.switch_reason}); "
                             f"sparse blocks: {self.controller.sparse_layers()}\n" + self._describe_layers(summary))
-            if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+            on_schedule = self.step % cfg.log_every == 0
+            if on_schedule or self.step == cfg.steps:
                 summary = self.controller.summary()
                 elapsed = time.perf_counter() - t_start
                 record = {
@@ -524,7 +544,8 @@ class Trainer:
                 self._print(f"step {self.step:5d} | loss {record['loss']:.4f} | stage {summary['stage']} | "
                             f"predictor loss {'-' if pl is None else f'{pl:.4f}'} | sparse blocks "
                             f"{self.controller.sparse_layers()} | {record['steps_per_s']:.1f} it/s")
-                self._window_loss, self._window_steps = 0.0, 0
+                if on_schedule:  # a record only because the run ends here leaves its window open for a resume
+                    self._window_loss, self._window_steps = 0.0, 0
                 timed_steps, t_start = 0, time.perf_counter()
                 last = record
             if self.step % cfg.eval_every == 0 or self.step == cfg.steps:

@@ -530,3 +530,22 @@ def test_resumed_log_averages_the_same_steps_as_an_uninterrupted_one(tmp_path):
     resumed = [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "resumed") if "loss" in r]
     assert [s for s, _ in straight] == [4, 8, 12]
     assert resumed == straight
+
+
+def test_a_run_resumed_where_an_earlier_leg_ended_logs_what_an_uninterrupted_one_does(tmp_path):
+    """A leg that ends off the log/eval schedule (step 6; records every 4, held-out loss every 100) logs a
+    final loss and held-out record; resuming drops those extras, carries the loss window on, and restores
+    each layer's dispatch text: every record equals the uninterrupted run's but for the speed."""
+    schedule = ["train.log_every=4", "train.ckpt_every=6", "attention.max_stage1_steps=4"]
+    Trainer(tiny_config(tmp_path / "straight", "train.steps=12", *schedule), quiet=True).run()
+    Trainer(tiny_config(tmp_path / "resumed", "train.steps=6", *schedule), quiet=True).run()
+    assert [r["step"] for r in read_metrics(tmp_path / "resumed")] == [4, 6, 6]  # the leg's own end records
+    Trainer(tiny_config(tmp_path / "resumed", "train.steps=12", *schedule), resume=True, quiet=True).run()
+
+    def without_speed(run):
+        return [{k: v for k, v in r.items() if k != "steps_per_s"} for r in read_metrics(tmp_path / run)]
+
+    straight, resumed = without_speed("straight"), without_speed("resumed")
+    assert [r["step"] for r in straight] == [4, 8, 12, 12]
+    assert any(layer["dispatch"] != "not dispatched yet" for r in straight if "layers" in r for layer in r["layers"])
+    assert resumed == straight
