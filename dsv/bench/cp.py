@@ -18,6 +18,7 @@ the profile's mean kept fraction on one GPU), so its error is the cost model's, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import statistics
@@ -102,7 +103,9 @@ def _rates(heads: int, seq_len: int, dim: int, block: int, mean_keep: float, dev
     keep = torch.full((heads,), max(1, round(mean_keep * blocks)))
     q_lr, k_lr = (torch.randn(1, heads, seq_len, 16, device=device) for _ in range(2))
     index = estimate_index(q_lr, k_lr, keep, block, block)
-    sparse_ms = _median_ms(_fwd_bwd(lambda a, b, c: sparse_attention(a, b, c, index), q, k, v, grad), 5, device)
+    # A new index object per step (its key-major view is built in each backward, as in training).
+    sparse_ms = _median_ms(_fwd_bwd(lambda a, b, c: sparse_attention(a, b, c, dataclasses.replace(index)), q, k, v,
+                                    grad), 5, device)
     sparse_tflops = flops * float(keep[0]) / blocks / (sparse_ms * 1e-3) / 1e12
     dense_tflops = flops / (dense_ms * 1e-3) / 1e12
     return dense_tflops, min(1.0, sparse_tflops / dense_tflops)
@@ -147,8 +150,13 @@ def _bench(args, runtimes, seq_len, name, sparsity, link_gbps, device, failures)
     index = estimate_index(q_lr, k_lr, keep_blocks, block, block)  # the same on every rank (same seed)
     local_len = seq_len // world
     rows_of_rank = slice(rank * local_len, (rank + 1) * local_len)
-    with torch.no_grad():
-        reference = sparse_attention(full[0], full[1], full[2], index)[:, :, rows_of_rank].float()
+    # fp32 reference of the forward and of the gradients of this rank's rows (the upstream gradient of every
+    # rank's rows is full[3]: each rank's keys collect gradient from every rank's queries).
+    reference_inputs = [t.float().requires_grad_(True) for t in full[:3]]
+    reference_out = sparse_attention(*reference_inputs, index)
+    reference_grads = torch.autograd.grad(reference_out, reference_inputs, full[3].float())
+    reference = reference_out.detach()[:, :, rows_of_rank]
+    reference_grads = [g[:, :, rows_of_rank] for g in reference_grads]
     q, k, v, grad = (t[:, :, rows_of_rank].contiguous() for t in full)
     kept = [float(b) / (seq_len // block) for b in keep_blocks]
     fetched = {world: fetched_fraction(index, world)}
@@ -161,17 +169,26 @@ def _bench(args, runtimes, seq_len, name, sparsity, link_gbps, device, failures)
 
         def attention(q_, k_, v_, layout=layout, local_index=local_index, cp=cp):
             qh, kh, vh = (t.contiguous() for t in cp.to_heads(torch.cat((q_, k_, v_), -1), layout).chunk(3, -1))
-            return cp.from_heads(cp.attend(qh, kh, vh, local_index, layout, dim**-0.5, "auto"), layout)
+            # A new index object each step, as training makes: its key-major view (built in the backward and
+            # cached on the object) is then built in every timed step, as in SCP's and in training's.
+            fresh = dataclasses.replace(local_index) if dataclasses.is_dataclass(local_index) else local_index
+            return cp.from_heads(cp.attend(qh, kh, vh, fresh, layout, dim**-0.5, "auto"), layout)
 
         inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        with torch.no_grad():
-            out = attention(*inputs).float()
-        error = (out - reference).norm() / reference.norm()
-        dist.all_reduce(error, op=dist.ReduceOp.MAX)  # the worst rank's rows
-        error = float(error)
-        # bf16 inputs and outputs (8 bits of mantissa: 2^-8 = 0.4% per element): 1% of the norm.
-        if error > 1e-2:
-            failures.append(f"{mode} at S={seq_len} ({name}): relative error {error:.2e} on rank {rank}")
+        out = attention(*inputs)
+        grads = torch.autograd.grad(out, inputs, grad)
+        errors = torch.stack([(a.float() - b).norm() / b.norm()
+                              for a, b in zip((out.detach(), *grads), (reference, *reference_grads))])
+        # bf16 inputs and outputs (8 bits of mantissa: 2^-8 = 0.4% per element): 1% of the norm. NaN fails
+        # too (it compares False with any bound), on whichever rank it appears.
+        failed = (~torch.isfinite(errors) | (errors > 1e-2)).any().float()
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        worst = torch.nan_to_num(errors, nan=float("inf"))
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the worst rank's rows
+        error = float(worst.max())
+        if failed:
+            failures.append(f"{mode} at S={seq_len} ({name}): relative error of out, dq, dk, dv "
+                            f"{', '.join(f'{e:.2e}' for e in worst.tolist())} (worst over ranks)")
         steps[mode] = (layout, error, _fwd_bwd(attention, *inputs, grad))
     if failures:
         return []

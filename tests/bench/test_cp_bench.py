@@ -30,3 +30,44 @@ def test_cp_bench_runs_every_layout_after_its_gate(tmp_path):
     assert len(tables) == 8 and "512-skewed-scp.txt" in tables
     assert "all_to_all" in (tmp_path / "ops" / "512-skewed-scp.txt").read_text()
     print(report)
+
+
+class _ScaleGrad(__import__("torch").autograd.Function):
+    """Identity forward, doubled gradient: a CP backward that is wrong while its forward is right."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return 2 * grad
+
+
+def _bench_broken(rank, world, out, broken):
+    import torch
+
+    from dsv.parallel import context
+
+    attend = context.ContextParallel.attend
+
+    def broken_attend(self, q, k, v, index, layout, *args, **kwargs):
+        result = attend(self, q, k, v, index, layout, *args, **kwargs)
+        if layout.scp > 1 and rank == 1:  # one layout, one rank
+            result = result * float("nan") if broken == "nan" else _ScaleGrad.apply(result)
+        return result
+
+    context.ContextParallel.attend = broken_attend
+    torch.manual_seed(0)
+    return _bench(rank, world, out)
+
+
+def test_cp_bench_gate_fails_on_a_nan_or_a_wrong_gradient_on_one_rank(tmp_path):
+    """The gate compares the output and dq/dk/dv with an fp32 reference on every rank: NaN on one rank fails it
+    (NaN compares False with the bound), and so does a backward that is wrong where the forward is right."""
+    for broken in ("nan", "grad"):
+        report_path = tmp_path / f"{broken}.md"
+        codes = run_distributed(_bench_broken, 2, report_path, broken, out_dir=tmp_path, timeout_s=120)
+        assert codes == [1, 1], broken
+        report = report_path.read_text()
+        assert "FAILED" in report and "relative error of out, dq, dk, dv" in report, broken
