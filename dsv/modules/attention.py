@@ -635,13 +635,14 @@ def _same_selection(a, b) -> bool:
     return torch.equal(a.counts, b.counts) and torch.equal(a.indices, b.indices)
 
 
-def any_rank(flag: torch.Tensor) -> bool:
+def any_rank(flag: torch.Tensor, group=None) -> bool:
     """Whether the 0-d `flag` is set here or, in a distributed run, on any rank of it (one all-reduce): a check
     that raises must raise on every rank alike, or the others wait in their next collective. Every rank must
-    call it at the same point; the layers' checks do, as every rank runs the same layers."""
+    call it at the same point; the layers' checks do, as every rank runs the same layers. `group`: only the
+    ranks of that process group (e.g. one context-parallel group) take part, and only they need to call it."""
     flag = flag.to(torch.int32).reshape(1)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag)
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -250,6 +251,10 @@ class ContextParallel:
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         q, k = layer.q_norm(q), layer.k_norm(k)
         layer.resolve_backends(q, seq_len)
+        if layer.observer is not None:
+            # Observers (analysis, the train bench's estimation timer) expect the whole sequence's q and k.
+            warnings.warn("DSVAttention observers are not called under context parallelism (each rank holds a "
+                          "part of the sequence); measure on a single-process run", stacklevel=3)
         layout = self.layout(layer, seq_len, batch)
         # This rank's heads over its HCP group's S / scp tokens.
         q, k, v = (t.contiguous() for t in self.to_heads(torch.cat((q, k, v), -1), layout).chunk(3, dim=-1))
@@ -261,6 +266,8 @@ class ContextParallel:
                     self._learn_and_profile(layer, x, q, k, layout, grid)
                 finally:
                     layer.predictor_done()
+        if index is not None:
+            layer._warn_if_slow(q)  # as the single-process path: the PyTorch reference on CUDA says so
         out = self.attend(q, k, v, index, layout, layer.scale, layer.sparse_backend)
         kind = "dense:sdpa" if index is None else f"sparse:{layer.sparse_backend}"
         layer.last_path = f"{kind} {layout.describe()}"
@@ -271,7 +278,10 @@ class ContextParallel:
         """The finite check of `check_input_values` over the whole CP group: a rank whose chunk holds NaN/Inf
         must not raise alone while its peers wait in the next collective. (A `VideoDiT` always has its
         controller attached.)"""
-        if layer.cfg.check_finite and any_rank((~torch.isfinite(x)).any()):
+        # Training: over the whole run (every rank steps together); evaluation: over this CP group only, which
+        # alone must run the forward (e.g. one data-parallel group evaluating while the others do not).
+        group = None if layer.training and torch.is_grad_enabled() else self.group
+        if layer.cfg.check_finite and any_rank((~torch.isfinite(x)).any(), group):
             raise FloatingPointError(f"DSVAttention layer {layer.layer_index}: NaN or Inf in the attention input x "
                                      "on some rank of the run; the run is diverging or its input data is corrupt")
 

@@ -202,6 +202,26 @@ def test_nan_in_an_evaluation_on_one_rank_raises_there_without_a_collective(tmp_
     assert messages[1] is None and "NaN or Inf" in messages[0], messages
 
 
+def _evaluation_in_one_cp_group(rank, world):
+    model = _model("dense").eval()
+    model.enable_context_parallel(ContextParallel(2, "hcp", "cpu"))  # 2 data-parallel groups of 2 CP ranks
+    if rank >= 2:
+        return None  # the second group does not evaluate
+    seen = []
+    model.controller.layers[0].observer = lambda *args: seen.append(args)
+    with torch.no_grad(), pytest.warns(UserWarning, match="observers are not called under context parallelism"):
+        out = model(torch.randn(1, 3, 4, 16, 16), torch.tensor([0.5]))
+    return bool(torch.isfinite(out).all()) and not seen
+
+
+def test_an_evaluation_in_one_cp_group_needs_no_other_group(tmp_path):
+    """An evaluation forward under CP checks its input over its own CP group only: one data-parallel group
+    evaluating alone finishes (a check over the whole run waited for the other group's ranks, which never
+    join). An observer set on a layer is not called under CP, and says so."""
+    results = run_distributed(_evaluation_in_one_cp_group, 4, out_dir=tmp_path, timeout_s=120)
+    assert results == [True, True, None, None], results
+
+
 def _same_input_twice(rank, world, disagree_on_rank):
     import dsv.modules.attention as attention
 
