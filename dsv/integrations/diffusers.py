@@ -45,10 +45,11 @@ except ImportError as err:  # pragma: no cover - depends on the environment
     ) from err
 from safetensors import safe_open
 
-from dsv.modules.attention import DSVAttentionCore
+from dsv.modules.attention import DSVAttentionCore, _fingerprint
 from dsv.modules.config import AttentionConfig
 from dsv.modules.controller import DSVController
 from dsv.ops import PAD, SparseIndex, cube_permutation
+from dsv.ops.grouping import cube_permutation_on
 
 __all__ = [
     "CogVideoXDSVProcessor",
@@ -69,8 +70,8 @@ CONTROLLER_NAME = "dsv_controller"
 
 
 class _LatentGrid:
-    """Forward pre-hook of a patched transformer: records the token grid `(T, H, W)` of each input and the
-    cube permutation for it (computed and moved to the input's device once per forward, not per layer).
+    """Forward pre- and post-hook of a patched transformer: the token grid `(T, H, W)` of the forward running
+    now (None outside the transformer's forward), checked against the patch and the cube.
 
     `frames_axis` is the axis of the frame count in `hidden_states` (Wan `[B, C, F, H, W]`: 2; CogVideoX
     `[B, F, C, H, W]`: 1); height and width are the last two axes.
@@ -79,8 +80,6 @@ class _LatentGrid:
     def __init__(self, patch: tuple[int, int, int], frames_axis: int, layout: str, cube: tuple[int, int, int]):
         self.patch, self.frames_axis, self.layout, self.cube = patch, frames_axis, layout, cube
         self.grid: tuple[int, int, int] | None = None
-        self.perm: torch.Tensor | None = None
-        self.inv: torch.Tensor | None = None
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         x = kwargs["hidden_states"] if "hidden_states" in kwargs else (args[0] if args else None)
@@ -98,22 +97,57 @@ class _LatentGrid:
                 )
         grid = tuple(size // extent for size, extent in zip(sizes, self.patch))
         try:
-            perm, inv = cube_permutation(grid, self.cube)
+            cube_permutation(grid, self.cube)
         except ValueError as err:
             raise ValueError(
                 f"{type(module).__name__}: hidden_states {self.layout}={tuple(x.shape)} with patch {self.patch} "
                 f"gives the token grid (T, H, W)={grid}, which attention.cube={self.cube} does not tile: {err}"
             ) from None
-        self.grid, self.perm, self.inv = grid, perm.to(x.device), inv.to(x.device)
+        self.grid = grid
 
-    def current(self, device: torch.device) -> tuple[tuple[int, int, int], torch.Tensor, torch.Tensor]:
-        """`(grid, perm, inv)` of the transformer's current input, `perm`/`inv` on `device`."""
-        if self.grid is None:
+    def forward_done(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        self.grid = None  # a processor called after this (a checkpointing recompute) finds its own grid
+
+
+class _GridOfCall:
+    """Which token grid a processor call belongs to. Inside the transformer's forward, the grid its pre-hook
+    recorded (and, for a training forward, remembered with a fingerprint of the call's input). In a
+    checkpointing recompute, which runs in the backward after the forward has ended (and maybe after other
+    forwards at other grids), the remembered grid of that forward: the only one, or the one whose input
+    fingerprint matches. Anywhere else (e.g. `transformer.forward(...)` called directly, which skips the
+    hooks) an error, not the grid of whichever forward ran last."""
+
+    def __init__(self, latent: _LatentGrid, layer: DSVAttentionCore):
+        self.latent, self.layer = latent, layer
+        self.records: list[tuple[int | None, torch.Tensor, tuple[int, int, int]]] = []
+
+    def __call__(self, hidden_states: torch.Tensor) -> tuple[tuple[int, int, int], torch.Tensor, torch.Tensor]:
+        grid = self.latent.grid
+        if grid is not None:
+            if torch.is_grad_enabled():
+                forward_id = self.layer.controller.forward_id if self.layer.controller is not None else None
+                if any(record[0] != forward_id for record in self.records):
+                    self.records.clear()  # a new step: the previous one's backward is done
+                self.records.append((forward_id, _fingerprint(hidden_states), grid))
+        elif torch._C._current_graph_task_id() != -1 and self.records:
+            grids = {record[2] for record in self.records}
+            if len(grids) > 1:  # forwards at several grids before the backward: this input's
+                fingerprint = _fingerprint(hidden_states)
+                grids = {record[2] for record in self.records
+                         if torch.allclose(record[1], fingerprint, rtol=1e-4, atol=1e-6)}
+            if len(grids) != 1:
+                raise RuntimeError(
+                    f"DSV processor layer {self.layer.layer_index}: a checkpointing recompute cannot tell which "
+                    f"of this step's token grids {sorted({r[2] for r in self.records})} its forward had; run "
+                    "each forward's backward before the next forward at another video size")
+            grid = grids.pop()
+        else:
             raise RuntimeError(
-                "DSV processor called before its transformer ran: the token grid is recorded by the "
-                "transformer's forward, so call the transformer, not the attention module alone"
-            )
-        return self.grid, self.perm.to(device), self.inv.to(device)
+                "DSV processor called outside its transformer's forward: the token grid is recorded by the "
+                "transformer's forward hooks, so call the transformer (`transformer(...)`, not "
+                "`transformer.forward(...)` or the attention module alone)")
+        perm, inv = cube_permutation_on(grid, self.latent.cube, hidden_states.device)
+        return grid, perm, inv
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -145,7 +179,7 @@ class WanDSVProcessor(DSVAttentionCore):
     def __init__(self, attn: nn.Module, cfg: AttentionConfig, grid: _LatentGrid):
         heads = attn.heads
         super().__init__(attn.to_q.in_features, heads, attn.to_q.out_features // heads, cfg)
-        self._grid = grid
+        self._grid_of_call = _GridOfCall(grid, self)
 
     def forward(
         self,
@@ -160,7 +194,7 @@ class WanDSVProcessor(DSVAttentionCore):
                 "WanDSVProcessor is self-attention: encoder_hidden_states and attention_mask must be None "
                 "(it is installed on attn1 only)"
             )
-        grid, perm, inv = self._grid.current(hidden_states.device)
+        grid, perm, inv = self._grid_of_call(hidden_states)
         self.check_input(hidden_states, grid)
         hidden = hidden_states.index_select(1, perm)  # grouped order: each query cube is contiguous
         # Wan normalises q and k across all heads, before the head split.
@@ -230,7 +264,7 @@ class CogVideoXDSVProcessor(DSVAttentionCore):
     def __init__(self, attn: nn.Module, cfg: AttentionConfig, grid: _LatentGrid):
         heads = attn.heads
         super().__init__(attn.to_q.in_features, heads, attn.to_q.out_features // heads, cfg)
-        self._grid = grid
+        self._grid_of_call = _GridOfCall(grid, self)
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         # diffusers' Attention.forward passes on only the keyword arguments named in the processor's
@@ -251,7 +285,7 @@ class CogVideoXDSVProcessor(DSVAttentionCore):
             raise ValueError("CogVideoXDSVProcessor: encoder_hidden_states (the text tokens [B, L, C]) is required")
         if attention_mask is not None:
             raise ValueError("CogVideoXDSVProcessor: attention_mask is not supported (CogVideoX passes None)")
-        grid, perm, inv = self._grid.current(hidden_states.device)
+        grid, perm, inv = self._grid_of_call(hidden_states)
         self.check_input(hidden_states, grid)
         seq_len = hidden_states.shape[1]
         hidden = hidden_states.index_select(1, perm)  # grouped order: each query cube is contiguous
@@ -339,6 +373,7 @@ def install_dsv(transformer: nn.Module, cfg: AttentionConfig) -> DSVController:
     transformer.add_module(CONTROLLER_NAME, controller)
     controller.attach(transformer)
     transformer.register_forward_pre_hook(grid, with_kwargs=True)
+    transformer.register_forward_hook(grid.forward_done, with_kwargs=True)
     return controller
 
 

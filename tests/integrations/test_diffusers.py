@@ -117,14 +117,13 @@ def test_wan_dense_layer_equals_diffusers_processor_in_float64():
     model = tiny_wan().double()
     inputs = wan_inputs(dtype=torch.float64)
     captured = {}
-    model.blocks[1].attn1.register_forward_pre_hook(lambda m, args: captured.setdefault("args", args))
+    attn = model.blocks[1].attn1
+    attn.register_forward_hook(lambda m, args, out: captured.update(args=args, out=out))
     install_dsv(model, cfg("dense"))
     wan_forward(model, inputs)
     hidden, _, _, rotary = captured["args"]
-    attn = model.blocks[1].attn1
-    out = attn(hidden, None, None, rotary)
     assert attn.processor.last_path == "dense:sdpa"
-    torch.testing.assert_close(out, WanAttnProcessor()(attn, hidden, None, None, rotary), **TOL64)
+    torch.testing.assert_close(captured["out"], WanAttnProcessor()(attn, hidden, None, None, rotary), **TOL64)
 
 
 def test_wan_dense_mode_equals_unpatched_forward_and_backward():
@@ -236,8 +235,14 @@ def test_wan_bad_inputs_and_misuse_raise_clear_errors():
     install_dsv(model, cfg("dsv"))
     with pytest.raises(ValueError, match="already has DSV installed"):
         install_dsv(model, cfg("dsv"))
-    with pytest.raises(RuntimeError, match="before its transformer ran"):
+    with pytest.raises(RuntimeError, match="outside its transformer's forward"):
         model.blocks[0].attn1(torch.randn(1, 64, 32))
+    wan_forward(model, wan_inputs())
+    with pytest.raises(RuntimeError, match="outside its transformer's forward"):  # not the last forward's grid
+        model.blocks[0].attn1(torch.randn(1, 64, 32))
+    x, t, text = wan_inputs()
+    with pytest.raises(RuntimeError, match="outside its transformer's forward"):  # `.forward` skips the hooks
+        model.forward(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)
     with pytest.raises(ValueError, match=r"token grid \(T, H, W\)=\(3, 4, 4\).*cube.*T=3"):
         wan_forward(model, wan_inputs(frames=3))  # T = 3 frames do not tile into cubes of 2
     with pytest.raises(ValueError, match="height=7 is not divisible by the model's patch extent 2"):
@@ -246,6 +251,45 @@ def test_wan_bad_inputs_and_misuse_raise_clear_errors():
     x[0, 0, 0, 0, 0] = float("nan")
     with pytest.raises(FloatingPointError, match="NaN or Inf"):
         wan_forward(model, (x, t, text))
+
+
+def _sparse_quarter(model):
+    """Stage 2 with every layer sparse, each head keeping a quarter of the key blocks."""
+    state = model.state_dict()
+    state["dsv_controller.stage"] = torch.tensor(2)
+    for key in state:
+        if key.endswith("processor.use_sparse"):
+            state[key] = torch.tensor(True)
+        elif key.endswith("processor.keep_fraction"):
+            state[key] = torch.full_like(state[key], 0.25)
+    model.load_state_dict(state)
+
+
+def test_a_checkpointing_recompute_uses_the_grid_of_its_own_forward():
+    """Two forwards at token grids (4, 4, 8) and (4, 8, 4) (same token count) before one backward, under
+    gradient checkpointing: each block's recompute runs after both forwards and must permute its tokens by
+    its own forward's grid (it took the last forward's, silently, and the gradients were ~70% off)."""
+    inputs = [(torch.randn(1, 3, 4, 8, 16, dtype=torch.float64), torch.tensor([300.0], dtype=torch.float64),
+               torch.randn(1, 5, 32, dtype=torch.float64)),
+              (torch.randn(1, 3, 4, 16, 8, dtype=torch.float64), torch.tensor([600.0], dtype=torch.float64),
+               torch.randn(1, 5, 32, dtype=torch.float64))]
+    results = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = tiny_wan().double()
+        install_dsv(model, cfg("oracle"))
+        _sparse_quarter(model)
+        if checkpointing:
+            model.enable_gradient_checkpointing()
+        model.train()
+        model.dsv_controller.begin_step(0)
+        loss = sum(wan_forward(model, x).pow(2).mean() for x in inputs)
+        loss.backward()
+        assert all(layer.last_path == "sparse:reference" for layer in model.dsv_controller.layers)
+        results.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert results[0].keys() == results[1].keys() and len(results[0]) > 20
+    for name in results[0]:
+        torch.testing.assert_close(results[1][name], results[0][name], **TOL32, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_from_pretrained_local_plain_folder_gets_fresh_dsv_state(tmp_path):
@@ -352,12 +396,13 @@ def test_cogvideox_text_tokens_stay_dense_under_a_partial_budget():
     model.load_state_dict(state)
     captured = {}
     attn = model.transformer_blocks[1].attn1
-    attn.register_forward_pre_hook(lambda m, args, kwargs: captured.update(kwargs), with_kwargs=True)
+    attn.register_forward_hook(lambda m, args, kwargs, out: captured.update(kwargs=kwargs, out=out),
+                               with_kwargs=True)
     inputs = cog_inputs()
     with torch.no_grad():
         cog_forward(model, inputs)
-        video, text = attn(**captured)
-        dense_video, dense_text = CogVideoXAttnProcessor2_0()(attn, **captured)
+        video, text = captured["out"]
+        dense_video, dense_text = CogVideoXAttnProcessor2_0()(attn, **captured["kwargs"])
     assert attn.processor.last_path == "sparse:reference"
     torch.testing.assert_close(text, dense_text, **TOL64)
     assert (video - dense_video).abs().max() > 1e-3  # the video queries did skip keys
