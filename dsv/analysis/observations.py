@@ -28,7 +28,7 @@ import torch
 from dsv.analysis.checkpointed_model import load_model
 from dsv.analysis.profile import check_clips_and_theta, heatmap, heldout_clips
 from dsv.ops import head_sparsity
-from dsv.ops.grouping import check_sequence_matches_grid, cube_permutation
+from dsv.ops.grouping import check_cube_tiles, check_sequence_matches_grid, cube_permutation
 from dsv.ops.index import check_bhsd, compute_dtype, resolve_chunk_size
 from dsv.train.checkpoint import resolve_checkpoint
 
@@ -168,6 +168,7 @@ def cube_overlap(q: torch.Tensor, k: torch.Tensor, grid: tuple[int, int, int], c
         queries: ``|C_i ∩ C_j| / |C_i|`` and ``|C_i ∩ C_j| / |C_i ∪ C_j|``.
     """
     check_sequence_matches_grid(q.shape[2], grid)
+    check_cube_tiles(grid, cube, "the critical-key overlap inside query cubes")
     perm, _ = cube_permutation(grid, cube)
     group = math.prod(cube)
     if group < 2:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 from pathlib import Path
 
 import torch
@@ -101,7 +100,7 @@ class _LatentGrid:
         except ValueError as err:
             raise ValueError(
                 f"{type(module).__name__}: hidden_states {self.layout}={tuple(x.shape)} with patch {self.patch} "
-                f"gives the token grid (T, H, W)={grid}, which attention.cube={self.cube} does not tile: {err}"
+                f"gives the token grid (T, H, W)={grid}, which attention.cube={self.cube} does not fit: {err}"
             ) from None
         self.grid = grid
 
@@ -218,38 +217,44 @@ class WanDSVProcessor(DSVAttentionCore):
 def _append_always_kept(index: SparseIndex, extra_len: int) -> SparseIndex:
     """Extend an index over `S` grouped tokens to the sequence `[grouped tokens; extra_len extra tokens]`.
 
-    Every original query group keeps its selected blocks plus all key blocks of the extra tokens (appended
-    after its valid entries, so rows stay ascending). The query groups of the extra tokens list only the
-    extra key blocks: their outputs are placeholders that the caller recomputes densely.
+    Every original query group keeps its selected blocks plus all key blocks that hold extra tokens (appended
+    after its valid entries, so rows stay ascending). Where `S` ends inside a key block, that block holds both
+    the last video keys and the first extra ones: every group keeps it (with its video keys), and a group
+    that had selected it lists it once. Where `S` ends
+    inside a query group, that group's extra-token queries share its row; like the query groups of only
+    extra tokens (which list only the extra key blocks), their outputs are placeholders that the caller
+    recomputes densely.
 
     Args:
-        index: rows `[B, H, S / G, K]`; `S` must be a multiple of `group_size` and of `kv_block`, so that
-            the extra tokens start a new query group and a new key block.
+        index: rows `[B, H, ceil(S / G), K]` over `S` tokens.
         extra_len: number of appended tokens, `L >= 1`.
 
     Returns:
-        `SparseIndex` with rows `[B, H, ceil((S + L) / G), K + ceil(L / kv_block)]` and `seq_len = S + L`.
+        `SparseIndex` with rows `[B, H, ceil((S + L) / G), K + E]`, `E` the key blocks holding extra tokens,
+        and `seq_len = S + L`.
     """
     seq_len, group_size, kv_block = index.seq_len, index.group_size, index.kv_block
-    if seq_len % group_size or seq_len % kv_block:
-        raise ValueError(
-            f"appending always-kept tokens needs the video length S={seq_len} to be a multiple of the group "
-            f"size {group_size} and of attention.kv_block={kv_block}; choose a kv_block that divides {seq_len}"
-        )
+    total = seq_len + extra_len
     batch, heads, groups, width = index.indices.shape
     device = index.indices.device
-    extra_blocks = math.ceil(extra_len / kv_block)
-    extra_ids = torch.arange(seq_len // kv_block, seq_len // kv_block + extra_blocks, device=device, dtype=torch.int32)
-    indices = torch.full((batch, heads, groups, width + extra_blocks), PAD, dtype=torch.int32, device=device)
+    extra_ids = torch.arange(seq_len // kv_block, -(-total // kv_block), device=device, dtype=torch.int32)
+    extra_blocks = len(extra_ids)
+    # The block shared with the last video keys (only when S ends inside it) may already be listed.
+    listed = ((index.indices == extra_ids[0]).any(-1) if seq_len % kv_block
+              else torch.zeros(index.counts.shape, dtype=torch.bool, device=device))
+    # One scratch column takes the duplicate, dropped after the scatter.
+    indices = torch.full((batch, heads, groups, width + extra_blocks + 1), PAD, dtype=torch.int32, device=device)
     indices[..., :width] = index.indices
-    slots = index.counts.long().unsqueeze(-1) + torch.arange(extra_blocks, device=device)
+    slots = index.counts.long().unsqueeze(-1) + torch.arange(extra_blocks, device=device) - listed.long().unsqueeze(-1)
+    slots[..., 0] = torch.where(listed, width + extra_blocks, slots[..., 0])
     indices.scatter_(-1, slots, extra_ids.expand(batch, heads, groups, extra_blocks))
-    extra_groups = math.ceil((seq_len + extra_len) / group_size) - groups
+    indices = indices[..., :-1]
+    extra_groups = -(-total // group_size) - groups
     extra_rows = torch.full((batch, heads, extra_groups, width + extra_blocks), PAD, dtype=torch.int32, device=device)
     extra_rows[..., :extra_blocks] = extra_ids
-    counts = torch.cat([index.counts + extra_blocks,
+    counts = torch.cat([index.counts + extra_blocks - listed.int(),
                         torch.full((batch, heads, extra_groups), extra_blocks, dtype=torch.int32, device=device)], 2)
-    return SparseIndex(torch.cat([indices, extra_rows], 2), counts, group_size, kv_block, seq_len + extra_len)
+    return SparseIndex(torch.cat([indices, extra_rows], 2), counts, group_size, kv_block, total)
 
 
 class CogVideoXDSVProcessor(DSVAttentionCore):

@@ -4,6 +4,12 @@ A video latent of grid ``(T, H, W)`` is flattened in raster order, t-major: toke
 ``(t * H + h) * W + w``. Sparse attention shares one key selection per query cube, so the cube's tokens
 must be neighbours in the sequence. The *grouped order* lists the cubes in raster order of their cube
 coordinates and, inside a cube, its tokens in raster order.
+
+A grid the cube does not tile (e.g. Wan's 21 x 30 x 52 latent with 2 x 4 x 4 cubes) keeps that order for
+the whole cubes, which come first, and puts the tokens of the partial cubes at its edges after them, partial
+cube after partial cube in a serpentine walk of the cube lattice: a group of ``cube volume`` consecutive
+tokens there spans a few neighbouring partial cubes, and the last group may be shorter (a ragged tail,
+which the kernels take). No padding token is made.
 """
 
 from __future__ import annotations
@@ -38,13 +44,16 @@ def _as_shape(value, name: str) -> tuple[int, int, int]:
     return shape
 
 
-def _check_divisible(grid: tuple[int, int, int], cube: tuple[int, int, int]) -> None:
+def check_cube_tiles(grid: tuple[int, int, int], cube: tuple[int, int, int], needed_by: str) -> None:
+    """Raise ValueError unless every grid size is a multiple of the cube extent: for what needs every group
+    to be a whole cube (``needed_by`` names it), e.g. 3-D windows or per-cube statistics."""
+    grid, cube = _as_shape(grid, "grid"), _as_shape(cube, "cube")
     for dim_name, size, extent in zip(_DIM_NAMES, grid, cube):
         if size % extent:
             padded = math.ceil(size / extent) * extent
             raise ValueError(
-                f"grid {dim_name}={size} is not divisible by cube {dim_name.lower()}={extent}; "
-                f"pad {dim_name} to {padded} or choose a cube extent dividing {size}"
+                f"{needed_by} needs whole cubes: grid {dim_name}={size} is not divisible by cube "
+                f"{dim_name.lower()}={extent}; pad {dim_name} to {padded} or choose a cube extent dividing {size}"
             )
 
 
@@ -52,9 +61,27 @@ def _build_permutation(
     grid: tuple[int, int, int], cube: tuple[int, int, int], device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     (t, h, w), (ct, ch, cw) = grid, cube
-    raster_ids = torch.arange(t * h * w, device=device).view(t // ct, ct, h // ch, ch, w // cw, cw)
-    # Cube coordinates (axes 0, 2, 4) outermost, in-cube offsets (axes 1, 3, 5) innermost.
-    perm = raster_ids.permute(0, 2, 4, 1, 3, 5).reshape(-1)
+    if t % ct == 0 and h % ch == 0 and w % cw == 0:
+        raster_ids = torch.arange(t * h * w, device=device).view(t // ct, ct, h // ch, ch, w // cw, cw)
+        # Cube coordinates (axes 0, 2, 4) outermost, in-cube offsets (axes 1, 3, 5) innermost.
+        perm = raster_ids.permute(0, 2, 4, 1, 3, 5).reshape(-1)
+    else:
+        # Sort key: whole cubes first, in the raster order of their cube coordinates (the order above), then
+        # partial cubes in serpentine order (each row of cubes, and each layer of rows, walked back and forth),
+        # so that consecutive partial cubes are neighbours even across the end of a row; then the token's
+        # offset inside its cube. Unique per token.
+        tt, hh, ww = torch.meshgrid(*(torch.arange(n, device=device) for n in (t, h, w)), indexing="ij")
+        cubes_h, cubes_w, volume = -(-h // ch), -(-w // cw), ct * ch * cw
+        cube_t, cube_h, cube_w = tt // ct, hh // ch, ww // cw
+        cube_id = (cube_t * cubes_h + cube_h) * cubes_w + cube_w
+        snake_h = torch.where(cube_t % 2 == 1, cubes_h - 1 - cube_h, cube_h)
+        snake_w = torch.where((cube_t * cubes_h + snake_h) % 2 == 1, cubes_w - 1 - cube_w, cube_w)
+        snake_id = (cube_t * cubes_h + snake_h) * cubes_w + snake_w
+        offset = ((tt % ct) * ch + hh % ch) * cw + ww % cw
+        partial = (tt >= t - t % ct) | (hh >= h - h % ch) | (ww >= w - w % cw)
+        total = cube_id.max() + 1
+        key = torch.where(partial, total + snake_id, cube_id) * volume + offset
+        perm = torch.argsort(key.reshape(-1))
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel(), device=device)
     return perm, inv
@@ -75,7 +102,8 @@ def cube_permutation(
 
     Args:
         grid: ``(T, H, W)`` latent grid; ``S = T * H * W``.
-        cube: ``(t, h, w)`` query-cube extents; each must divide the matching grid size.
+        cube: ``(t, h, w)`` query-cube extents. Where they do not divide the grid, the whole cubes come first
+            and the partial cubes at the grid's edges after them (module docstring).
         device: None for CPU tensors copied from a cached result; a device to build them there, uncached
             (what a compiled graph does: the permutation becomes a few index kernels of the graph).
 
@@ -86,12 +114,13 @@ def cube_permutation(
         modify them.
 
     Raises:
-        ValueError: a size is not positive, or a grid size is not divisible by the cube extent (the
-            message names the dimension and the padded size that would divide).
+        ValueError: a size is not positive, or a cube extent exceeds its grid size.
     """
     grid = _as_shape(grid, "grid")
     cube = _as_shape(cube, "cube")
-    _check_divisible(grid, cube)
+    for dim_name, size, extent in zip(_DIM_NAMES, grid, cube):
+        if extent > size:
+            raise ValueError(f"cube {dim_name.lower()}={extent} is larger than grid {dim_name}={size}")
     if device is not None:
         return _build_permutation(grid, cube, device)
     perm, inv = _cached_permutation(grid, cube)

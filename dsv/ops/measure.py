@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from dsv.ops.grouping import cube_permutation
+from dsv.ops.grouping import check_cube_tiles, cube_permutation
 from dsv.ops.index import (
     SparseIndex,
     check_bhsd,
@@ -339,6 +339,7 @@ def window_index(
     Returns:
         ``SparseIndex`` with ``indices [batch, heads, NG, K]`` on the CPU, ``K`` the window's blocks.
     """
+    check_cube_tiles(grid, cube, "window attention (attention.mode=window)")
     _, inv = cube_permutation(grid, cube)
     grid, cube = tuple(int(size) for size in grid), tuple(int(size) for size in cube)
     group_size, seq_len = math.prod(cube), math.prod(grid)

@@ -66,13 +66,14 @@ def tiny_cogvideox(rotary: bool = True, patch_size_t: int | None = None) -> CogV
     ).double()
 
 
-def cog_inputs(rotary: bool = True, patch_size_t: int | None = None):
-    """Latent [2, F=4, 4, 8, 8] → token grid (4 / patch_size_t, 4, 4); 7 text tokens (a partial key block
-    of 8); the rotary (cos, sin) tables [S, 16] when `rotary`."""
-    frames = 4 // (patch_size_t or 1)
-    rope = (tuple(f.double() for f in get_3d_rotary_pos_embed(16, ((0, 0), (4, 4)), (4, 4), frames))
+def cog_inputs(rotary: bool = True, patch_size_t: int | None = None, size: int = 8):
+    """Latent [2, F=4, 4, size, size] → token grid (4 / patch_size_t, size / 2, size / 2); 7 text tokens (a
+    partial key block of 8); the rotary (cos, sin) tables [S, 16] when `rotary`."""
+    frames, side = 4 // (patch_size_t or 1), size // 2
+    rope = (tuple(f.double() for f in get_3d_rotary_pos_embed(16, ((0, 0), (side, side)), (side, side), frames))
             if rotary else None)
-    return torch.randn(2, 4, 4, 8, 8, dtype=torch.float64), torch.randn(2, 7, 32, dtype=torch.float64), rope
+    return (torch.randn(2, 4, 4, size, size, dtype=torch.float64), torch.randn(2, 7, 32, dtype=torch.float64),
+            rope)
 
 
 def cog_forward(model, inputs):
@@ -135,12 +136,18 @@ def test_wan_dense_mode_equals_unpatched_forward_and_backward():
     assert [layer.last_path for layer in controller.layers] == ["dense:sdpa"] * 2
 
 
-def test_wan_oracle_with_all_keys_equals_dense_forward_and_backward():
+# Latent sizes whose token grid the 2x2x2 cube tiles, and two it does not (3 frames; a 5x5 grid): the partial
+# cubes go last and the last query group is short (`cube_permutation`), with every key kept still exact.
+GRIDS = pytest.mark.parametrize("frames, size", [(4, 8), (3, 8), (4, 10)], ids=["tiled", "odd-T", "odd-H-W"])
+
+
+@GRIDS
+def test_wan_oracle_with_all_keys_equals_dense_forward_and_backward(frames, size):
     reference = tiny_wan()
     patched = copy.deepcopy(reference)
     controller = install_dsv(patched, cfg("oracle", max_stage1_steps=1, keep_floor_blocks=10_000,
                                           sparse_threshold=0.0))
-    inputs = wan_inputs()
+    inputs = wan_inputs(frames=frames, size=size)
     train_steps(patched, controller, wan_forward, inputs, steps=1)
     assert controller.current_stage == 2 and controller.sparse_layers() == [0, 1]
     controller.begin_step(1)
@@ -243,8 +250,8 @@ def test_wan_bad_inputs_and_misuse_raise_clear_errors():
     x, t, text = wan_inputs()
     with pytest.raises(RuntimeError, match="outside its transformer's forward"):  # `.forward` skips the hooks
         model.forward(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)
-    with pytest.raises(ValueError, match=r"token grid \(T, H, W\)=\(3, 4, 4\).*cube.*T=3"):
-        wan_forward(model, wan_inputs(frames=3))  # T = 3 frames do not tile into cubes of 2
+    with pytest.raises(ValueError, match=r"token grid \(T, H, W\)=\(1, 4, 4\).*cube t=2 is larger than grid T=1"):
+        wan_forward(model, wan_inputs(frames=1))
     with pytest.raises(ValueError, match="height=7 is not divisible by the model's patch extent 2"):
         wan_forward(model, (torch.randn(1, 3, 4, 7, 8), torch.tensor([1.0]), torch.randn(1, 5, 32)))
     x, t, text = wan_inputs()
@@ -369,12 +376,15 @@ def test_cogvideox_dense_mode_equals_unpatched_forward_and_backward(rotary, patc
     assert all(isinstance(b.attn1.processor, CogVideoXDSVProcessor) for b in patched.transformer_blocks)
 
 
-def test_cogvideox_oracle_with_all_keys_equals_dense_forward_and_backward():
+@pytest.mark.parametrize("size", [8, 6], ids=["tiled", "odd-H-W"])
+def test_cogvideox_oracle_with_all_keys_equals_dense_forward_and_backward(size):
+    """With a 3x3 token grid per frame the video (36 tokens) ends inside a group and a key block of 8: the
+    block shared with the text keys is kept once."""
     reference = tiny_cogvideox()
     patched = copy.deepcopy(reference)
     controller = install_dsv(patched, cfg("oracle", max_stage1_steps=1, keep_floor_blocks=10_000,
                                           sparse_threshold=0.0))
-    inputs = cog_inputs()
+    inputs = cog_inputs(size=size)
     train_steps(patched, controller, cog_forward, inputs, steps=1)
     controller.begin_step(1)
     result = grads(patched, cog_forward, inputs)
@@ -408,29 +418,29 @@ def test_cogvideox_text_tokens_stay_dense_under_a_partial_budget():
     assert (video - dense_video).abs().max() > 1e-3  # the video queries did skip keys
 
 
-def test_appended_text_keys_are_attended_by_every_video_group():
-    seq, text_len, group, heads = 32, 5, 8, 2
+@pytest.mark.parametrize("seq, kv_block", [(32, 8), (36, 8), (29, 8), (30, 4)],
+                         ids=["whole-groups", "ends-mid-group", "ends-mid-block", "small-blocks"])
+def test_appended_text_keys_are_attended_by_every_video_group(seq, kv_block):
+    """Every video query sees its selected video keys and every text key once, also where the video ends
+    inside a query group or a key block (that block holds video and text keys, may be selected already, and
+    its video keys are kept by every group with the text keys)."""
+    text_len, group, heads = 5, 8, 2
+    torch.manual_seed(seq)
     q, k, v = torch.randn(3, 1, heads, seq + text_len, 16, dtype=torch.float64).unbind(0)
-    base = oracle_index(q[:, :, :seq], k[:, :, :seq], torch.tensor([1, 2]), group, group)
+    base = oracle_index(q[:, :, :seq], k[:, :, :seq], torch.tensor([2, 3]), group, kv_block)
     index = _append_always_kept(base, text_len)
     index.validate()
-    assert index.seq_len == seq + text_len and torch.equal(index.counts[..., :4], base.counts + 1)
-    # Dense reference: each video group sees its selected video blocks and every text token.
+    assert index.seq_len == seq + text_len
+    # Dense reference: each video group sees its selected blocks (clipped to the sequence) and every text token.
     mask = torch.zeros(1, heads, seq, seq + text_len, dtype=torch.bool)
     for h in range(heads):
-        for g in range(seq // group):
+        for g in range(-(-seq // group)):
             for block in base.indices[0, h, g, : base.counts[0, h, g]].tolist():
-                mask[0, h, g * group:(g + 1) * group, block * group:(block + 1) * group] = True
-    mask[..., seq:] = True
+                mask[0, h, g * group:(g + 1) * group, block * kv_block:(block + 1) * kv_block] = True
+    mask[..., seq // kv_block * kv_block:] = True  # the text keys and the video keys of a shared block
+    rows = index.indices[0, :, : -(-seq // group)]
+    for row, count in zip(rows.reshape(-1, rows.shape[-1]), index.counts[0, :, : -(-seq // group)].reshape(-1)):
+        listed = row[:count].tolist()
+        assert len(set(listed)) == len(listed) and listed == sorted(listed)  # each block once, ascending
     expected = F.scaled_dot_product_attention(q[:, :, :seq], k, v, attn_mask=mask)
     torch.testing.assert_close(sparse_attention(q, k, v, index)[:, :, :seq], expected, **TOL64)
-    with pytest.raises(ValueError, match="attention.kv_block=3"):
-        _append_always_kept(oracle_index(q[:, :, :seq], k[:, :, :seq], torch.tensor([2, 2]), group, 3), text_len)
-
-
-def test_cogvideox_grid_not_tiled_by_cube_raises():
-    model = tiny_cogvideox()
-    install_dsv(model, cfg("dsv"))
-    x, text, _ = cog_inputs()
-    with pytest.raises(ValueError, match=r"token grid \(T, H, W\)=\(4, 3, 3\)"):
-        model(x[..., :6, :6], text, torch.tensor([10, 600]))

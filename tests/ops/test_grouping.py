@@ -1,9 +1,10 @@
 import itertools
+import math
 
 import pytest
 import torch
 
-from dsv.ops.grouping import check_sequence_matches_grid, cube_permutation
+from dsv.ops.grouping import check_cube_tiles, check_sequence_matches_grid, cube_permutation
 
 
 def brute_force_grouped_order(grid, cube):
@@ -64,11 +65,41 @@ def test_cached_permutation_cannot_be_corrupted_by_caller():
     assert torch.equal(cube_permutation([2, 4, 4], [1, 2, 2])[0], expected)
 
 
-def test_indivisible_grid_names_dimension_and_padding():
-    with pytest.raises(ValueError, match=r"grid T=9 is not divisible by cube t=2; pad T to 10"):
-        cube_permutation((9, 4, 4), (2, 2, 2))
+def test_whole_cube_checks_name_dimension_and_padding():
+    message = r"windows needs whole cubes: grid T=9 is not divisible by cube t=2; pad T to 10"
+    with pytest.raises(ValueError, match=message):
+        check_cube_tiles((9, 4, 4), (2, 2, 2), "windows")
     with pytest.raises(ValueError, match=r"grid W=10 .* cube w=4; pad W to 12 .* dividing 10"):
-        cube_permutation((2, 4, 10), (1, 2, 4))
+        check_cube_tiles((2, 4, 10), (1, 2, 4), "windows")
+    check_cube_tiles((2, 4, 8), (1, 2, 4), "windows")
+    with pytest.raises(ValueError, match=r"cube h=8 is larger than grid H=4"):
+        cube_permutation((2, 4, 8), (1, 8, 4))
+
+
+@pytest.mark.parametrize("grid, cube", [((21, 30, 52), (2, 4, 4)), ((13, 30, 45), (2, 4, 4)), ((3, 5, 7), (2, 2, 2))])
+def test_a_grid_the_cube_does_not_tile_keeps_whole_cubes_first_then_neighbouring_partial_ones(grid, cube):
+    """Wan 2.1 at 480p (21 x 30 x 52 latent tokens), CogVideoX-5b (13 x 30 x 45): the whole cubes keep their
+    grouped order and come first, each a group; the partial cubes at the edges follow, each contiguous, so a
+    group of the remainder spans few, adjacent partial cubes; it is a permutation."""
+    perm, inv = cube_permutation(grid, cube)
+    seq_len, group = math.prod(grid), math.prod(cube)
+    assert torch.equal(torch.sort(perm).values, torch.arange(seq_len)) and torch.equal(perm[inv], torch.arange(seq_len))
+    whole = tuple(size - size % extent for size, extent in zip(grid, cube))
+    coords = torch.stack(torch.meshgrid(*(torch.arange(n) for n in grid), indexing="ij"), -1).view(-1, 3)[perm]
+    n_whole = math.prod(whole)
+    assert (coords[:n_whole] < torch.tensor(whole)).all() and not (coords[n_whole:] < torch.tensor(whole)).all(-1).any()
+    sub_perm, _ = cube_permutation(whole, cube)
+    sub_coords = torch.stack(torch.meshgrid(*(torch.arange(n) for n in whole), indexing="ij"), -1).view(-1, 3)
+    assert torch.equal(coords[:n_whole], sub_coords[sub_perm])  # the tiled part's own grouped order
+    cube_of = coords // torch.tensor(cube)
+    remainder = cube_of[n_whole:]
+    changes = (remainder[1:] != remainder[:-1]).any(-1).sum().item()
+    assert changes + 1 == len(torch.unique(remainder, dim=0))  # each partial cube is contiguous
+    # Remainder groups stay local: their boxes average under 3 cube extents per axis (a raster walk of the
+    # partial cubes wraps at each row end: a group spanning the whole width).
+    spans = torch.stack([coords[start:start + group].max(0).values - coords[start:start + group].min(0).values
+                         for start in range(n_whole, seq_len, group)])
+    assert (spans.float().mean(0) < 3 * torch.tensor(cube)).all(), spans.float().mean(0)
 
 
 @pytest.mark.parametrize(
