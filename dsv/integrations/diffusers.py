@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -166,7 +167,24 @@ def _wan_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2).type_as(x)
 
 
-class WanDSVProcessor(DSVAttentionCore):
+class _OwnAttentionKernels:
+    """DSV processors run their own attention (SDPA when dense, DSV's kernels when sparse): diffusers'
+    `set_attention_backend`, which sets `_attention_backend` on every processor, does not apply to them, and
+    says so instead of being dropped silently (the cross-attention layers keep the backend)."""
+
+    @property
+    def _attention_backend(self):
+        return None
+
+    @_attention_backend.setter
+    def _attention_backend(self, backend) -> None:
+        if backend is not None:
+            warnings.warn(f"set_attention_backend({getattr(backend, 'value', backend)!r}) does not apply to the DSV "
+                          f"self-attention layers ({type(self).__name__}: SDPA when dense, DSV's kernels when "
+                          "sparse); other attention layers use it", stacklevel=3)
+
+
+class WanDSVProcessor(_OwnAttentionKernels, DSVAttentionCore):
     """DSV self-attention processor for a `WanAttention` used as self-attention (`attn1`).
 
     Called by `WanAttention.forward(hidden_states [B, S, C], None, None, rotary_emb)` with `S = T*H*W`
@@ -257,7 +275,7 @@ def _append_always_kept(index: SparseIndex, extra_len: int) -> SparseIndex:
     return SparseIndex(torch.cat([indices, extra_rows], 2), counts, group_size, kv_block, total)
 
 
-class CogVideoXDSVProcessor(DSVAttentionCore):
+class CogVideoXDSVProcessor(_OwnAttentionKernels, DSVAttentionCore):
     """DSV processor for the joint text+video self-attention (`attn1`) of a `CogVideoXBlock`.
 
     Called with `hidden_states [B, S, C]` (video tokens, raster order, `S = T*H*W`),

@@ -299,6 +299,16 @@ def test_a_checkpointing_recompute_uses_the_grid_of_its_own_forward():
         torch.testing.assert_close(results[1][name], results[0][name], **TOL32, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_set_attention_backend_says_it_does_not_apply_to_dsv_layers():
+    model = tiny_wan()
+    install_dsv(model, cfg("dense"))
+    with pytest.warns(UserWarning, match=r"set_attention_backend\('native'\) does not apply to the DSV"):
+        model.set_attention_backend("native")
+    assert model.blocks[0].attn1.processor._attention_backend is None
+    assert model.blocks[0].attn2.processor._attention_backend is not None  # cross-attention takes it
+    wan_forward(model, wan_inputs())
+
+
 def test_from_pretrained_local_plain_folder_gets_fresh_dsv_state(tmp_path):
     reference = tiny_wan()
     reference.save_pretrained(tmp_path)
