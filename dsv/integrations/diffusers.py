@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import warnings
 from pathlib import Path
 
@@ -45,7 +46,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
     ) from err
 from safetensors import safe_open
 
-from dsv.modules.attention import DSVAttentionCore, _fingerprint
+from dsv.modules.attention import DSVAttentionCore
 from dsv.modules.config import AttentionConfig
 from dsv.modules.controller import DSVController
 from dsv.ops import PAD, SparseIndex, cube_permutation
@@ -71,15 +72,20 @@ CONTROLLER_NAME = "dsv_controller"
 
 class _LatentGrid:
     """Forward pre- and post-hook of a patched transformer: the token grid `(T, H, W)` of the forward running
-    now (None outside the transformer's forward), checked against the patch and the cube.
+    now (None outside the transformer's forward), checked against the patch and the cube, and the grids of
+    this step's forwards with gradients, for checkpointing recomputes (which run in the backward, after their
+    forward has ended).
 
     `frames_axis` is the axis of the frame count in `hidden_states` (Wan `[B, C, F, H, W]`: 2; CogVideoX
-    `[B, F, C, H, W]`: 1); height and width are the last two axes.
+    `[B, F, C, H, W]`: 1); height and width are the last two axes. The hooks run eagerly around the
+    transformer (a compiled block only reads `grid`, a constant of its graph).
     """
 
     def __init__(self, patch: tuple[int, int, int], frames_axis: int, layout: str, cube: tuple[int, int, int]):
         self.patch, self.frames_axis, self.layout, self.cube = patch, frames_axis, layout, cube
         self.grid: tuple[int, int, int] | None = None
+        self.controller: DSVController | None = None  # set by `install_dsv`: its forward_id marks a new step
+        self._step_grids: tuple[int | None, set[tuple[int, int, int]]] = (None, set())
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         x = kwargs["hidden_states"] if "hidden_states" in kwargs else (args[0] if args else None)
@@ -104,49 +110,38 @@ class _LatentGrid:
                 f"gives the token grid (T, H, W)={grid}, which attention.cube={self.cube} does not fit: {err}"
             ) from None
         self.grid = grid
+        if torch.is_grad_enabled():  # a forward a backward (and its recomputes) may follow
+            forward_id = self.controller.forward_id if self.controller is not None else None
+            if self._step_grids[0] != forward_id:
+                self._step_grids = (forward_id, set())  # a new step: the previous one's backward is done
+            self._step_grids[1].add(grid)
 
     def forward_done(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
-        self.grid = None  # a processor called after this (a checkpointing recompute) finds its own grid
+        self.grid = None  # a processor called after this is a checkpointing recompute, or a misuse
 
-
-class _GridOfCall:
-    """Which token grid a processor call belongs to. Inside the transformer's forward, the grid its pre-hook
-    recorded (and, for a training forward, remembered with a fingerprint of the call's input). In a
-    checkpointing recompute, which runs in the backward after the forward has ended (and maybe after other
-    forwards at other grids), the remembered grid of that forward: the only one, or the one whose input
-    fingerprint matches. Anywhere else (e.g. `transformer.forward(...)` called directly, which skips the
-    hooks) an error, not the grid of whichever forward ran last."""
-
-    def __init__(self, latent: _LatentGrid, layer: DSVAttentionCore):
-        self.latent, self.layer = latent, layer
-        self.records: list[tuple[int | None, torch.Tensor, tuple[int, int, int]]] = []
-
-    def __call__(self, hidden_states: torch.Tensor) -> tuple[tuple[int, int, int], torch.Tensor, torch.Tensor]:
-        grid = self.latent.grid
-        if grid is not None:
-            if torch.is_grad_enabled():
-                forward_id = self.layer.controller.forward_id if self.layer.controller is not None else None
-                if any(record[0] != forward_id for record in self.records):
-                    self.records.clear()  # a new step: the previous one's backward is done
-                self.records.append((forward_id, _fingerprint(hidden_states), grid))
-        elif torch._C._current_graph_task_id() != -1 and self.records:
-            grids = {record[2] for record in self.records}
-            if len(grids) > 1:  # forwards at several grids before the backward: this input's
-                fingerprint = _fingerprint(hidden_states)
-                grids = {record[2] for record in self.records
-                         if torch.allclose(record[1], fingerprint, rtol=1e-4, atol=1e-6)}
-            if len(grids) != 1:
-                raise RuntimeError(
-                    f"DSV processor layer {self.layer.layer_index}: a checkpointing recompute cannot tell which "
-                    f"of this step's token grids {sorted({r[2] for r in self.records})} its forward had; run "
-                    "each forward's backward before the next forward at another video size")
-            grid = grids.pop()
-        else:
+    @torch.compiler.disable  # host-side lookup in a recompute: the forward's graph never reaches it
+    def recompute_grid(self, layer_index: int, seq_len: int) -> tuple[int, int, int]:
+        """The grid of a checkpointing recompute over `seq_len` tokens: this step's grid of that many tokens.
+        Raises where there is none (a call outside the transformer's forward) or several (forwards at video
+        sizes of one token count but other shapes before their backward: the recompute cannot tell which)."""
+        grids = [grid for grid in self._step_grids[1] if math.prod(grid) == seq_len]
+        if torch._C._current_graph_task_id() == -1 or not grids:
             raise RuntimeError(
                 "DSV processor called outside its transformer's forward: the token grid is recorded by the "
                 "transformer's forward hooks, so call the transformer (`transformer(...)`, not "
                 "`transformer.forward(...)` or the attention module alone)")
-        perm, inv = cube_permutation_on(grid, self.latent.cube, hidden_states.device)
+        if len(grids) > 1:
+            raise RuntimeError(
+                f"DSV processor layer {layer_index}: a checkpointing recompute cannot tell which of this step's "
+                f"token grids {sorted(grids)} ({seq_len} tokens each) its forward had; run each forward's "
+                "backward before a forward at another shape of as many tokens, or call controller.begin_step "
+                "between them")
+        return grids[0]
+
+    def of_call(self, layer_index: int, hidden_states: torch.Tensor):
+        """`(grid, perm, inv)` of a processor call on `hidden_states [B, S, C]`, `perm`/`inv` on its device."""
+        grid = self.grid if self.grid is not None else self.recompute_grid(layer_index, hidden_states.shape[1])
+        perm, inv = cube_permutation_on(grid, self.cube, hidden_states.device)
         return grid, perm, inv
 
 
@@ -196,7 +191,7 @@ class WanDSVProcessor(_OwnAttentionKernels, DSVAttentionCore):
     def __init__(self, attn: nn.Module, cfg: AttentionConfig, grid: _LatentGrid):
         heads = attn.heads
         super().__init__(attn.to_q.in_features, heads, attn.to_q.out_features // heads, cfg)
-        self._grid_of_call = _GridOfCall(grid, self)
+        self._grid = grid
 
     def forward(
         self,
@@ -211,7 +206,7 @@ class WanDSVProcessor(_OwnAttentionKernels, DSVAttentionCore):
                 "WanDSVProcessor is self-attention: encoder_hidden_states and attention_mask must be None "
                 "(it is installed on attn1 only)"
             )
-        grid, perm, inv = self._grid_of_call(hidden_states)
+        grid, perm, inv = self._grid.of_call(self.layer_index, hidden_states)
         self.check_input(hidden_states, grid)
         hidden = hidden_states.index_select(1, perm)  # grouped order: each query cube is contiguous
         # Wan normalises q and k across all heads, before the head split.
@@ -287,7 +282,7 @@ class CogVideoXDSVProcessor(_OwnAttentionKernels, DSVAttentionCore):
     def __init__(self, attn: nn.Module, cfg: AttentionConfig, grid: _LatentGrid):
         heads = attn.heads
         super().__init__(attn.to_q.in_features, heads, attn.to_q.out_features // heads, cfg)
-        self._grid_of_call = _GridOfCall(grid, self)
+        self._grid = grid
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         # diffusers' Attention.forward passes on only the keyword arguments named in the processor's
@@ -308,7 +303,7 @@ class CogVideoXDSVProcessor(_OwnAttentionKernels, DSVAttentionCore):
             raise ValueError("CogVideoXDSVProcessor: encoder_hidden_states (the text tokens [B, L, C]) is required")
         if attention_mask is not None:
             raise ValueError("CogVideoXDSVProcessor: attention_mask is not supported (CogVideoX passes None)")
-        grid, perm, inv = self._grid_of_call(hidden_states)
+        grid, perm, inv = self._grid.of_call(self.layer_index, hidden_states)
         self.check_input(hidden_states, grid)
         seq_len = hidden_states.shape[1]
         hidden = hidden_states.index_select(1, perm)  # grouped order: each query cube is contiguous
@@ -395,6 +390,7 @@ def install_dsv(transformer: nn.Module, cfg: AttentionConfig) -> DSVController:
     controller = DSVController(cfg)
     transformer.add_module(CONTROLLER_NAME, controller)
     controller.attach(transformer)
+    grid.controller = controller
     transformer.register_forward_pre_hook(grid, with_kwargs=True)
     transformer.register_forward_hook(grid.forward_done, with_kwargs=True)
     return controller

@@ -272,41 +272,74 @@ def _sparse_quarter(model):
     model.load_state_dict(state)
 
 
+def _latent(t: int, h: int, w: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, 3, t, h, w, generator=g, dtype=torch.float64),
+            torch.tensor([300.0 + seed], dtype=torch.float64), torch.randn(1, 5, 32, generator=g, dtype=torch.float64))
+
+
+def _two_forwards_one_backward(inputs, checkpointing, checkpoint_func=None):
+    torch.manual_seed(0)
+    model = tiny_wan().double()
+    install_dsv(model, cfg("oracle"))
+    _sparse_quarter(model)
+    if checkpointing:
+        model.enable_gradient_checkpointing(checkpoint_func)
+    model.train()
+    model.dsv_controller.begin_step(0)
+    sum(wan_forward(model, x).pow(2).mean() for x in inputs).backward()
+    assert all(layer.last_path == "sparse:reference" for layer in model.dsv_controller.layers)
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 def test_a_checkpointing_recompute_uses_the_grid_of_its_own_forward():
-    """Two forwards at token grids (4, 4, 8) and (4, 8, 4) (same token count) before one backward, under
-    gradient checkpointing: each block's recompute runs after both forwards and must permute its tokens by
-    its own forward's grid (it took the last forward's, silently, and the gradients were ~70% off)."""
-    inputs = [(torch.randn(1, 3, 4, 8, 16, dtype=torch.float64), torch.tensor([300.0], dtype=torch.float64),
-               torch.randn(1, 5, 32, dtype=torch.float64)),
-              (torch.randn(1, 3, 4, 16, 8, dtype=torch.float64), torch.tensor([600.0], dtype=torch.float64),
-               torch.randn(1, 5, 32, dtype=torch.float64))]
-    results = []
-    for checkpointing in (False, True):
-        torch.manual_seed(0)
-        model = tiny_wan().double()
-        install_dsv(model, cfg("oracle"))
-        _sparse_quarter(model)
-        if checkpointing:
-            model.enable_gradient_checkpointing()
-        model.train()
-        model.dsv_controller.begin_step(0)
-        loss = sum(wan_forward(model, x).pow(2).mean() for x in inputs)
-        loss.backward()
-        assert all(layer.last_path == "sparse:reference" for layer in model.dsv_controller.layers)
-        results.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-    assert results[0].keys() == results[1].keys() and len(results[0]) > 20
-    for name in results[0]:
-        torch.testing.assert_close(results[1][name], results[0][name], **TOL32, msg=lambda m, n=name: f"{n}: {m}")
+    """Two forwards at token grids (4, 4, 4) and (4, 4, 8) before one backward, under gradient checkpointing:
+    each block's recompute runs after both forwards and must permute its tokens by its own forward's grid
+    (it took the last forward's before). Two grids of one token count, (4, 4, 8) and (4, 8, 4), cannot be
+    told apart in a recompute: a clear error instead of another forward's grid (gradients ~70% off before)."""
+    inputs = [_latent(4, 8, 8, 1), _latent(4, 8, 16, 2)]
+    want, got = (_two_forwards_one_backward(inputs, checkpointing) for checkpointing in (False, True))
+    assert want.keys() == got.keys() and len(want) > 20
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], **TOL32, msg=lambda m, n=name: f"{n}: {m}")
+    message = r"cannot tell which of this step's token grids \[\(4, 4, 8\), \(4, 8, 4\)\]"
+    with pytest.raises(RuntimeError, match=message):
+        _two_forwards_one_backward([_latent(4, 8, 16, 1), _latent(4, 16, 8, 2)], checkpointing=True)
 
 
-def test_set_attention_backend_says_it_does_not_apply_to_dsv_layers():
+def test_reentrant_checkpointing_finds_the_grid_of_its_forward():
+    """Reentrant checkpointing runs the first forward without gradients; the transformer's hook records the
+    grid anyway (its own forward has them), so the recompute finds it."""
+    import functools
+
+    inputs = [_latent(4, 8, 8, 1)]
+    reentrant = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=True)
+    torch.manual_seed(0)
+    model = tiny_wan().double()
+    install_dsv(model, cfg("dense"))
+    model.enable_gradient_checkpointing(reentrant)
+    model.train()
+    model.dsv_controller.begin_step(0)
+    x, t, text = inputs[0]
+    x = x.clone().requires_grad_(True)
+    wan_forward(model, (x, t, text)).pow(2).mean().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_compiled_blocks_do_not_recompile_from_step_to_step():
+    """A compiled block reads the current grid only (a constant of its graph): no per-step state in the traced
+    code, so steps reuse one graph (the per-call bookkeeping recompiled every step, up to the limit)."""
     model = tiny_wan()
     install_dsv(model, cfg("dense"))
-    with pytest.warns(UserWarning, match=r"set_attention_backend\('native'\) does not apply to the DSV"):
-        model.set_attention_backend("native")
-    assert model.blocks[0].attn1.processor._attention_backend is None
-    assert model.blocks[0].attn2.processor._attention_backend is not None  # cross-attention takes it
-    wan_forward(model, wan_inputs())
+    for block in model.blocks:
+        block.compile(backend="eager", fullgraph=False)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model.train()
+    for step in range(4):
+        model.dsv_controller.begin_step(step)
+        wan_forward(model, wan_inputs()).pow(2).mean().backward()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2, dict(torch._dynamo.utils.counters["stats"])
 
 
 def test_from_pretrained_local_plain_folder_gets_fresh_dsv_state(tmp_path):
