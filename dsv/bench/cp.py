@@ -152,9 +152,9 @@ def _bench(args, runtimes, seq_len, name, sparsity, link_gbps, device, failures)
     rows_of_rank = slice(rank * local_len, (rank + 1) * local_len)
     # fp32 reference of the forward and of the gradients of this rank's rows (the upstream gradient of every
     # rank's rows is full[3]: each rank's keys collect gradient from every rank's queries).
-    reference_inputs = [t.float().requires_grad_(True) for t in full[:3]]
+    reference_inputs = [t.detach().to(torch.float32, copy=True).requires_grad_(True) for t in full[:3]]
     reference_out = sparse_attention(*reference_inputs, index)
-    reference_grads = torch.autograd.grad(reference_out, reference_inputs, full[3].float())
+    reference_grads = torch.autograd.grad(reference_out, reference_inputs, full[3].to(torch.float32))
     reference = reference_out.detach()[:, :, rows_of_rank]
     reference_grads = [g[:, :, rows_of_rank] for g in reference_grads]
     q, k, v, grad = (t[:, :, rows_of_rank].contiguous() for t in full)

@@ -176,6 +176,8 @@ def remove_unfinished_saves(run_dir: str | Path) -> list[str]:
     for leftover in sorted(root.glob(".tmp_step_*")) + sorted(root.glob(".stale_step_*")):
         if not leftover.is_dir():
             continue
+        if leftover.name.startswith(".stale_") and not (root / _step_name(leftover) / MANIFEST).is_file():
+            continue  # the step's other copy is not complete: this old copy may be the only good one
         try:
             shutil.rmtree(leftover)
             removed.append(leftover.name)

@@ -200,6 +200,7 @@ class VideoClipDataset:
         self.cfg = cfg
         self._sources: list[SourceInfo] = []
         self._pixels: dict[str, torch.Tensor] = {}  # every source in use, for `fingerprint`
+        self._fingerprint: list[dict] | None = None
         train, heldout = _Pool([], []), _Pool([], [])
         for name, frames in videos.items():
             if frames.dtype != torch.uint8 or frames.dim() != 4 or frames.shape[-1] != 3:
@@ -251,10 +252,13 @@ class VideoClipDataset:
 
         The same sources decoded by another FFmpeg build can differ in their pixels only: resuming tells
         those apart from a changed set of sources (``dsv.train.trainer``)."""
-        return [{"name": s.name, "kind": s.kind, "shape": list(self._pixels[s.name].shape),
+        if self._fingerprint is None:  # computed once: the pixels do not change while a run holds them
+            self._fingerprint = [
+                {"name": s.name, "kind": s.kind, "shape": list(self._pixels[s.name].shape),
                  "heldout_from": s.heldout_from,
-                 "sha256": hashlib.sha256(self._pixels[s.name].contiguous().numpy().tobytes()).hexdigest()}
+                 "sha256": hashlib.sha256(self._pixels[s.name].contiguous().numpy().data).hexdigest()}
                 for s in self._sources]
+        return [dict(source) for source in self._fingerprint]
 
     def sample(self, batch: int, generator: torch.Generator) -> torch.Tensor:
         """A random training batch: float32 [B, 3, T, size, size] in [-1, 1].

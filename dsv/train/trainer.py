@@ -128,6 +128,8 @@ class Trainer:
             for name in remove_unfinished_saves(self.run_dir):
                 warnings.warn(f"{self.run_dir}: deleted {name}, left by a crashed save (not a checkpoint)",
                               stacklevel=3)
+        if self.world > 1:
+            dist.barrier()  # the other ranks list the folder after rank 0 has renamed and deleted in it
         existing = list_checkpoints(self.run_dir)
         if existing and not resume:
             raise FileExistsError(
@@ -290,7 +292,11 @@ class Trainer:
                                    for section, fields in RESUMABLE_CHANGES.items())
             raise CheckpointError(f"checkpoint {ckpt} was made with another configuration (only {allowed} may "
                                   "change on resume): " + "; ".join(diff))
-        self._check_data(ckpt, state.get("data"))
+        self._check_data(ckpt, state.get("data"), saved.data.path)
+        # For dropping the records an end of run added at this step (`_kept_on_resume`): the schedule they were
+        # logged on, and whether the checkpoint carries the open loss window they closed.
+        self._saved_schedule = (saved.train.log_every, saved.train.eval_every,
+                                "log_window" in state["rng_per_rank"][self.rank])
         if state["world_size"] != self.world:
             raise CheckpointError(f"checkpoint {ckpt} was saved by {state['world_size']} ranks; this run has "
                                   f"{self.world} (resume with the same number of processes)")
@@ -335,13 +341,16 @@ class Trainer:
         self.step = state["step"]
         self.controller.step = self.step
 
-    def _check_data(self, ckpt: Path, saved: list[dict] | None) -> None:
+    def _check_data(self, ckpt: Path, saved: list[dict] | None, saved_path: str | None) -> None:
         """Refuse to resume on other data than the checkpoint's (sources added, removed, cut or split
         differently: the batches would differ silently, e.g. when an optional package's photos appear);
         warn when only decoded pixels differ (the same files through another FFmpeg build)."""
         if saved is None:
+            if saved_path != self.cfg.data.path:  # without a fingerprint, the path is all there is to compare
+                raise CheckpointError(f"checkpoint {ckpt} (saved before data fingerprints were recorded) was "
+                                      f"trained on data.path={saved_path!r}; this run has {self.cfg.data.path!r}")
             warnings.warn(f"checkpoint {ckpt} has no fingerprint of its data (saved before they were recorded): "
-                          "the data is not checked against it", stacklevel=3)
+                          "only data.path is checked against it", stacklevel=3)
             return
         current = self.data.fingerprint()
         if _layout(saved) != _layout(current):
@@ -375,15 +384,20 @@ class Trainer:
                           f"{name}.unfinished-{number}; this run logs afresh", stacklevel=4)
 
     def _kept_on_resume(self, record: dict, step: int) -> bool:
-        """Records up to the checkpoint `step`, less the ones a run logs only because it ends there (a loss or
-        held-out record off the `log_every` / `eval_every` schedule): an uninterrupted run has none of them,
-        and the open loss window of such an end goes on into the resumed run's next record."""
+        """Records up to the checkpoint `step`, less the ones a run logged only because it ended there (a loss
+        or held-out record off the schedule it was logged on, the checkpoint's `log_every` / `eval_every`):
+        an uninterrupted run has none of them, and the open loss window of such an end, saved with the
+        checkpoint, goes on into the resumed run's next record. Kept when this run trains no further step
+        or the checkpoint predates the saved window (nothing would log those steps again)."""
         if record["step"] != step:
             return record["step"] < step
+        log_every, eval_every, window_saved = self._saved_schedule
+        if self.cfg.train.steps <= step or not window_saved:
+            return True
         if "loss" in record:
-            return step % self.cfg.train.log_every == 0
+            return step % log_every == 0
         if "heldout_loss" in record:
-            return step % self.cfg.train.eval_every == 0
+            return step % eval_every == 0
         return True
 
     def _drop_metrics_after(self, step: int) -> None:
@@ -440,6 +454,7 @@ class Trainer:
         if self.world > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank stops together instead of hanging
         if bad:
+            self.optimizer.zero_grad(set_to_none=True)  # a caller that catches this must not add to NaN gradients
             raise FloatingPointError(f"step {self.step}: the training loss, the gradient norm or a DSV predictor's "
                                      "loss is not finite on some rank; stopping before the optimizer applies it "
                                      "(the last checkpoint is intact)")

@@ -92,6 +92,7 @@ def test_a_non_finite_gradient_stops_the_step_before_any_weight_changes(tmp_path
     with pytest.raises(FloatingPointError, match="gradient norm"):
         trainer.train_step()
     assert all(torch.equal(a, b) for a, b in zip(weights, model_params))
+    assert all(p.grad is None for p in model_params)  # a caller that retries does not add to NaN gradients
 
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -549,3 +550,58 @@ def test_a_run_resumed_where_an_earlier_leg_ended_logs_what_an_uninterrupted_one
     assert [r["step"] for r in straight] == [4, 8, 12, 12]
     assert any(layer["dispatch"] != "not dispatched yet" for r in straight if "layers" in r for layer in r["layers"])
     assert resumed == straight
+
+
+def _rewrite_state(ckpt, edit):
+    """Edit a checkpoint's training state in place, keeping its manifest's digest right."""
+    from dsv.train.checkpoint import MANIFEST, STATE, _sha256
+
+    state = torch.load(ckpt / STATE, weights_only=False)
+    edit(state)
+    torch.save(state, ckpt / STATE)
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    manifest["sha256"][STATE] = _sha256(ckpt / STATE)
+    (ckpt / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_resume_keeps_end_records_that_were_on_schedule_or_cannot_be_logged_again(tmp_path):
+    """Records an end of run logged on its own schedule stay when the resume logs on another one; with no step
+    left to train, or from a checkpoint without the saved loss window, nothing is dropped either."""
+    Trainer(tiny_config(tmp_path / "a", "train.steps=6", "train.ckpt_every=6", "train.log_every=3"), quiet=True).run()
+    Trainer(tiny_config(tmp_path / "a", "train.steps=12", "train.log_every=4"), resume=True, quiet=True).run()
+    assert [r["step"] for r in read_metrics(tmp_path / "a") if "loss" in r] == [3, 6, 8, 12]
+
+    Trainer(tiny_config(tmp_path / "b", "train.steps=6", "train.ckpt_every=6", "train.log_every=4"), quiet=True).run()
+    Trainer(tiny_config(tmp_path / "b", "train.steps=6", "train.log_every=4"), resume=True, quiet=True).run()
+    assert [r["step"] for r in read_metrics(tmp_path / "b")] == [4, 6, 6]  # nothing trained, nothing dropped
+
+    Trainer(tiny_config(tmp_path / "c", "train.steps=6", "train.ckpt_every=6", "train.log_every=4"), quiet=True).run()
+    _rewrite_state(list_checkpoints(tmp_path / "c")[-1], lambda state: state["rng_per_rank"][0].pop("log_window"))
+    Trainer(tiny_config(tmp_path / "c", "train.steps=8", "train.log_every=4"), resume=True, quiet=True).run()
+    assert [r["step"] for r in read_metrics(tmp_path / "c") if "loss" in r] == [4, 6, 8]
+
+
+def test_a_checkpoint_without_a_data_fingerprint_still_refuses_another_data_path(tmp_path):
+    from dsv.train.video_io import write_video
+
+    run, videos = tmp_path / "run", tmp_path / "videos"
+    videos.mkdir()
+    for name, phase in (("a.mp4", 0.0), ("b.mp4", 1.0)):
+        write_video(_drifting_video(20, phase), videos / name)
+    Trainer(tiny_config(run, "train.steps=2", "train.ckpt_every=2"), quiet=True).run()
+    _rewrite_state(list_checkpoints(run)[-1], lambda state: state.pop("data"))
+    with pytest.raises(CheckpointError, match="saved before data fingerprints.*data.path=None"):
+        Trainer(tiny_config(run, "train.steps=4", f"data.path={videos}"), resume=True, quiet=True)
+    with pytest.warns(UserWarning, match="only data.path is checked"):
+        Trainer(tiny_config(run, "train.steps=4"), resume=True, quiet=True).run()
+
+
+def test_cleanup_keeps_an_old_copy_whose_new_copy_is_incomplete(tmp_path):
+    from dsv.train.checkpoint import MANIFEST, remove_unfinished_saves
+
+    Trainer(tiny_config(tmp_path, "train.steps=2", "train.ckpt_every=2"), quiet=True).run()
+    root = tmp_path / "checkpoints"
+    shutil.copytree(root / "step_00000002", root / ".stale_step_00000002_7")
+    (root / "step_00000002" / MANIFEST).unlink()  # the new copy is not complete
+    assert remove_unfinished_saves(tmp_path) == []
+    assert (root / ".stale_step_00000002_7" / MANIFEST).is_file()
