@@ -77,31 +77,34 @@ def correctness_gate(args, dtype: torch.dtype, device: str = "cuda") -> list[str
 
     failures = []
     G, kv, D = args.group_size, args.kv_block, args.head_dim
-    B, H, S = 2, 3, 8 * max(G, kv) + 37
-    n_blocks = math.ceil(S / kv)
-    keep = torch.tensor([1, 3, n_blocks // 2])
-    q_lr, k_lr = (torch.randn(B, H, S, args.rank, device=device, dtype=dtype) for _ in range(2))
-    index = estimate_index_triton(q_lr, k_lr, keep, G, kv)
-    index.validate()
-    ref_index = estimate_index(q_lr, k_lr, keep, G, kv)
-    mismatch = (index.indices != ref_index.indices).float().mean().item()
-    # The fused kernel sums fp32 scores in another order: only near-ties may swap (rare).
-    if not torch.equal(index.counts, ref_index.counts) or mismatch > 1e-2:
-        failures.append(f"estimation: {mismatch:.2%} of index entries differ from estimate_index")
+    B, H = 2, 3
+    # A ragged length (masked tails) and a multiple of the blocks: the timed lengths compile the kernels'
+    # unmasked variants, which the ragged length alone would leave unchecked.
+    for S in (8 * max(G, kv) + 37, 8 * max(G, kv)):
+        n_blocks = math.ceil(S / kv)
+        keep = torch.tensor([1, 3, n_blocks // 2])
+        q_lr, k_lr = (torch.randn(B, H, S, args.rank, device=device, dtype=dtype) for _ in range(2))
+        index = estimate_index_triton(q_lr, k_lr, keep, G, kv)
+        index.validate()
+        ref_index = estimate_index(q_lr, k_lr, keep, G, kv)
+        mismatch = (index.indices != ref_index.indices).float().mean().item()
+        # The fused kernel sums fp32 scores in another order: only near-ties may swap (rare).
+        if not torch.equal(index.counts, ref_index.counts) or mismatch > 1e-2:
+            failures.append(f"S={S} estimation: {mismatch:.2%} of index entries differ from estimate_index")
 
-    q, k, v = (torch.randn(B, H, S, D, device=device, dtype=dtype).requires_grad_() for _ in range(3))
-    grad_out = torch.randn_like(q)
-    out = sparse_attention_triton(q, k, v, index)
-    got = (out, *torch.autograd.grad(out, (q, k, v), grad_out))
-    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
-    ref = sparse_attention_reference(q32, k32, v32, index)
-    want = (ref, *torch.autograd.grad(ref, (q32, k32, v32), grad_out.float()))
-    # Two units of the dtype's eps, as tests/ops/test_triton_kernels.py derives.
-    tol = 2 * torch.finfo(dtype).eps
-    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
-        err = _rel_err(a, b)
-        if not torch.isfinite(a).all() or err > tol:
-            failures.append(f"sparse attention {name}: relative L2 error {err:.2e} > {tol:.2e}")
+        q, k, v = (torch.randn(B, H, S, D, device=device, dtype=dtype).requires_grad_() for _ in range(3))
+        grad_out = torch.randn_like(q)
+        out = sparse_attention_triton(q, k, v, index)
+        got = (out, *torch.autograd.grad(out, (q, k, v), grad_out))
+        q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+        ref = sparse_attention_reference(q32, k32, v32, index)
+        want = (ref, *torch.autograd.grad(ref, (q32, k32, v32), grad_out.float()))
+        # Two units of the dtype's eps, as tests/ops/test_triton_kernels.py derives.
+        tol = 2 * torch.finfo(dtype).eps
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            err = _rel_err(a, b)
+            if not torch.isfinite(a).all() or err > tol:
+                failures.append(f"S={S} sparse attention {name}: relative L2 error {err:.2e} > {tol:.2e}")
     return failures
 
 
@@ -184,15 +187,16 @@ def _cudnn_attention(q, k, v):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v)
 
 
-def _bench_seq_len(S: int, args, dtype: torch.dtype, flex) -> list[dict]:
+def _bench_seq_len(S: int, args, dtype: torch.dtype, flex, device: str = "cuda") -> list[dict]:
     """Rows of one sequence length: cuDNN dense, then per sparsity FlexAttention and DSV."""
     from dsv.ops.estimate.naive import estimate_index
     from dsv.ops.estimate.triton_kernels import estimate_index_triton
+    from dsv.ops.index import key_major_csr
     from dsv.ops.sparse_attention.triton_kernels import sparse_attention_triton
 
     B, H, D, G, kv = args.batch, args.heads, args.head_dim, args.group_size, args.kv_block
     kernel_options = _flex_kernel_options(G, kv)
-    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=dtype).requires_grad_() for _ in range(3))
+    q, k, v = (torch.randn(B, H, S, D, device=device, dtype=dtype).requires_grad_() for _ in range(3))
     grad_out = torch.randn_like(q)
     rows = []
     dense_ms = None
@@ -205,10 +209,12 @@ def _bench_seq_len(S: int, args, dtype: torch.dtype, flex) -> list[dict]:
         rows.append(dict(S=S, method="cuDNN dense", kept=1.0, fwd_ms=dense_fwd_ms, ms=dense_ms,
                          tflops=dense_flops / dense_ms / 1e9, mem=dense_mem, gpu_ms=dense_gpu_ms))
         print(rows[-1], flush=True)
-    q_lr, k_lr = (torch.randn(B, H, S, args.rank, device="cuda", dtype=dtype) for _ in range(2))
+    q_lr, k_lr = (torch.randn(B, H, S, args.rank, device=device, dtype=dtype) for _ in range(2))
     n_blocks = math.ceil(S / kv)
     for sparsity in args.sparsities:
-        keep = torch.full((H,), max(1, round((1 - sparsity) * n_blocks)), dtype=torch.int64)
+        # Rounded up: DSV never keeps fewer blocks than the sparsity it is judged at (rounded to 6 places
+        # first, so that 0.1 * 256 = 25.6000000001 stays 26).
+        keep = torch.full((H,), max(1, math.ceil(round((1 - sparsity) * n_blocks, 6))), dtype=torch.int64)
         index = estimate_index_triton(q_lr, k_lr, keep, G, kv)
         pairs = kept_pairs(index)
         kept = pairs / (B * H * float(S) * S)
@@ -217,6 +223,9 @@ def _bench_seq_len(S: int, args, dtype: torch.dtype, flex) -> list[dict]:
         estimate = functools.partial(estimate_index_triton, q_lr, k_lr, keep, G, kv)
         est_ms, est_gpu_ms = _bench_ms(estimate, args.rep_ms), _gpu_kernel_ms(estimate)
         est_ref_ms = _bench_ms(functools.partial(estimate_index, q_lr, k_lr, keep, G, kv), args.rep_ms)
+        # The key-major view of the index that the dk/dv pass walks: built once per index (cached on it), as a
+        # training step builds it once per layer; timed on its own, like the estimation.
+        key_major_ms = _bench_ms(functools.partial(key_major_csr, index.indices, index.num_kv_blocks), args.rep_ms)
         attention = functools.partial(sparse_attention_triton, index=index)
         step = _fwd_bwd(attention, q, k, v, grad_out)
         dsv_ms, dsv_mem, dsv_gpu_ms = _bench_ms(step, args.rep_ms), _peak_gib(step), _gpu_kernel_ms(step)
@@ -226,13 +235,19 @@ def _bench_seq_len(S: int, args, dtype: torch.dtype, flex) -> list[dict]:
         if not args.skip_flex:
             block_mask = _flex_block_mask(index)
             flex_attention = functools.partial(flex, block_mask=block_mask, kernel_options=kernel_options)
-            with torch.no_grad():
-                # Two independent implementations of one mask must agree (DESIGN §4: an ignored
-                # BlockMask computes dense attention silently).
-                agree = _rel_err(flex_attention(q, k, v), attention(q, k, v))
+            # Two independent implementations of one mask must agree, forward and backward (DESIGN §4: an
+            # ignored BlockMask computes dense attention silently), at the timed shape itself.
+            flex_out, dsv_out = flex_attention(q, k, v), attention(q, k, v)
+            flex_grads = torch.autograd.grad(flex_out, (q, k, v), grad_out)
+            dsv_grads = torch.autograd.grad(dsv_out, (q, k, v), grad_out)
+            errors = [_rel_err(a, b) for a, b in zip((flex_out, *flex_grads), (dsv_out, *dsv_grads))]
+            agree = max(errors)
+            del flex_out, dsv_out, flex_grads, dsv_grads
             if not agree <= 2 * torch.finfo(dtype).eps:  # the gate's tolerance; NaN fails too
-                raise RuntimeError(f"S={S}: FlexAttention differs from DSV on the same mask (relative error "
-                                   f"{agree:.2e}): its block mask was ignored or wrong; it is not timed")
+                raise RuntimeError(f"S={S}: FlexAttention differs from DSV on the same mask (relative error of out, "
+                                   f"dq, dk, dv {', '.join(f'{e:.2e}' for e in errors)}): its block mask was "
+                                   "ignored or wrong; it is not timed")
+            with torch.no_grad():
                 flex_fwd_ms = _bench_ms(functools.partial(flex_attention, q, k, v), args.rep_ms)
             step = _fwd_bwd(flex_attention, q, k, v, grad_out)
             flex_ms, flex_mem, flex_gpu_ms = _bench_ms(step, args.rep_ms), _peak_gib(step), _gpu_kernel_ms(step)
@@ -242,6 +257,7 @@ def _bench_seq_len(S: int, args, dtype: torch.dtype, flex) -> list[dict]:
             print(rows[-1], flush=True)
         rows.append(dict(S=S, method="DSV", kept=kept, sparsity=sparsity, fwd_ms=dsv_fwd_ms, ms=dsv_ms,
                          tflops=flops / dsv_ms / 1e9, mem=dsv_mem, est_ms=est_ms, est_gpu_ms=est_gpu_ms,
+                         key_major_ms=key_major_ms,
                          est_ref_ms=est_ref_ms, dense_ms=dense_ms, flex_ms=flex_ms, gpu_ms=dsv_gpu_ms,
                          flex_gpu_ms=flex_gpu_ms))
         print(rows[-1], flush=True)
@@ -290,11 +306,16 @@ def _report(rows, args, device_name: str) -> str:
         "estimation, fused Triton wall time (do_bench; a call this small is bound by host launch overhead) / "
         "its kernels' GPU time (torch.profiler) / PyTorch reference wall time; share = fused GPU time ÷ DSV "
         "fwd+bwd. GPU ms: the fwd+bwd kernels' device time (torch.profiler, summed), i.e. without the host's "
-        "launch overhead, with DSV's speedup over FlexAttention by that measure.",
+        "launch overhead, with DSV's speedup over FlexAttention by that measure. Key-major ms: building the "
+        "index's key-major view (the dk/dv pass's walk), once per index, as FlexAttention's BlockMask is built "
+        "once per mask; both are left out of fwd+bwd. × dense and the targets compare fwd+bwd, without the "
+        "estimation and the key-major build. Kept blocks per group are rounded up from the sparsity; a "
+        "correctness gate (ragged and block-multiple lengths against float32 references) and, at every timed "
+        "shape, FlexAttention against DSV (out, dq, dk, dv) run before any timing.",
         "",
         "| S | method | kept | fwd ms | fwd+bwd ms | TFLOP/s | × dense | × Flex | GPU ms (× Flex) "
-        "| est. ms (fused / GPU / ref) | est. share | peak GiB | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| est. ms (fused / GPU / ref) | est. share | key-major ms | peak GiB | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         speed_dense = r["dense_ms"] / r["ms"] if r.get("dense_ms") else None
@@ -308,7 +329,7 @@ def _report(rows, args, device_name: str) -> str:
                 share = f"{r['est_gpu_ms'] / r['ms']:.1%}"
         note = ""
         if "agree" in r:
-            note = f"vs DSV out: {r['agree']:.1e}"
+            note = f"vs DSV (out, grads): {r['agree']:.1e}"
         elif r["method"] == "DSV" and speed_dense is not None and r["S"] >= 32768:
             target = TARGETS.get(round(r["sparsity"], 2))
             if target is not None:
@@ -319,7 +340,7 @@ def _report(rows, args, device_name: str) -> str:
         lines.append(
             f"| {_fmt_len(r['S'])} | {r['method']} | {r['kept']:.1%} | {_fmt(r['fwd_ms'])} | {_fmt(r['ms'])} "
             f"| {_fmt(r['tflops'], '.0f')} | {_fmt(speed_dense, '.1f')} | {_fmt(speed_flex, '.2f')} | {gpu} | {est} "
-            f"| {share} | {_fmt(r['mem'])} | {note} |"
+            f"| {share} | {_fmt(r.get('key_major_ms'), '.3f')} | {_fmt(r['mem'])} | {note} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -948,11 +948,12 @@ def run(args) -> int:
     seeds = resolve_train_seeds(args.train_seeds, cfg.train.seed)
     # The evaluation's config is the first seed's runs' (the initial-weights check builds models from it).
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=seeds[0]))
-    from dsv.eval.i3d import MIN_FRAMES
+    from dsv.eval.i3d import MIN_FRAMES, i3d_weights_path
 
     if cfg.data.frames < MIN_FRAMES:  # found before minutes of training, not after
         raise ValueError(f"data.frames={cfg.data.frames}: the FVD's I3D needs clips of at least {MIN_FRAMES} frames; "
                          f"train on more frames (e.g. --set data.frames=16)")
+    i3d_weights_path()  # the FVD's network, likewise: a missing package raises here, before any training
     runs_dir.mkdir(parents=True, exist_ok=True)
     wall: dict[str, float] = {}
     start = phase = time.perf_counter()

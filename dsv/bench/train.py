@@ -163,9 +163,10 @@ def _memory_history(folder: Path | None, name: str, device: torch.device):
 def _timed_steps(run: _Run, args, name: str, device: torch.device, period: int = 1) -> tuple[float, float, float]:
     """Median ms per step of the timed steps (after warm-up; of whole periods of `period` steps, see
     `_Run.median_ms`) and their peak GiB, allocated and requested, under the allocator history if asked."""
-    _reset_peak(device)
+    run.warm_up(args.warmup)
+    _reset_peak(device)  # after the warm-up, for every mode alike: the peaks of the timed steps
     with _memory_history(args.memory_history, name, device):
-        ms = run.median_ms(args.warmup, args.steps, period=period)
+        ms = run.median_ms(0, args.steps, period=period)
     return ms, _peak_gib(device), _peak_requested_gib(device)
 
 
@@ -189,7 +190,8 @@ class _Run:
     def __init__(self, cfg, mode: str, tokens: int, spatial: int, device: torch.device):
         if tokens % (spatial * spatial):
             raise ValueError(f"--tokens {tokens} is not a multiple of --spatial² = {spatial * spatial}")
-        attention = dataclasses.replace(cfg.attention, mode=mode, check_finite=False,
+        # No profiling while timing, in either stage (dense and window stay in stage 1).
+        attention = dataclasses.replace(cfg.attention, mode=mode, check_finite=False, profile_every_stage1=10**9,
                                         profile_every_stage2=10**9, min_stage1_steps=0)
         model_cfg = dataclasses.replace(cfg.model, activation_checkpointing=True)
         grid = (tokens // (spatial * spatial), spatial, spatial)
@@ -266,11 +268,17 @@ class _Run:
                 self.restore_dsv_state(state)
             return ms
 
-        for _ in range(warmup):
-            one()
+        self.warm_up(warmup, state)
         while self.step_index % period:
             one()
         return statistics.median(sum(one() for _ in range(period)) / period for _ in range(steps))
+
+    def warm_up(self, steps: int, state: list[tuple[dict[str, torch.Tensor], str]] | None = None) -> None:
+        """`steps` untimed steps (restoring `state` after each, as `median_ms`)."""
+        for _ in range(steps):
+            self.step()
+            if state is not None:
+                self.restore_dsv_state(state)
 
 
 def run(args) -> int:
@@ -371,5 +379,6 @@ def run(args) -> int:
     report = "\n".join(lines) + "\n"
     print(report)
     if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(report)
     return 0

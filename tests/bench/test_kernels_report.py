@@ -22,3 +22,51 @@ def test_report_rows_have_every_column_and_the_gpu_time_ratio():
     assert dsv[7].strip() == "8.0" and dsv[8].strip() == "1.20"  # × dense, × Flex by wall time
     assert "target ≥8×: met" in table[-1]
     assert table[2].split("|")[9].strip() == "79.00"  # dense: GPU ms without a ratio
+
+
+def test_one_sequence_length_runs_every_method_and_checks_flex_against_dsv(monkeypatch):
+    """The runner's loop on the CPU, with its GPU-only pieces replaced (timing, memory, profiler, the Triton
+    launchers by their references, FlexAttention by masked SDPA over the BlockMask): every row is produced,
+    and a FlexAttention that ignores its mask stops the run before it is timed."""
+    import importlib
+
+    import pytest
+    import torch
+    import torch.nn.functional as F
+
+    from dsv.bench import kernels
+    from dsv.ops import SparseIndex, estimate_index, sparse_attention_reference
+
+    # `dsv.ops.sparse_attention` is also a function of `dsv.ops`: the modules are looked up by name.
+    estimate_kernels = importlib.import_module("dsv.ops.estimate.triton_kernels")
+    attention_kernels = importlib.import_module("dsv.ops.sparse_attention.triton_kernels")
+    monkeypatch.setattr(kernels, "_bench_ms", lambda fn, rep_ms: (fn(), 1.0)[1])
+    monkeypatch.setattr(kernels, "_peak_gib", lambda fn: (fn(), 0.5)[1])
+    monkeypatch.setattr(kernels, "_gpu_kernel_ms", lambda fn, reps=10: (fn(), 0.9)[1])
+    monkeypatch.setattr(kernels, "_cudnn_attention", F.scaled_dot_product_attention)
+    monkeypatch.setattr(estimate_kernels, "estimate_index_triton", estimate_index)
+    monkeypatch.setattr(attention_kernels, "sparse_attention_triton",
+                        lambda q, k, v, index: sparse_attention_reference(q, k, v, index))
+    S = 256
+
+    def flex(q, k, v, block_mask, kernel_options=None, honour_mask=True):
+        """The BlockMask's blocks read back into an index (so the runner's mask encoding is checked too);
+        ignoring the mask is dense attention, as eager FlexAttention without a mask_mod does."""
+        if not honour_mask:
+            return F.scaled_dot_product_attention(q, k, v)
+        counts = block_mask.full_kv_num_blocks.to(torch.int32)
+        width = int(counts.max())
+        ids = block_mask.full_kv_indices[..., :width]
+        ids = torch.where(torch.arange(width) < counts[..., None], ids, -1).to(torch.int32)
+        return sparse_attention_reference(q, k, v, SparseIndex(ids, counts, *block_mask.BLOCK_SIZE, S))
+
+    args = argparse.Namespace(batch=1, heads=2, head_dim=16, group_size=32, kv_block=32, rank=4, rep_ms=1,
+                              sparsities=[0.75, 0.5], skip_dense=False, skip_flex=False)
+    rows = kernels._bench_seq_len(S, args, torch.float64, flex, device="cpu")
+    assert [r["method"] for r in rows] == ["cuDNN dense"] + ["FlexAttention", "DSV"] * 2
+    dsv = rows[-1]
+    assert dsv["kept"] == 0.5 and dsv["key_major_ms"] == 1.0 and dsv["flex_ms"] == 1.0
+    assert rows[1]["agree"] == 0.0 and rows[1]["fwd_ms"] == 1.0
+    with pytest.raises(RuntimeError, match="FlexAttention differs from DSV"):
+        kernels._bench_seq_len(S, args, torch.float64, lambda *a, **kw: flex(*a, **kw, honour_mask=False),
+                               device="cpu")

