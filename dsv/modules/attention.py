@@ -319,7 +319,7 @@ class DSVAttentionCore(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, scale=self.scale)
         self._warn_if_slow(q)
         self.last_path = f"sparse:{self._last_backend}"
-        return sparse_attention(q, k, v, index, scale=self.scale, backend=self._last_backend)
+        return sparse_attention(q, k, v, index, scale=self.scale, backend=self._last_backend, check_index=False)
 
     def _keep_blocks(self, num_kv_blocks: int) -> torch.Tensor:
         """Per-head key-block budget from the dispatched kept fraction (host mirror: no device sync)."""

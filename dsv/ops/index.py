@@ -44,6 +44,8 @@ class SparseIndex:
     seq_len: int
     # Filled by `key_major` on first use; `dataclasses.replace` makes a new index, with an empty cache.
     _key_major: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False, compare=False)
+    # Set by `validate_once`; like the cache above, not carried over by `dataclasses.replace`.
+    _validated: bool = field(default=False, init=False, repr=False, compare=False)
 
     @property
     def num_groups(self) -> int:
@@ -99,6 +101,12 @@ class SparseIndex:
         ascending = self.indices[..., 1:] > self.indices[..., :-1]
         if bool((valid[..., 1:] & ~ascending).any()):
             raise ValueError("SparseIndex.indices valid entries must be strictly ascending in every row")
+
+    def validate_once(self) -> None:
+        """`validate` on the first call for this object, nothing after (its tensors are not modified)."""
+        if not self._validated:
+            self.validate()
+            object.__setattr__(self, "_validated", True)
 
     def key_major(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(offsets, groups)``: the index by key block (``key_major_csr``), built on first use, then cached.

@@ -390,7 +390,7 @@ class ContextParallel:
             # Dense under SCP: every query needs every key, so K and V are gathered (ring attention's volume).
             return F.scaled_dot_product_attention(q, self._whole(k, layout), self._whole(v, layout), scale=scale)
         if layout.scp == 1:
-            return sparse_attention(q, k, v, index, scale=scale, backend=backend)
+            return sparse_attention(q, k, v, index, scale=scale, backend=backend, check_index=False)
         out, _ = scp_attention(q, k, v, index, scale=scale, group=layout.scp_group, backend=backend)
         return out
 

@@ -210,7 +210,7 @@ def scp_attention(
 
     with torch.no_grad():
         ext_index = _remap_index(index, ids, valid, remote, keys, wanted, slot, rank, local_blocks, ext_len)
-    out = sparse_attention(q_ext, k_ext, v_ext, ext_index, scale, backend)[:, :, :local_len]
+    out = sparse_attention(q_ext, k_ext, v_ext, ext_index, scale, backend, check_index=False)[:, :, :local_len]
 
     element = q.element_size()
     block_bytes = 2 * kv_block * dim * element

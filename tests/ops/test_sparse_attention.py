@@ -239,3 +239,49 @@ def test_bad_inputs_raise_value_error_naming_the_argument(change, match):
     sparse_attention(**arguments)
     with pytest.raises(ValueError, match=match):
         sparse_attention(**(arguments | change(arguments)))
+
+
+def test_the_triton_path_validates_a_given_index_once_and_the_scale(monkeypatch):
+    """The Triton kernels read the listed blocks as given (a duplicate counts twice, an out-of-range id reads
+    outside k/v): the public entry validates an index before them, once per index object, and refuses a
+    scale that is not a finite positive number. DSV's layers pass check_index=False for their own indices."""
+    import importlib
+
+    # `dsv.ops.sparse_attention` is also a function of `dsv.ops`: the modules are looked up by name.
+    public = importlib.import_module("dsv.ops.sparse_attention")
+    kernels = importlib.import_module("dsv.ops.sparse_attention.triton_kernels")
+    launched = []
+    monkeypatch.setattr(public, "resolve_backend", lambda *args: ("triton", None))
+    monkeypatch.setattr(kernels, "sparse_attention_triton", lambda q, k, v, index, scale: launched.append(index) or q)
+    q = k = v = torch.randn(1, 1, 32, 16)
+    duplicate = SparseIndex(torch.tensor([[[[0, 0]], [[0, 1]]]], dtype=torch.int32).view(1, 1, 2, 2),
+                            torch.full((1, 1, 2), 2, dtype=torch.int32), 16, 16, 32)
+    with pytest.raises(ValueError, match="strictly ascending"):
+        public.sparse_attention(q, k, v, duplicate)
+    assert not launched
+    public.sparse_attention(q, k, v, duplicate, check_index=False)  # trusted by the caller: launched as given
+    good = dataclasses.replace(duplicate, indices=torch.tensor([0, 1, 0, 1], dtype=torch.int32).view(1, 1, 2, 2))
+    validations = []
+    monkeypatch.setattr(SparseIndex, "validate", lambda self: validations.append(self))
+    public.sparse_attention(q, k, v, good)
+    public.sparse_attention(q, k, v, good)
+    assert len(validations) == 1 and len(launched) == 3
+    for scale in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="scale must be a positive finite float"):
+            public.sparse_attention(q, k, v, good, scale=scale)
+
+
+def test_a_sequence_stride_past_int32_over_the_rows_is_made_compact():
+    """The kernels offset rows in int32: v as a view of a fused qkv projection (stride 3*H*D) at 100k+ tokens
+    would wrap. Such a layout is copied to the compact one (meta tensors: no memory)."""
+    import importlib
+
+    kernels = importlib.import_module("dsv.ops.sparse_attention.triton_kernels")
+    heads, dim, seq_len = 24, 256, 120_000
+    fused = torch.empty(1, seq_len, 3, heads, dim, device="meta")
+    v = fused[:, :, 2].transpose(1, 2)  # [B, H, S, D], sequence stride 3 * H * D
+    assert v.stride(2) * seq_len >= 2**31
+    compact = kernels._last_dim_contiguous(v)
+    assert compact.is_contiguous() and compact.stride(2) * seq_len < 2**31
+    small = fused[:, :1000, 2].transpose(1, 2)
+    assert kernels._last_dim_contiguous(small) is small  # below the bound: used in place

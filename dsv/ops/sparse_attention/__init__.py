@@ -53,22 +53,31 @@ def sparse_attention(
     index: SparseIndex,
     scale: float | None = None,
     backend: str = "auto",
+    check_index: bool = True,
 ) -> torch.Tensor:
     """Block-sparse attention: each query of group ``g`` attends to the key blocks of its index row.
 
     Args:
         q, k, v: ``[B, H, S, D]`` floating, same shape, dtype and device; ``S`` in grouped order.
         index: ``SparseIndex`` with ``[B, H, NG]`` rows for these inputs and ``seq_len == S``.
-        scale: softmax scale, default ``D ** -0.5``.
+        scale: softmax scale, default ``D ** -0.5``; a finite number > 0.
         backend: ``"auto"`` (Triton kernels where they can run, else the PyTorch reference),
             ``"triton"`` or ``"reference"``; `resolve_backend` tells which runs and why.
+        check_index: validate the index (`SparseIndex.validate`, a host sync) before the Triton kernels, once
+            per index object: they read the listed blocks as given, so a duplicate would count twice and an
+            out-of-range id read outside ``k``/``v``. DSV's own layers pass False for the indices they make.
+            The reference validates every call.
 
     Returns:
         ``out [B, H, S, D]`` in the input dtype, differentiable in ``q``, ``k``, ``v``.
     """
     if not isinstance(index, SparseIndex):
         raise ValueError(f"index must be a SparseIndex, got {type(index).__name__}")
+    if scale is not None and not (0 < scale < float("inf")):
+        raise ValueError(f"scale must be a positive finite float, got {scale}")
     chosen, _ = resolve_backend(backend, q, index.group_size, index.kv_block)
+    if chosen == "triton" and check_index and not torch.compiler.is_compiling():
+        index.validate_once()
     if chosen == "triton":
         from dsv.ops.sparse_attention.triton_kernels import sparse_attention_triton
 

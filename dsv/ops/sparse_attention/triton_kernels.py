@@ -445,8 +445,12 @@ def _descriptor(x: torch.Tensor, block_rows: int, d_pad: int, cfg: KernelConfig)
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    # The kernels take any batch/head/sequence strides but need unit stride along D.
-    return x if x.stride(-1) == 1 else x.contiguous()
+    # The kernels take any batch/head/sequence strides but need unit stride along D, and compute a row's
+    # offset within one (batch, head) in int32: a sequence stride that reaches 2**31 over S rows (e.g. v as a
+    # view of a fused qkv projection, stride 3*H*D, at a few 100k tokens) is copied to the compact layout.
+    if x.stride(-1) == 1 and x.stride(2) * x.shape[2] < 2**31:
+        return x
+    return x.contiguous()
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
