@@ -114,13 +114,12 @@ def cube_permutation(
         modify them.
 
     Raises:
-        ValueError: a size is not positive, or a cube extent exceeds its grid size.
+        ValueError: a size is not positive. (A cube extent larger than the grid leaves no whole cube along
+            that axis: e.g. single frames, T = 1, of joint image and video training; all groups are then
+            runs of partial cubes.)
     """
     grid = _as_shape(grid, "grid")
     cube = _as_shape(cube, "cube")
-    for dim_name, size, extent in zip(_DIM_NAMES, grid, cube):
-        if extent > size:
-            raise ValueError(f"cube {dim_name.lower()}={extent} is larger than grid {dim_name}={size}")
     if device is not None:
         return _build_permutation(grid, cube, device)
     perm, inv = _cached_permutation(grid, cube)
