@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv.modules.config import AttentionConfig
-from dsv.modules.dispatch import SPEED_MODELS
+from dsv.modules.dispatch import speed_model
 from dsv.modules.predictor import LowRankPredictor, release_parked
 from dsv.ops import (
     SparseIndex,
@@ -153,14 +153,15 @@ class DSVAttentionCore(nn.Module):
         self.keep_fraction.copy_(keep)
         sparse = bool(sparsity.mean() >= self.cfg.sparse_threshold)
         self.dispatch_reason = f"mean sparsity {float(sparsity.mean()):.3f} vs threshold {self.cfg.sparse_threshold}"
-        model = SPEED_MODELS.get(self._last_backend) if self.cfg.speed_dispatch else None
+        model, blocks = (speed_model(self._last_backend, self.cfg.group_size, self.cfg.key_block)
+                         if self.cfg.speed_dispatch else (None, ""))
         if sparse and model is not None and self._last_shape is not None:
             # Measured kernel speed decides whether the kept fraction is small enough to beat dense.
             batch, seq_len = self._last_shape
             mean_keep = float(keep.mean())
             shape = (batch, self.heads, seq_len, self.head_dim)
             sparse = model.pays(mean_keep, *shape)
-            self.dispatch_reason += (f"; {self._last_backend} speed model: "
+            self.dispatch_reason += (f"; {self._last_backend} speed model ({blocks}): "
                                      f"sparse {model.sparse_ms(mean_keep, *shape):.2f}"
                                      f" ms vs dense {model.dense_ms(*shape):.2f} ms")
         self.use_sparse.fill_(sparse)

@@ -36,5 +36,30 @@ class SparseSpeedModel:
 # 64k; at 16k and 2% kept it is 20% optimistic (host-bound there).
 H200_TRITON = SparseSpeedModel(dense_tflops=565.0, relative_cost=1.25, fixed_ms=0.8,
                                source="benchmarks/results/2026-11-29-h200-kernels.md")
+# Smaller blocks run smaller tiles. Measured on one H200 (benchmarks/NOTES.md, "Dispatch speed model by
+# block size": 16 heads × 128, bf16, estimation and key-major build included, 5-50% kept at 16k and 32k):
+# 64-token blocks cost 1.30x dense per unit kept, as 128-token ones (1.25x); 32-token blocks 3.95x (their
+# 32x32 tiles), so they pay only below ~25% kept. Least-squares fixed costs were 0.5-0.7 ms; 0.8 is kept.
+H200_TRITON_64 = SparseSpeedModel(dense_tflops=565.0, relative_cost=1.30, fixed_ms=0.8,
+                                  source="benchmarks/NOTES.md (64-token blocks)")
+H200_TRITON_32 = SparseSpeedModel(dense_tflops=565.0, relative_cost=3.95, fixed_ms=0.8,
+                                  source="benchmarks/NOTES.md (32-token blocks)")
 
 SPEED_MODELS = {"triton": H200_TRITON}
+"""The 128-token-block model per backend (the context-parallel planner's kernel rates)."""
+
+
+def speed_model(backend: str, group_size: int, kv_block: int) -> tuple[SparseSpeedModel | None, str]:
+    """`(model, description)` for a layer's sparse backend and blocks, by the smaller of its query group and
+    key block: the 128-, 64- or 32-token model. Blocks under 32 tokens (not measured) take the 32-token
+    model and the description says so; a backend without a model (the reference) gives None."""
+    if backend not in SPEED_MODELS:
+        return None, ""
+    block = min(group_size, kv_block)
+    if block >= 128:
+        return H200_TRITON, "128-token blocks"
+    if block >= 64:
+        return H200_TRITON_64, "64-token blocks"
+    if block >= 32:
+        return H200_TRITON_32, "32-token blocks"
+    return H200_TRITON_32, f"{block}-token blocks, not measured: the 32-token model"

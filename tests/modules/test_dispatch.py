@@ -44,3 +44,34 @@ def test_speed_dispatch_off_dispatches_on_sparsity_alone():
     layer._last_shape, layer._last_backend = (1, 512), "triton"
     layer.dispatch()  # the speed model would keep this short sequence dense
     assert layer.use_sparse and "speed model" not in layer.dispatch_reason
+
+
+def test_the_model_follows_the_block_size_of_the_layer():
+    """32-token blocks (the default 2x4x4 cube) ran at 3.95x dense's cost per unit kept on one H200, 64- and
+    128-token blocks at 1.30x and 1.25x (benchmarks/NOTES.md): at 32k tokens and 16 heads, 40% kept pays
+    with 128-token blocks and not with 32-token ones; 10% kept pays with both."""
+    from dsv.modules.dispatch import H200_TRITON_32, H200_TRITON_64, speed_model
+
+    assert speed_model("triton", 128, 128)[0] is H200_TRITON and speed_model("triton", 256, 128)[0] is H200_TRITON
+    assert speed_model("triton", 64, 128)[0] is H200_TRITON_64
+    assert speed_model("triton", 32, 32) == (H200_TRITON_32, "32-token blocks")
+    model, words = speed_model("triton", 16, 16)
+    assert model is H200_TRITON_32 and "not measured" in words
+    assert speed_model("reference", 128, 128) == (None, "")
+    shape = (1, 16, 32768, 128)
+    assert H200_TRITON.pays(0.40, *shape) and not H200_TRITON_32.pays(0.40, *shape)
+    assert H200_TRITON_32.pays(0.10, *shape)
+    # The measured 32-token points (32k, 16 heads): 11.93 ms at 5.1% kept, 55.04 ms at 25%, dense 54.53 ms.
+    for keep, measured in ((0.0508, 11.93), (0.25, 55.04)):
+        assert abs(H200_TRITON_32.sparse_ms(keep, *shape) - measured) / measured < 0.10
+
+
+def test_a_layer_with_small_cubes_stays_dense_where_their_kernels_lose():
+    layer = DSVAttention(64, 4, cfg=AttentionConfig(cube=(2, 4, 4), sparse_threshold=0.5))  # 32-token groups
+    layer.sparsity_ema.copy_(torch.tensor([0.62, 0.6, 0.58, 0.6]))  # 40% kept
+    layer._last_backend, layer._last_shape = "triton", (1, 32768)
+    layer.dispatch()
+    assert not layer.use_sparse and "speed model (32-token blocks)" in layer.dispatch_reason
+    layer.sparsity_ema.copy_(torch.tensor([0.92, 0.9, 0.9, 0.88]))  # 10% kept
+    layer.dispatch()
+    assert layer.use_sparse
