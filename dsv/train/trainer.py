@@ -170,19 +170,23 @@ class Trainer:
         self.autocast = mixed and self.world == 1
         if resume:
             self._restore(existing[-1])
+        kept_at_step = None  # the records at the checkpoint's step that stay, where some there were dropped
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if resume:
-                self._drop_metrics_after(self.step)
+                kept_at_step = self._drop_metrics_after(self.step)
             else:
                 self._set_aside_logs_without_checkpoint()
             self.metrics_file = open(self.run_dir / "metrics.jsonl", "a")
         if cfg.train.tensorboard and self.rank == 0:
             from torch.utils.tensorboard import SummaryWriter
 
-            # A resumed run's events replace those the interrupted one logged after its checkpoint.
-            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"),
-                                        purge_step=self.step + 1 if resume else None)
+            # A resumed run's events replace those the interrupted one logged after its checkpoint, and at its
+            # step too where `_drop_metrics_after` dropped records there (they are written again below).
+            purge_step = None if not resume else self.step if kept_at_step is not None else self.step + 1
+            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge_step)
+            for record in kept_at_step or []:
+                self._log_tensorboard(record)
 
     def _enable_context_parallel(self) -> int:
         """Split each sample's sequence over `parallel.cp` ranks; returns the CP size (1: off)."""
@@ -400,12 +404,13 @@ class Trainer:
             return step % eval_every == 0
         return True
 
-    def _drop_metrics_after(self, step: int) -> None:
+    def _drop_metrics_after(self, step: int) -> list[dict] | None:
         """Resuming re-runs the steps after the checkpoint: drop their old records so the log has each
-        step once (rewritten atomically)."""
+        step once (rewritten atomically), and the end-of-run extras at `step` (`_kept_on_resume`). Returns
+        the records kept at `step` where one there was dropped (TensorBoard rewrites that step), else None."""
         path = self.run_dir / "metrics.jsonl"
         if not path.is_file():
-            return
+            return None
         lines = [line for line in path.read_text().splitlines() if line]
         records = []
         for number, line in enumerate(lines):
@@ -417,12 +422,16 @@ class Trainer:
                                           "(resuming rewrites it; move it aside to resume without it)") from None
                 # A record cut short by the crash that this resume recovers from.
                 warnings.warn(f"{path}: dropping its last line, cut short: {line[:80]!r}", stacklevel=2)
+        kept = [(record, line) for record, line in records if self._kept_on_resume(record, step)]
         tmp = path.with_name(f".{path.name}.tmp")
         with open(tmp, "w") as out:
-            out.write("".join(line + "\n" for record, line in records if self._kept_on_resume(record, step)))
+            out.write("".join(line + "\n" for record, line in kept))
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, path)
+        at_step = [record for record, _ in records if record["step"] == step]
+        kept_at_step = [record for record, _ in kept if record["step"] == step]
+        return kept_at_step if len(kept_at_step) < len(at_step) else None
 
     # ----- steps -----
     def _batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -493,6 +502,9 @@ class Trainer:
             return
         self.metrics_file.write(json.dumps(record) + "\n")
         self.metrics_file.flush()
+        self._log_tensorboard(record)
+
+    def _log_tensorboard(self, record: dict) -> None:
         if self.writer is not None:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "step" and value is not None:

@@ -605,3 +605,22 @@ def test_cleanup_keeps_an_old_copy_whose_new_copy_is_incomplete(tmp_path):
     (root / "step_00000002" / MANIFEST).unlink()  # the new copy is not complete
     assert remove_unfinished_saves(tmp_path) == []
     assert (root / ".stale_step_00000002_7" / MANIFEST).is_file()
+
+
+def test_tensorboard_of_a_resumed_run_has_the_uninterrupted_runs_points(tmp_path):
+    """The end-of-leg records a resume drops from metrics.jsonl go from TensorBoard too (the step is purged and
+    its kept records written again)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    schedule = ["train.log_every=4", "train.ckpt_every=6", "attention.max_stage1_steps=4", "train.tensorboard=true"]
+    Trainer(tiny_config(tmp_path / "straight", "train.steps=12", *schedule), quiet=True).run()
+    Trainer(tiny_config(tmp_path / "resumed", "train.steps=6", *schedule), quiet=True).run()
+    Trainer(tiny_config(tmp_path / "resumed", "train.steps=12", *schedule), resume=True, quiet=True).run()
+
+    def points(run):
+        events = EventAccumulator(str(tmp_path / run / "tensorboard"))
+        events.Reload()
+        return {tag: [(e.step, round(e.value, 6)) for e in events.Scalars(tag)] for tag in ("loss", "heldout_loss")}
+
+    straight = points("straight")
+    assert [step for step, _ in straight["loss"]] == [4, 8, 12] and straight == points("resumed")
