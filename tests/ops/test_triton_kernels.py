@@ -436,6 +436,21 @@ def test_interpreter_estimate_rows_equal_those_rows_of_the_whole_index():
 
 
 @interpreter
+def test_interpreter_estimate_ranks_nan_scores_last():
+    """A NaN score (a diverged predictor's) is never preferred to a real one: its float bits would map to the
+    top of the order. With more blocks kept than real scores, the NaN blocks fill the rest."""
+    from dsv.ops.estimate.triton_kernels import estimate_index_from_means_triton
+
+    B, H, S, r, G, kv = 1, 1, 64, 4, 16, 8
+    proxies, block_keys = torch.randn(B, H, S // G, r), torch.randn(B, H, S // kv, r)
+    block_keys[..., 3, :] = float("nan")
+    got = estimate_index_from_means_triton(proxies, block_keys, torch.tensor([7]), G, kv, S)
+    assert (got.indices[..., :7] != 3).all()  # 7 of the 7 real blocks
+    got = estimate_index_from_means_triton(proxies, block_keys, torch.tensor([8]), G, kv, S)
+    assert (got.indices == 3).any(-1).all()  # all 8: the NaN block comes last, still listed
+
+
+@interpreter
 def test_interpreter_estimate_ties_keep_lower_ids():
     """Integer-valued inputs make fp32 scores exact, so ties are real and must match the reference bit for bit."""
     B, H, S, r, G, kv = 2, 2, 96, 4, 16, 8

@@ -73,6 +73,9 @@ def _score_topk_kernel(
     bits = scores.to(tl.int32, bitcast=True)
     # Order-preserving map float -> int32: negative floats have their magnitude bits flipped.
     keys = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    # A NaN score (a diverged predictor) ranks below every real score: its bits would otherwise map to the
+    # top (the reference raises instead; this kernel cannot without a host sync). Padding ranks lower still.
+    keys = tl.where(scores == scores, keys, -2147483647)
     keys = tl.where(k_mask[None, :], keys, -2147483648)  # padding columns sort below every real score
 
     # Largest t with #(keys >= t) >= keep: bisection over the int32 range, 32 halvings.
