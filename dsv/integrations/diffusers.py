@@ -85,7 +85,11 @@ class _LatentGrid:
         self.patch, self.frames_axis, self.layout, self.cube = patch, frames_axis, layout, cube
         self.grid: tuple[int, int, int] | None = None
         self.controller: DSVController | None = None  # set by `install_dsv`: its forward_id marks a new step
-        self._step_grids: tuple[int | None, set[tuple[int, int, int]]] = (None, set())
+        # Grids of grad-enabled forwards whose backward has not run yet (in forward order), and the step they
+        # belong to; a backward that recomputes drops those recorded before it began, when it ends.
+        self._pending: list[tuple[int, int, int]] = []
+        self._pending_step: int | None = None
+        self._backward_cutoff: int | None = None
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         x = kwargs["hidden_states"] if "hidden_states" in kwargs else (args[0] if args else None)
@@ -112,19 +116,24 @@ class _LatentGrid:
         self.grid = grid
         if torch.is_grad_enabled():  # a forward a backward (and its recomputes) may follow
             forward_id = self.controller.forward_id if self.controller is not None else None
-            if self._step_grids[0] != forward_id:
-                self._step_grids = (forward_id, set())  # a new step: the previous one's backward is done
-            self._step_grids[1].add(grid)
+            if self._pending_step != forward_id:  # a new step: the previous one's backward is done
+                self._pending, self._pending_step = [], forward_id
+            self._pending.append(grid)
 
     def forward_done(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
         self.grid = None  # a processor called after this is a checkpointing recompute, or a misuse
 
     @torch.compiler.disable  # host-side lookup in a recompute: the forward's graph never reaches it
     def recompute_grid(self, layer_index: int, seq_len: int) -> tuple[int, int, int]:
-        """The grid of a checkpointing recompute over `seq_len` tokens: this step's grid of that many tokens.
-        Raises where there is none (a call outside the transformer's forward) or several (forwards at video
-        sizes of one token count but other shapes before their backward: the recompute cannot tell which)."""
-        grids = [grid for grid in self._step_grids[1] if math.prod(grid) == seq_len]
+        """The grid of a checkpointing recompute over `seq_len` tokens: the grid of that many tokens among the
+        forwards whose backward has not run. Raises where there is none (a call outside the transformer's
+        forward) or several shapes of that count (forwards at one token count but other shapes before one
+        backward: the recompute cannot tell which). When this backward ends, the forwards recorded before it
+        began count as done (gradient accumulation: forward, backward, forward, backward)."""
+        if torch._C._current_graph_task_id() != -1 and self._backward_cutoff is None:
+            self._backward_cutoff = len(self._pending)
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        grids = sorted({grid for grid in self._pending if math.prod(grid) == seq_len})
         if torch._C._current_graph_task_id() == -1 or not grids:
             raise RuntimeError(
                 "DSV processor called outside its transformer's forward: the token grid is recorded by the "
@@ -132,11 +141,14 @@ class _LatentGrid:
                 "`transformer.forward(...)` or the attention module alone)")
         if len(grids) > 1:
             raise RuntimeError(
-                f"DSV processor layer {layer_index}: a checkpointing recompute cannot tell which of this step's "
-                f"token grids {sorted(grids)} ({seq_len} tokens each) its forward had; run each forward's "
-                "backward before a forward at another shape of as many tokens, or call controller.begin_step "
-                "between them")
+                f"DSV processor layer {layer_index}: a checkpointing recompute cannot tell which of the token "
+                f"grids {grids} ({seq_len} tokens each) of the forwards before this backward its forward had; "
+                "run each forward's backward before the next forward at another shape of as many tokens")
         return grids[0]
+
+    def _backward_done(self) -> None:
+        self._pending = self._pending[self._backward_cutoff:]
+        self._backward_cutoff = None
 
     def of_call(self, layer_index: int, hidden_states: torch.Tensor):
         """`(grid, perm, inv)` of a processor call on `hidden_states [B, S, C]`, `perm`/`inv` on its device."""
