@@ -227,16 +227,12 @@ def _bench_seq_len(S: int, args, dtype: torch.dtype, flex, device: str = "cuda")
         # training step builds it once per layer; timed on its own, like the estimation.
         key_major_ms = _bench_ms(functools.partial(key_major_csr, index.indices, index.num_kv_blocks), args.rep_ms)
         attention = functools.partial(sparse_attention_triton, index=index)
-        step = _fwd_bwd(attention, q, k, v, grad_out)
-        dsv_ms, dsv_mem, dsv_gpu_ms = _bench_ms(step, args.rep_ms), _peak_gib(step), _gpu_kernel_ms(step)
-        with torch.no_grad():
-            dsv_fwd_ms = _bench_ms(functools.partial(attention, q, k, v), args.rep_ms)
         flex_ms = flex_gpu_ms = None
         if not args.skip_flex:
             block_mask = _flex_block_mask(index)
             flex_attention = functools.partial(flex, block_mask=block_mask, kernel_options=kernel_options)
-            # Two independent implementations of one mask must agree, forward and backward (DESIGN §4: an
-            # ignored BlockMask computes dense attention silently), at the timed shape itself.
+            # Before either is timed: two independent implementations of one mask must agree, forward and
+            # backward (DESIGN §4: an ignored BlockMask computes dense attention silently), at this shape.
             flex_out, dsv_out = flex_attention(q, k, v), attention(q, k, v)
             flex_grads = torch.autograd.grad(flex_out, (q, k, v), grad_out)
             dsv_grads = torch.autograd.grad(dsv_out, (q, k, v), grad_out)
@@ -246,7 +242,12 @@ def _bench_seq_len(S: int, args, dtype: torch.dtype, flex, device: str = "cuda")
             if not agree <= 2 * torch.finfo(dtype).eps:  # the gate's tolerance; NaN fails too
                 raise RuntimeError(f"S={S}: FlexAttention differs from DSV on the same mask (relative error of out, "
                                    f"dq, dk, dv {', '.join(f'{e:.2e}' for e in errors)}): its block mask was "
-                                   "ignored or wrong; it is not timed")
+                                   "ignored or wrong; neither is timed")
+        step = _fwd_bwd(attention, q, k, v, grad_out)
+        dsv_ms, dsv_mem, dsv_gpu_ms = _bench_ms(step, args.rep_ms), _peak_gib(step), _gpu_kernel_ms(step)
+        with torch.no_grad():
+            dsv_fwd_ms = _bench_ms(functools.partial(attention, q, k, v), args.rep_ms)
+        if not args.skip_flex:
             with torch.no_grad():
                 flex_fwd_ms = _bench_ms(functools.partial(flex_attention, q, k, v), args.rep_ms)
             step = _fwd_bwd(flex_attention, q, k, v, grad_out)
@@ -309,9 +310,10 @@ def _report(rows, args, device_name: str) -> str:
         "launch overhead, with DSV's speedup over FlexAttention by that measure. Key-major ms: building the "
         "index's key-major view (the dk/dv pass's walk), once per index, as FlexAttention's BlockMask is built "
         "once per mask; both are left out of fwd+bwd. × dense and the targets compare fwd+bwd, without the "
-        "estimation and the key-major build. Kept blocks per group are rounded up from the sparsity; a "
-        "correctness gate (ragged and block-multiple lengths against float32 references) and, at every timed "
-        "shape, FlexAttention against DSV (out, dq, dk, dv) run before any timing.",
+        "estimation and the key-major build. Kept blocks per group are rounded up from the sparsity. A "
+        "correctness gate (ragged and block-multiple lengths against float32 references) runs before any "
+        "timing, and at every timed shape FlexAttention is compared with DSV (out, dq, dk, dv) before either "
+        "is timed (not with --skip-flex).",
         "",
         "| S | method | kept | fwd ms | fwd+bwd ms | TFLOP/s | × dense | × Flex | GPU ms (× Flex) "
         "| est. ms (fused / GPU / ref) | est. share | key-major ms | peak GiB | note |",

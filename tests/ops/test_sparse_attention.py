@@ -266,6 +266,14 @@ def test_the_triton_path_validates_a_given_index_once_and_the_scale(monkeypatch)
     public.sparse_attention(q, k, v, good)
     public.sparse_attention(q, k, v, good)
     assert len(validations) == 1 and len(launched) == 3
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as fake_mode:  # tracing: values cannot be read, the check is left to the caller
+        fake_q = fake_mode.from_tensor(q)
+        fake_index = dataclasses.replace(duplicate, indices=fake_mode.from_tensor(duplicate.indices),
+                                         counts=fake_mode.from_tensor(duplicate.counts))
+        public.sparse_attention(fake_q, fake_q, fake_q, fake_index)
+    assert len(validations) == 1
     for scale in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="scale must be a positive finite float"):
             public.sparse_attention(q, k, v, good, scale=scale)

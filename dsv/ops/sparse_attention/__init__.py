@@ -46,6 +46,15 @@ def resolve_backend(backend: str, q: torch.Tensor, group_size: int, kv_block: in
     return ("triton" if reason is None else "reference"), reason
 
 
+def _values_readable(q: torch.Tensor) -> bool:
+    """Whether reading tensor values on the host is possible here: not while tracing (torch.compile, fake or
+    functional tensors under a dispatch mode) nor while a CUDA graph is being captured."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return not (torch.compiler.is_compiling() or type(q) is not torch.Tensor or _get_current_dispatch_mode() is not None
+                or (q.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+
 def sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -65,8 +74,9 @@ def sparse_attention(
             ``"triton"`` or ``"reference"``; `resolve_backend` tells which runs and why.
         check_index: validate the index (`SparseIndex.validate`, a host sync) before the Triton kernels, once
             per index object: they read the listed blocks as given, so a duplicate would count twice and an
-            out-of-range id read outside ``k``/``v``. DSV's own layers pass False for the indices they make.
-            The reference validates every call.
+            out-of-range id read outside ``k``/``v``. DSV's own layers pass False for the indices they make;
+            it is skipped where values cannot be read (tracing, fake tensors, CUDA-graph capture). The
+            reference validates every call.
 
     Returns:
         ``out [B, H, S, D]`` in the input dtype, differentiable in ``q``, ``k``, ``v``.
@@ -76,7 +86,7 @@ def sparse_attention(
     if scale is not None and not (0 < scale < float("inf")):
         raise ValueError(f"scale must be a positive finite float, got {scale}")
     chosen, _ = resolve_backend(backend, q, index.group_size, index.kv_block)
-    if chosen == "triton" and check_index and not torch.compiler.is_compiling():
+    if chosen == "triton" and check_index and _values_readable(q):
         index.validate_once()
     if chosen == "triton":
         from dsv.ops.sparse_attention.triton_kernels import sparse_attention_triton
