@@ -477,13 +477,13 @@ MEASURED_SCP_OVERHEAD_S = 8.0e-3
 
 
 def default_cluster(gpus: int, gpus_per_node: int | None = None, intra_node_gbps: float = 300.0,
-                    inter_node_gbps: float = 25.0) -> Cluster:
+                    inter_node_gbps: float = 25.0, block: int = 128) -> Cluster:
     """Links and kernel speeds for the planner: the H200 kernel-speed model's dense rate and sparse
-    efficiency (`dsv.modules.dispatch`), the layouts' measured overheads, NVLink inside a node, a
-    200 Gb/s NIC per GPU between nodes."""
-    from dsv.modules.dispatch import SPEED_MODELS
+    efficiency for `block`-token query groups and key blocks (`dsv.modules.dispatch.speed_model`), the
+    layouts' measured overheads, NVLink inside a node, a 200 Gb/s NIC per GPU between nodes."""
+    from dsv.modules.dispatch import speed_model
 
-    speed = SPEED_MODELS["triton"]
+    speed, _ = speed_model("triton", block, block)
     return Cluster(gpus=gpus, gpus_per_node=gpus_per_node or gpus, intra_node_gbps=intra_node_gbps,
                    inter_node_gbps=inter_node_gbps, dense_tflops=speed.dense_tflops,
                    sparse_efficiency=1.0 / speed.relative_cost, hcp_overhead_s=MEASURED_HCP_OVERHEAD_S,

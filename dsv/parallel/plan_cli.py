@@ -114,13 +114,14 @@ def _resolve(args) -> tuple[str, object]:
         args.sparse_threshold = cfg.attention.sparse_threshold
     args.intra_node_gbps = _given(explicit["intra_node_gbps"], cfg.parallel.intra_node_gbps)
     args.inter_node_gbps = _given(explicit["inter_node_gbps"], cfg.parallel.inter_node_gbps)
-    model = default_cluster(1)
+    block = min(cfg.attention.group_size, cfg.attention.key_block)  # the kernel rates of its blocks
+    model = default_cluster(1, block=block)
     args.dense_tflops = _given(explicit["dense_tflops"], model.dense_tflops)
     args.sparse_efficiency = _given(explicit["sparse_efficiency"], model.sparse_efficiency)
 
     def cluster(gpus: int) -> Cluster:
         base = default_cluster(gpus, args.gpus_per_node if gpus > args.gpus_per_node else None,
-                               args.intra_node_gbps, args.inter_node_gbps)
+                               args.intra_node_gbps, args.inter_node_gbps, block=block)
         return dataclasses.replace(base, dense_tflops=args.dense_tflops, sparse_efficiency=args.sparse_efficiency)
 
     return (f"recipe {args.recipe} (as dsv train plans: measured per-layout overheads "

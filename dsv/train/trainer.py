@@ -201,8 +201,10 @@ class Trainer:
                              f"launch with torchrun --nproc-per-node a multiple of {par.cp}")
         from dsv.parallel.context import ContextParallel, default_cluster
 
+        attention = self.cfg.attention
         cluster = default_cluster(par.cp, par.gpus_per_node if par.cp > par.gpus_per_node else None,
-                                  par.intra_node_gbps, par.inter_node_gbps)
+                                  par.intra_node_gbps, par.inter_node_gbps,
+                                  block=min(attention.group_size, attention.key_block))
         self.context_parallel = ContextParallel(par.cp, par.cp_mode, self.device.type, cluster, hcp_size=par.cp_hcp)
         self.model.enable_context_parallel(self.context_parallel)
         return par.cp

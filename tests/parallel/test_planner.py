@@ -210,6 +210,12 @@ def test_cli_plans_with_a_recipes_settings_as_the_trainer_does(capsys):
     assert f"{cfg.model.depth} blocks x {cfg.model.heads} heads x head dim {cfg.model.attention_head_dim}" in out
     assert plan_cli.run(parse(["--gpus", "8", "--recipe", "dit_2p7b", "--intra-node-gbps", "900"])) == 0
     assert "900 GB/s intra-node" in capsys.readouterr().out
+    # The kernel rates of the recipe's blocks (`dsv.modules.dispatch.speed_model`): dit_2p7b's 64-token cubes
+    # run at 1/1.30 of dense's per-pair rate, 32-token blocks at 1/3.95, 128-token ones at 1/1.25.
+    assert plan_cli.run(parse(["--gpus", "8", "--tokens", "65536", "--recipe", "dit_2p7b"])) == 0
+    assert f"sparse efficiency {1 / 1.30:.3g}" in capsys.readouterr().out
+    assert default_cluster(1, block=32).sparse_efficiency == pytest.approx(1 / 3.95)
+    assert default_cluster(1).sparse_efficiency == pytest.approx(1 / 1.25)
     # An explicit 0 is taken as given (and refused), not replaced by the recipe's or the default value.
     for argv in (["--recipe", "dit_2p7b", "--intra-node-gbps", "0"], ["--gpus-per-node", "0"]):
         with pytest.raises(ValueError, match="must be"):
