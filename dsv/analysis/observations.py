@@ -1,4 +1,4 @@
-"""Check DESIGN.md §2's observations (power law, no locality, heterogeneity, dynamics, neighbours share) on a
+"""Check the DSV paper's observations (power law, no locality, heterogeneity, dynamics, neighbours share) on a
 checkpoint: plots and a markdown summary from exact softmax rows of its held-out clips.
 
 Every statistic works on sampled query rows: the dense softmax of ``R`` rows over all ``S`` keys, chunked over

@@ -1,4 +1,4 @@
-"""``dsv bench cp``: sparse attention across several GPUs under naive HCP, balanced HCP, SCP and hybrid.
+"""``python -m dsv.bench.cp`` (torchrun): sparse attention over GPUs under naive HCP, balanced HCP, SCP, hybrid.
 
 Run under torchrun, one process per GPU (``torchrun --nproc-per-node N -m dsv.bench.cp``). Per sequence
 length and per-head sparsity profile, every CP layout of `dsv.parallel.context` runs one block's sparse
@@ -270,7 +270,8 @@ def _report(rows, args, world, link_gbps, failures) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dsv bench cp", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m dsv.bench.cp",
+                                     description=__doc__.splitlines()[0])
     add_arguments(parser)
     try:
         return run(parser.parse_args(argv))

@@ -232,7 +232,7 @@ def _bench_seq_len(S: int, args, dtype: torch.dtype, flex, device: str = "cuda")
             block_mask = _flex_block_mask(index)
             flex_attention = functools.partial(flex, block_mask=block_mask, kernel_options=kernel_options)
             # Before either is timed: two independent implementations of one mask must agree, forward and
-            # backward (DESIGN §4: an ignored BlockMask computes dense attention silently), at this shape.
+            # backward (eager FlexAttention ignores a BlockMask without a mask_mod: dense), at this shape.
             flex_out, dsv_out = flex_attention(q, k, v), attention(q, k, v)
             flex_grads = torch.autograd.grad(flex_out, (q, k, v), grad_out)
             dsv_grads = torch.autograd.grad(dsv_out, (q, k, v), grad_out)

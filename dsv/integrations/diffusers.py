@@ -8,8 +8,9 @@ dispatch, kept fraction) sit in the transformer's `state_dict` under `<attention
 is not touched.
 
 The latent token grid `(T, H, W)` is read at every forward by a forward pre-hook on the transformer: it
-divides the input's frame/height/width sizes by the model's patch size. Grids that the query cube
-(`cfg.cube`) does not divide are rejected there, before any work.
+divides the input's frame/height/width sizes by the model's patch size. A grid the query cube (`cfg.cube`)
+does not tile runs as it is: the whole cubes first, the edge tokens after them in groups of neighbours
+(`dsv.ops.grouping`).
 
 Text tokens of CogVideoX: its attention is joint over `[text; video]`. DSV applies to the video-to-video
 part only. Every video query attends to all text keys on top of its selected video keys (text keys are
@@ -370,7 +371,8 @@ def install_dsv(transformer: nn.Module, cfg: AttentionConfig) -> DSVController:
         transformer: a `WanTransformer3DModel` (its `attn1` modules) or `CogVideoXTransformer3DModel`
             (its joint `attn1` modules; text tokens are always attended, see the module docstring), with
             the default processors. Cross-attention (Wan `attn2`) is left as it is.
-        cfg: the DSV attention config; `cfg.cube` must tile the token grid of every input.
+        cfg: the DSV attention config; a `cfg.cube` that does not tile an input's token grid gives partial cubes
+            at its edges (window mode needs whole cubes and says so).
 
     Returns:
         The controller, also registered as `transformer.dsv_controller` (its stage buffers are in the

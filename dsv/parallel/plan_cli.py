@@ -27,7 +27,7 @@ from dsv.parallel.planner import (
     plan_model,
 )
 
-# The paper's 2.7B model (DESIGN §2) and the H200 anchors of DESIGN §3.
+# The DSV paper's 2.7B model, and cuDNN's rate on one H200 (benchmarks/results, kernel reports).
 DEFAULT_LAYERS, DEFAULT_HEADS, DEFAULT_HEAD_DIM = 32, 16, 128
 # Planning defaults without --recipe: NVLink-class and 400 Gb/s links, cuDNN's fwd+bwd rate, ideal sparse
 # kernels, the released code's dispatch rule.
@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="GB/s per GPU and direction between nodes (default 50: a 400 Gb/s NIC per GPU; "
                               "or the recipe's)")
     cluster.add_argument("--dense-tflops", type=float, default=None,
-                         help="dense attention fwd+bwd TFLOP/s per GPU (default 560: cuDNN on an H200, DESIGN §3; "
+                         help="dense attention fwd+bwd TFLOP/s per GPU (default 560: cuDNN on an H200, kernel reports; "
                               "with --recipe, the kernel-speed model's)")
     cluster.add_argument("--sparse-efficiency", type=float, default=None,
                          help="sparse kernel TFLOP/s per kept FLOP as a fraction of dense (default 1 = ideal; "
@@ -132,7 +132,7 @@ def _profile(args) -> tuple[list[list[float]], str]:
     if args.profile is None:
         layers, heads = args.layers, args.heads
         description = (
-            f"built-in paper 2.7B profile (DESIGN §2), {layers} blocks x {heads} heads: blocks 1-3 and the "
+            f"built-in profile of the DSV paper's 2.7B run, {layers} blocks x {heads} heads: blocks 1-3 and the "
             "last in [0.01, 0.02], block 4 in [0.70, 0.80], the rest in [0.90, 0.99]; heads spread "
             "deterministically over each range by a golden-ratio sequence (not measured values)"
         )

@@ -18,7 +18,7 @@ on its GPU, forward plus backward, batch ``B``, head dim ``D``, ``b`` bytes per 
   the receiver's view, ``4 * H_i * S * D * (N - 1) / N`` per GPU for pure HCP with ``H_i`` heads.
 - SCP: the GPU fetches K and V of the kept remote keys and returns their gradients:
   ``2 * 2 * B * k_i * S * sigma * D * b`` bytes, ``sigma = (c - 1) / c`` the remote fraction (critical keys
-  have no locality, DESIGN §2). Naive SCP (ring attention) fetches every remote row: ``k_i = 1`` here.
+  have no locality, as the DSV paper measured). Naive SCP (ring attention) fetches every remote row: ``k_i = 1`` here.
 - A transfer split over peers inside and outside the node takes ``max(intra bytes / intra bandwidth,
   inter bytes / inter bandwidth)``: NVLink and the network run at the same time.
 
@@ -210,7 +210,7 @@ def head_costs(
         sparse: whether the block runs the sparse kernel (its throughput is ``sparse_efficiency`` x dense).
         fetched: ``[H]`` fraction of the remote keys SCP moves per head: the union of the critical keys of
             the GPU's query groups, which exceeds one group's kept fraction unless the groups agree
-            (measured by ``dsv.parallel.scp.fetched_fraction``); default ``kept`` (DESIGN's formula,
+            (measured by ``dsv.parallel.scp.fetched_fraction``); default ``kept`` (the method's formula,
             the lower bound); all ones is ring attention.
     """
     scp = cluster.gpus // hcp
@@ -366,7 +366,7 @@ GOLDEN_FRACTION = (math.sqrt(5) - 1) / 2
 
 
 def paper_profile(layers: int = 32, heads: int = 16) -> list[list[float]]:
-    """The 2.7B profile of DESIGN §2 with a deterministic per-head spread.
+    """The DSV paper's measured 2.7B sparsity profile with a deterministic per-head spread.
 
     The first 3 blocks and the last: sparsity in [0.01, 0.02]; block 4: [0.70, 0.80] (~0.75); the rest:
     [0.90, 0.99]. Head ``h`` of layer ``l`` sits at fraction ``frac((l * heads + h + 1) * 0.618...)`` of

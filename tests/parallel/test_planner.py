@@ -69,7 +69,7 @@ def test_balanced_placement_beats_naive_on_a_skewed_block():
 
 
 def test_compute_term_reproduces_the_dense_cudnn_anchor():
-    # DESIGN §3: S=16k, 24 heads x 128, one H200, cuDNN fwd+bwd 20.7 ms at 557 TFLOP/s.
+    # One H200 (kernel reports): S=16k, 24 heads x 128, cuDNN fwd+bwd 20.7 ms at 557 TFLOP/s.
     shape = AttentionShape(tokens=16384, heads=24, head_dim=128)
     one = Cluster(1, 8, 450.0, 50.0, dense_tflops=557.0)
     plan = evaluate([0.0] * 24, shape, one, 1, [list(range(24))], sparse=False)
@@ -190,7 +190,7 @@ def test_cli_prints_summary_and_per_block_tables(tmp_path, capsys):
 
 def test_cli_builtin_profile_and_errors(capsys):
     assert plan_cli.run(parse(["--gpus", "4", "--layers", "6", "--heads", "4", "--per-block"])) == 0
-    assert "built-in paper 2.7B profile" in capsys.readouterr().out
+    assert "built-in profile of the DSV paper's 2.7B run" in capsys.readouterr().out
     with pytest.raises(ValueError, match="not in --gpus"):
         plan_cli.run(parse(["--gpus", "4", "--per-block", "8"]))
 

@@ -108,7 +108,7 @@ def test_scp_bytes_moved_shrink_as_sparsity_rises(tmp_path):
     world, heads, seq_len, kv_block = 4, 2, 128, 4
     num_blocks = seq_len // kv_block
     sparsities = [0.5, 0.75, 0.875, 0.9375]
-    # Neighbouring groups share most critical keys (DESIGN §2), so the per-head preference dominates.
+    # Neighbouring groups share most critical keys (as the DSV paper measured), so the per-head preference dominates.
     cases = [
         make_case(random_index(heads, seq_len, 4, kv_block, [round((1 - s) * num_blocks)] * heads, shared=3.0),
                   torch.float32)
