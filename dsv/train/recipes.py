@@ -59,11 +59,13 @@ def wan_debug_cpu() -> Config:
 
 @recipe
 def small_gpu() -> Config:
-    """A 12-block DiT at 16×64×64 pixels (patch 1×4×4 → 4096 tokens) for quick runs on one GPU."""
+    """A 12-block DiT at 16×64×64 pixels (patch 1×4×4 → 4096 tokens) for quick runs on one GPU. 4×4×4 query
+    cubes: the kernels' 64-token blocks cost 1.30× dense per kept key on an H200, 32-token ones 3.95× (which
+    the dispatch would keep dense below ~90% sparsity at this size; benchmarks/NOTES.md)."""
     return Config(
         model=ModelConfig(in_channels=3, patch=(1, 4, 4), hidden=384, depth=12, heads=6,
                           activation_checkpointing=False),
-        attention=AttentionConfig(mode="dsv", cube=(2, 4, 4), profile_every_stage1=25, profile_every_stage2=100,
+        attention=AttentionConfig(mode="dsv", cube=(4, 4, 4), profile_every_stage1=25, profile_every_stage2=100,
                                   switch_loss_threshold=0.05, min_stage1_steps=500, max_stage1_steps=3000),
         data=DataConfig(frames=16, size=64, load_short_side=96),
         optim=OptimConfig(lr=2e-4, warmup_steps=200),
