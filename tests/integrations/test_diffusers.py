@@ -459,15 +459,7 @@ def test_cogvideox_oracle_with_all_keys_equals_dense_forward_and_backward(size):
 def test_cogvideox_text_tokens_stay_dense_under_a_partial_budget():
     model = tiny_cogvideox()
     install_dsv(model, cfg("oracle"))
-    # Stage 2, every layer sparse, each head keeping a quarter of the video key blocks.
-    state = model.state_dict()
-    state["dsv_controller.stage"] = torch.tensor(2)
-    for key in state:
-        if key.endswith("processor.use_sparse"):
-            state[key] = torch.tensor(True)
-        elif key.endswith("processor.keep_fraction"):
-            state[key] = torch.full_like(state[key], 0.25)
-    model.load_state_dict(state)
+    _sparse_quarter(model)  # each head keeping a quarter of the video key blocks
     captured = {}
     attn = model.transformer_blocks[1].attn1
     attn.register_forward_hook(lambda m, args, kwargs, out: captured.update(kwargs=kwargs, out=out),
