@@ -47,9 +47,9 @@ RESUMABLE_CHANGES = {"train": {"steps", "log_every", "eval_every", "ckpt_every",
                      "data": {"path"}}
 
 
-def _layout(sources: list[dict]) -> list[dict]:
-    """A data fingerprint (`VideoClipDataset.fingerprint`) without the pixel digests."""
-    return [{k: v for k, v in source.items() if k != "sha256"} for source in sources]
+def _without_digest(source: dict) -> dict:
+    """One source of a data fingerprint (`VideoClipDataset.fingerprint`) without its pixel digest."""
+    return {k: v for k, v in source.items() if k != "sha256"}
 
 
 def init_distributed(device_name: str) -> tuple[int, int, torch.device]:
@@ -359,15 +359,14 @@ class Trainer:
                           "only data.path is checked against it", stacklevel=3)
             return
         current = self.data.fingerprint()
-        if _layout(saved) != _layout(current):
-            saved_names = [s["name"] for s in saved]
-            names = [s["name"] for s in current]
-            changed = [s["name"] for s in current if s["name"] in saved_names
-                       and _layout([s]) != _layout([saved[saved_names.index(s["name"])]])]
+        if [_without_digest(s) for s in saved] != [_without_digest(s) for s in current]:
+            before = {s["name"]: _without_digest(s) for s in saved}
+            now = {s["name"]: _without_digest(s) for s in current}
+            changed = [name for name in now if name in before and now[name] != before[name]]
             raise CheckpointError(
-                f"checkpoint {ckpt} was trained on other data: missing now {sorted(set(saved_names) - set(names))}, "
-                f"new {sorted(set(names) - set(saved_names))}, other frames/size/split {changed}"
-                + (", other order" if not changed and set(names) == set(saved_names) else "")
+                f"checkpoint {ckpt} was trained on other data: missing now {sorted(before.keys() - now.keys())}, "
+                f"new {sorted(now.keys() - before.keys())}, other frames/size/split {changed}"
+                + (", other order" if not changed and before.keys() == now.keys() else "")
                 + " (resume with the data and packages the run started with)")
         differing = [s["name"] for s, c in zip(saved, current) if s["sha256"] != c["sha256"]]
         if differing:
