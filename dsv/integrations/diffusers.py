@@ -50,7 +50,7 @@ from safetensors import safe_open
 from dsv.modules.attention import DSVAttentionCore
 from dsv.modules.config import AttentionConfig
 from dsv.modules.controller import DSVController
-from dsv.ops import PAD, SparseIndex, cube_permutation
+from dsv.ops import PAD, SparseIndex
 from dsv.ops.grouping import cube_permutation_on
 
 __all__ = [
@@ -107,13 +107,11 @@ class _LatentGrid:
                     f"extent {extent} (patch (t, h, w) = {self.patch})"
                 )
         grid = tuple(size // extent for size, extent in zip(sizes, self.patch))
-        try:
-            cube_permutation(grid, self.cube)
-        except ValueError as err:
+        if min(grid) < 1:  # any cube fits a non-empty grid (partial cubes at its edges, `cube_permutation`)
             raise ValueError(
                 f"{type(module).__name__}: hidden_states {self.layout}={tuple(x.shape)} with patch {self.patch} "
-                f"gives the token grid (T, H, W)={grid}, which attention.cube={self.cube} does not fit: {err}"
-            ) from None
+                f"gives the empty token grid (T, H, W)={grid}"
+            )
         self.grid = grid
         if torch.is_grad_enabled():  # a forward a backward (and its recomputes) may follow
             forward_id = self.controller.forward_id if self.controller is not None else None
