@@ -1,5 +1,5 @@
 # ruff: noqa: E402, E501, E741, B023
-"""Sweep round 9: a warp-specialized Gluon (Hopper) sparse-attention forward against the Triton default, one H200.
+"""Sweep round 9 (second run): a warp-specialized Gluon (Hopper) sparse-attention forward against the Triton default, one H200.
 
     PYTHONPATH=. python benchmarks/gluon_ws_forward_probe.py      (OUT=DIR for probe.jsonl)
 
@@ -7,7 +7,9 @@ A one-warp producer streams the listed K/V tiles through TMA rings (mbarriers fo
 one or two consumer warpgroups of 64 query rows each run the online softmax on them, the scores of tile j
 and P.V of tile j-1 issued together. With two consumers the warpgroups are separate partitions, so no
 CTA-wide barrier ties them together (round 7's 8-warp forms ran in lockstep). Checked against the fp32
-reference first (ragged S, a group with no block), then timed at 32k/64k. Kept in history, not in the package.
+reference first (ragged S, a group with no block), then timed at 32k/64k. Second run: a persistent
+grid (the producer loads the next tile while the consumers finish this one) and ping-pong turns between
+the two consumers (FlashAttention-3's order), each optional. Kept in history, not in the package.
 """
 import torch
 import triton
@@ -28,38 +30,78 @@ def _block_start(idx_row, t, sub, kv_block, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-              idx_row, n_iter, bh, q_row0, kv_block, sub):
+def _tile(tile, n_m, NG, group, IDX, CNT, K_MAX, sub, BLOCK_M: gl.constexpr):
+    # Tiles are numbered query-tile fastest, then (batch, head), as a plain grid would launch them.
+    pid_m = tile % n_m
+    bh = tile // n_m
+    q_row0 = pid_m * BLOCK_M
+    row = bh * NG + q_row0 // group
+    n_iter = gl.load(CNT + row) * sub
+    idx_row = IDX + row.to(gl.int64) * K_MAX
+    return bh, q_row0, n_iter, idx_row
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+              v_empty, turn, IDX, CNT, num_tiles, n_m, NG, K_MAX, group, kv_block, sub):
     # Constexprs do not pass into partitions: the tile shapes come from the buffers' types.
     N_CONS: gl.constexpr = q_smem.type.shape[0]
     SUB_M: gl.constexpr = q_smem.type.shape[2]
     BLOCK_N: gl.constexpr = k_smem.type.shape[2]
     K_STAGES: gl.constexpr = k_smem.type.shape[0]
     V_STAGES: gl.constexpr = v_smem.type.shape[0]
-    for c in gl.static_range(N_CONS):
-        mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [bh, q_row0 + c * SUB_M, 0], q_bars.index(c), q_smem.index(c))
-    for t in range(n_iter):
-        start = _block_start(idx_row, t, sub, kv_block, BLOCK_N)
-        ks = t % K_STAGES
-        mbarrier.wait(k_empty.index(ks), ((t // K_STAGES) & 1) ^ 1)
-        mbarrier.expect(k_ready.index(ks), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [bh, start, 0], k_ready.index(ks), k_smem.index(ks))
-        vs = t % V_STAGES
-        mbarrier.wait(v_empty.index(vs), ((t // V_STAGES) & 1) ^ 1)
-        mbarrier.expect(v_ready.index(vs), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [bh, start, 0], v_ready.index(vs), v_smem.index(vs))
+    kv_it = 0
+    q_it = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        bh, q_row0, n_iter, idx_row = _tile(tile, n_m, NG, group, IDX, CNT, K_MAX, sub, SUB_M * N_CONS)
+        if n_iter > 0:
+            for c in gl.static_range(N_CONS):
+                mbarrier.wait(q_empty.index(c), (q_it & 1) ^ 1)
+                mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [bh, q_row0 + c * SUB_M, 0], q_ready.index(c),
+                                                q_smem.index(c))
+            q_it += 1
+        for t in range(n_iter):
+            start = _block_start(idx_row, t, sub, kv_block, BLOCK_N)
+            pos = kv_it + t
+            ks = pos % K_STAGES
+            mbarrier.wait(k_empty.index(ks), ((pos // K_STAGES) & 1) ^ 1)
+            mbarrier.expect(k_ready.index(ks), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [bh, start, 0], k_ready.index(ks), k_smem.index(ks))
+            vs = pos % V_STAGES
+            mbarrier.wait(v_empty.index(vs), ((pos // V_STAGES) & 1) ^ 1)
+            mbarrier.expect(v_ready.index(vs), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [bh, start, 0], v_ready.index(vs), v_smem.index(vs))
+        kv_it += n_iter
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-              OUT, LSE, idx_row, n_iter, bh, q_row0, H, S, sob, soh, sos, qk_scale, kv_block, sub, even_n,
-              C: gl.constexpr):
+def _my_turn(turn, n_turns, pingpong, C: gl.constexpr):
+    # Ping-pong: the two warpgroups issue their matmuls in turns, so one's softmax runs while the other's
+    # matmuls occupy the tensor cores. Warpgroup 0 goes first (its first wait passes at once).
+    if pingpong != 0:
+        if C == 0:
+            mbarrier.wait(turn.index(0), (n_turns & 1) ^ 1)
+        else:
+            mbarrier.wait(turn.index(1), n_turns & 1)
+
+
+@gluon.jit
+def _pass_turn(turn, pingpong, C: gl.constexpr):
+    if pingpong != 0:
+        mbarrier.arrive(turn.index(1 - C), count=1)
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+              OUT, LSE, IDX, CNT, num_tiles, n_m, NG, K_MAX, group, kv_block, sub,
+              H, S, sob, soh, sos, qk_scale, even_n, pingpong, C: gl.constexpr):
+    # One warpgroup: SUB_M query rows of each tile against the shared K/V ring. The scores of tile j and
+    # P.V of tile j - 1 are issued together; the softmax of tile j runs while P.V is on the tensor cores.
+    N_CONS: gl.constexpr = q_smem.type.shape[0]
     SUB_M: gl.constexpr = q_smem.type.shape[2]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[3]
     BLOCK_N: gl.constexpr = k_smem.type.shape[2]
-    # One warpgroup: SUB_M query rows against the shared K/V ring. The scores of tile j and P.V of tile
-    # j - 1 are issued together; the softmax of tile j runs while P.V is on the tensor cores.
     K_STAGES: gl.constexpr = k_smem.type.shape[0]
     V_STAGES: gl.constexpr = v_smem.type.shape[0]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -74,125 +116,149 @@ def _consumer(q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty
     q2 = q_smem.index(C).reshape([SUB_M, HEAD_DIM])
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     zero_s = gl.zeros([SUB_M, BLOCK_N], gl.float32, s_layout)
-    acc = gl.zeros([SUB_M, HEAD_DIM], gl.float32, o_layout)
-    m_i = gl.full([SUB_M], -1.0e30, gl.float32, row_s)
-    l_i = gl.zeros([SUB_M], gl.float32, row_s)
-
-    if n_iter > 0:
-        mbarrier.wait(q_bars.index(C), 0)
-        mbarrier.wait(k_ready.index(0), 0)
-        s_tok = warpgroup_mma(q2, k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
-                              use_acc=False, is_async=True)
-        qk = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-        mbarrier.arrive(k_empty.index(0), count=1)
-        if even_n == 0:
-            cols = _block_start(idx_row, 0, sub, kv_block, BLOCK_N) + offs_n
-            qk = gl.where(cols[None, :] < S, qk, float("-inf"))
-        m_i = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
-        p = gl.exp2(qk * qk_scale - m_i[:, None])
-        l_i = gl.sum(p, 1)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-
-        for j in range(1, n_iter):
-            ks = j % K_STAGES
-            mbarrier.wait(k_ready.index(ks), (j // K_STAGES) & 1)
-            vs = (j - 1) % V_STAGES
-            mbarrier.wait(v_ready.index(vs), ((j - 1) // V_STAGES) & 1)
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    kv_it = 0
+    q_it = 0
+    n_turns = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        bh, q_row0, n_iter, idx_row = _tile(tile, n_m, NG, group, IDX, CNT, K_MAX, sub, SUB_M * N_CONS)
+        acc = gl.zeros([SUB_M, HEAD_DIM], gl.float32, o_layout)
+        m_i = gl.full([SUB_M], -1.0e30, gl.float32, row_s)
+        l_i = gl.zeros([SUB_M], gl.float32, row_s)
+        if n_iter > 0:
+            mbarrier.wait(q_ready.index(C), q_it & 1)
+            ks = kv_it % K_STAGES
+            mbarrier.wait(k_ready.index(ks), (kv_it // K_STAGES) & 1)
+            _my_turn(turn, n_turns, pingpong, C)
             s_tok = warpgroup_mma(q2, k_smem.index(ks).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
                                   use_acc=False, is_async=True)
-            acc = warpgroup_mma(p_op, v_smem.index(vs).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-            qk = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+            _pass_turn(turn, pingpong, C)
+            n_turns += 1
+            qk = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
             mbarrier.arrive(k_empty.index(ks), count=1)
             if even_n == 0:
-                cols = _block_start(idx_row, j, sub, kv_block, BLOCK_N) + offs_n
+                cols = _block_start(idx_row, 0, sub, kv_block, BLOCK_N) + offs_n
                 qk = gl.where(cols[None, :] < S, qk, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
-            p = gl.exp2(qk * qk_scale - m_new[:, None])
-            alpha = gl.exp2(m_i - m_new)
-            l_i = l_i * alpha + gl.sum(p, 1)
-            m_i = m_new
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(v_empty.index(vs), count=1)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            m_i = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+            p = gl.exp2(qk * qk_scale - m_i[:, None])
+            l_i = gl.sum(p, 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
 
-        last = n_iter - 1
-        vs = last % V_STAGES
-        mbarrier.wait(v_ready.index(vs), (last // V_STAGES) & 1)
-        acc = warpgroup_mma(p_op, v_smem.index(vs).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(v_empty.index(vs), count=1)
+            for j in range(1, n_iter):
+                pos = kv_it + j
+                ks = pos % K_STAGES
+                mbarrier.wait(k_ready.index(ks), (pos // K_STAGES) & 1)
+                vs = (pos - 1) % V_STAGES
+                mbarrier.wait(v_ready.index(vs), ((pos - 1) // V_STAGES) & 1)
+                _my_turn(turn, n_turns, pingpong, C)
+                s_tok = warpgroup_mma(q2, k_smem.index(ks).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
+                                      zero_s, use_acc=False, is_async=True)
+                acc = warpgroup_mma(p_op, v_smem.index(vs).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+                _pass_turn(turn, pingpong, C)
+                n_turns += 1
+                qk = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+                mbarrier.arrive(k_empty.index(ks), count=1)
+                if even_n == 0:
+                    cols = _block_start(idx_row, j, sub, kv_block, BLOCK_N) + offs_n
+                    qk = gl.where(cols[None, :] < S, qk, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+                p = gl.exp2(qk * qk_scale - m_new[:, None])
+                alpha = gl.exp2(m_i - m_new)
+                l_i = l_i * alpha + gl.sum(p, 1)
+                m_i = m_new
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(v_empty.index(vs), count=1)
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+            # Every Q.K^T of this tile has retired: the producer may load the next tile's Q.
+            mbarrier.arrive(q_empty.index(C), count=1)
+            q_it += 1
 
-    l_o = gl.convert_layout(l_i, row_o)
-    out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
-    row0 = q_row0 + C * SUB_M
-    offs_m = row0 + gl.arange(0, SUB_M, layout=row_o)
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    b = bh // H
-    h = bh % H
-    optr = OUT + b.to(gl.int64) * sob + h.to(gl.int64) * soh + offs_m[:, None].to(gl.int64) * sos + offs_d[None, :]
-    gl.store(optr, out.to(OUT.dtype.element_ty), mask=offs_m[:, None] < S)
-    lse = gl.where(l_i > 0.0, (m_i + gl.log2(l_i)) * 0.6931471805599453, float("-inf"))
-    offs_ms = row0 + gl.arange(0, SUB_M, layout=row_s)
-    gl.store(LSE + bh.to(gl.int64) * S + offs_ms, lse, mask=offs_ms < S)
+            last = kv_it + n_iter - 1
+            vs = last % V_STAGES
+            mbarrier.wait(v_ready.index(vs), (last // V_STAGES) & 1)
+            acc = warpgroup_mma(p_op, v_smem.index(vs).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(v_empty.index(vs), count=1)
+        kv_it += n_iter
+
+        l_o = gl.convert_layout(l_i, row_o)
+        out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
+        row0 = q_row0 + C * SUB_M
+        offs_m = row0 + gl.arange(0, SUB_M, layout=row_o)
+        b = bh // H
+        h = bh % H
+        optr = (OUT + b.to(gl.int64) * sob + h.to(gl.int64) * soh + offs_m[:, None].to(gl.int64) * sos
+                + offs_d[None, :])
+        gl.store(optr, out.to(OUT.dtype.element_ty), mask=offs_m[:, None] < S)
+        lse = gl.where(l_i > 0.0, (m_i + gl.log2(l_i)) * 0.6931471805599453, float("-inf"))
+        offs_ms = row0 + gl.arange(0, SUB_M, layout=row_s)
+        gl.store(LSE + bh.to(gl.int64) * S + offs_ms, lse, mask=offs_ms < S)
 
 
 @gluon.jit
-def _consumer0(q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-               OUT, LSE, idx_row, n_iter, bh, q_row0, H, S, sob, soh, sos, qk_scale, kv_block, sub, even_n):
-    _consumer(q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-              OUT, LSE, idx_row, n_iter, bh, q_row0, H, S, sob, soh, sos, qk_scale, kv_block, sub, even_n, 0)
+def _consumer0(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+               OUT, LSE, IDX, CNT, num_tiles, n_m, NG, K_MAX, group, kv_block, sub,
+               H, S, sob, soh, sos, qk_scale, even_n, pingpong):
+    _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+              OUT, LSE, IDX, CNT, num_tiles, n_m, NG, K_MAX, group, kv_block, sub,
+              H, S, sob, soh, sos, qk_scale, even_n, pingpong, 0)
 
 
 @gluon.jit
-def _consumer1(q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-               OUT, LSE, idx_row, n_iter, bh, q_row0, H, S, sob, soh, sos, qk_scale, kv_block, sub, even_n):
-    _consumer(q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-              OUT, LSE, idx_row, n_iter, bh, q_row0, H, S, sob, soh, sos, qk_scale, kv_block, sub, even_n, 1)
+def _consumer1(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+               OUT, LSE, IDX, CNT, num_tiles, n_m, NG, K_MAX, group, kv_block, sub,
+               H, S, sob, soh, sos, qk_scale, even_n, pingpong):
+    _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+              OUT, LSE, IDX, CNT, num_tiles, n_m, NG, K_MAX, group, kv_block, sub,
+              H, S, sob, soh, sos, qk_scale, even_n, pingpong, 1)
 
 
 @gluon.jit
 def sparse_fwd_ws_kernel(q_desc, k_desc, v_desc, OUT, LSE, IDX, CNT,
-                         sob, soh, sos, H, S, NG, K_MAX, qk_scale,
-                         HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, KV_BLOCK: gl.constexpr,
-                         BLOCK_N: gl.constexpr, N_CONS: gl.constexpr, K_STAGES: gl.constexpr,
-                         V_STAGES: gl.constexpr, EVEN_N: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                         CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                         sob, soh, sos, H, S, NG, K_MAX, num_tiles, qk_scale, pingpong,
+                         GROUP: gl.constexpr, KV_BLOCK: gl.constexpr, BLOCK_N: gl.constexpr,
+                         N_CONS: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+                         PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     # N_CONS consumer warpgroups of 64 query rows each (one group's rows: GROUP % (64 * N_CONS) == 0) share
-    # the K/V tiles that a one-warp producer streams through TMA rings.
+    # the K/V tiles that a one-warp producer streams through TMA rings. A program walks the tiles
+    # pid, pid + grid, ...: with one tile per program it is the plain grid; with fewer programs (persistent)
+    # the producer loads the next tile while the consumers finish this one.
     SUB_M: gl.constexpr = 64
     BLOCK_M: gl.constexpr = SUB_M * N_CONS
     sub = KV_BLOCK // BLOCK_N
     kv_block = sub * BLOCK_N
+    group = sub * 0 + GROUP
     even_n = (S % KV_BLOCK == 0).to(gl.int32)
-    pid_m = gl.program_id(0)
-    bh = gl.program_id(1)
-    q_row0 = pid_m * BLOCK_M
-    row = bh * NG + q_row0 // GROUP
-    n_iter = gl.load(CNT + row) * sub
-    idx_row = IDX + row.to(gl.int64) * K_MAX
+    n_m = gl.cdiv(S, BLOCK_M)
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [N_CONS] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [K_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bars = gl.allocate_shared_memory(gl.int64, [N_CONS, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [N_CONS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [N_CONS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(N_CONS):
-        mbarrier.init(q_bars.index(i), count=1)
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
     for i in gl.static_range(K_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=N_CONS)
     for i in gl.static_range(V_STAGES):
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=N_CONS)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
 
-    prod_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-                 idx_row, n_iter, bh, q_row0, kv_block, sub)
-    cons = (q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-            OUT, LSE, idx_row, n_iter, bh, q_row0, H, S, sob, soh, sos, qk_scale, kv_block, sub, even_n)
+    prod_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                 v_empty, turn, IDX, CNT, num_tiles, n_m, NG, K_MAX, group, kv_block, sub)
+    cons = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+            OUT, LSE, IDX, CNT, num_tiles, n_m, NG, K_MAX, group, kv_block, sub,
+            H, S, sob, soh, sos, qk_scale, even_n, pingpong)
     if N_CONS == 2:
         gl.warp_specialize([
             (_consumer0, cons),
@@ -217,19 +283,30 @@ def descriptors(q, k, v, block_m, block_n):
     return out
 
 
+_SMS = {}
+
+
 def sparse_fwd_ws(q, k, v, indices, counts, group_size, kv_block, scale, block_n=128, n_cons=2, k_stages=2,
-                  v_stages=2, maxnreg=168, producer_regs=24, consumer_regs=240):
+                  v_stages=2, maxnreg=168, producer_regs=24, consumer_regs=240, persistent=0, pingpong=0):
+    """persistent: 0 = one tile per program; n > 0 = n programs per SM."""
     B, H, S, D = q.shape
     q, k, v = (x.contiguous() for x in (q, k, v))
-    assert group_size % (64 * n_cons) == 0
+    assert group_size % (64 * n_cons) == 0 and (pingpong == 0 or n_cons == 2)
     qd, kd, vd = descriptors(q, k, v, 64, block_n)
     out = torch.empty_like(q)
     lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(S, 64 * n_cons), B * H)
+    num_tiles = triton.cdiv(S, 64 * n_cons) * B * H
+    if persistent:
+        dev = q.device.index
+        if dev not in _SMS:
+            _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+        grid = (min(num_tiles, persistent * _SMS[dev]),)
+    else:
+        grid = (num_tiles,)
     sparse_fwd_ws_kernel[grid](qd, kd, vd, out, lse, indices, counts, *out.stride()[:3], H, S, indices.shape[2],
-                               indices.shape[3], scale * 1.4426950408889634, HEAD_DIM=D, GROUP=group_size,
-                               KV_BLOCK=kv_block, BLOCK_N=block_n, N_CONS=n_cons, K_STAGES=k_stages,
-                               V_STAGES=v_stages, EVEN_N=S % kv_block == 0, PRODUCER_REGS=producer_regs,
+                               indices.shape[3], num_tiles, scale * 1.4426950408889634, pingpong,
+                               GROUP=group_size, KV_BLOCK=kv_block, BLOCK_N=block_n, N_CONS=n_cons,
+                               K_STAGES=k_stages, V_STAGES=v_stages, PRODUCER_REGS=producer_regs,
                                CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
     return out, lse
 
@@ -256,9 +333,11 @@ def log(d):
     log_f.flush()
 
 
-# (block_n, n_cons, k_stages, v_stages, maxnreg, producer_regs, consumer_regs)
-VARS = [(128, 2, 2, 2, 168, 24, 240), (128, 2, 3, 2, 168, 24, 240), (64, 2, 4, 4, 168, 24, 240),
-        (64, 2, 3, 3, 168, 24, 240), (64, 1, 4, 4, 128, 24, 232), (64, 1, 3, 3, 128, 24, 232)]
+# (block_n, n_cons, k_stages, v_stages, maxnreg, producer_regs, consumer_regs, persistent, pingpong)
+VARS = [(128, 2, 2, 2, 168, 24, 240, 0, 0), (128, 2, 3, 2, 168, 24, 240, 0, 0),
+        (128, 2, 2, 2, 168, 24, 240, 1, 0), (128, 2, 3, 2, 168, 24, 240, 1, 0),
+        (128, 2, 2, 2, 168, 24, 240, 0, 1), (128, 2, 2, 2, 168, 24, 240, 1, 1), (128, 2, 3, 2, 168, 24, 240, 1, 1),
+        (64, 1, 2, 2, 128, 24, 232, 0, 0), (64, 1, 2, 2, 128, 24, 232, 2, 0), (64, 1, 3, 3, 128, 24, 232, 0, 0)]
 print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
 good = []
 for var in VARS:
