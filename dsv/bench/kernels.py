@@ -286,7 +286,7 @@ def run(args) -> int:
         flex = torch.compile(flex_attention, dynamic=False)
         rows += _bench_seq_len(S, args, dtype, flex)
         torch.cuda.empty_cache()  # the next length's inputs start from a clean pool
-    report = _report(rows, args, torch.cuda.get_device_name())
+    report = _report(rows, args, torch.cuda.get_device_name(), _forward_kernel(args, dtype))
     print(report)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -295,9 +295,19 @@ def run(args) -> int:
     return 0
 
 
-def _report(rows, args, device_name: str) -> str:
+def _forward_kernel(args, dtype) -> str:
+    from dsv.ops.sparse_attention import hopper_forward_unsupported
+
+    probe = torch.empty(1, 1, args.group_size, args.head_dim, dtype=dtype, device="cuda")
+    why = hopper_forward_unsupported(probe, args.group_size, args.kv_block)
+    return ("the warp-specialized Hopper kernel (Gluon)" if why is None else f"the Triton kernel ({why})")
+
+
+def _report(rows, args, device_name: str, forward_kernel: str) -> str:
     lines = [
         f"# Sparse attention kernels on {device_name}",
+        "",
+        f"DSV's forward: {forward_kernel}; backward: the Triton dq and dk/dv passes.",
         "",
         f"torch {torch.__version__}, triton {__import__('triton').__version__}; B={args.batch}, H={args.heads}, "
         f"D={args.head_dim}, {args.dtype}, group_size={args.group_size}, kv_block={args.kv_block}, "

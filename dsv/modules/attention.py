@@ -33,7 +33,7 @@ from dsv.ops import (
 )
 from dsv.ops.estimate import triton_estimation_unsupported
 from dsv.ops.grouping import check_sequence_matches_grid, cube_permutation_on, outside_inference_mode
-from dsv.ops.sparse_attention import resolve_backend
+from dsv.ops.sparse_attention import hopper_forward_unsupported, resolve_backend
 
 
 def _ema(old: torch.Tensor, new: torch.Tensor, momentum: float) -> torch.Tensor:
@@ -95,6 +95,7 @@ class DSVAttentionCore(nn.Module):
         self._window_cache: tuple[tuple, SparseIndex] | None = None
         self._last_shape: tuple[int, int] | None = None
         self._warned_estimation = False
+        self._warned_forward_kernel = False
         self._last_backend = "reference"
         self.backend_reason: str | None = None
         self.dispatch_reason = "not dispatched yet"
@@ -311,6 +312,13 @@ class DSVAttentionCore(nn.Module):
                 self._warned_estimation = True
                 warnings.warn(f"DSVAttention layer {self.layer_index}: critical-KV estimation runs the PyTorch "
                               f"reference: {estimation_reason}", stacklevel=4)
+        if self._last_backend == "triton" and not self._warned_forward_kernel:
+            self._warned_forward_kernel = True
+            why = hopper_forward_unsupported(q, self.cfg.group_size, self.cfg.key_block)
+            # Only where the faster forward exists and was not turned off on purpose.
+            if why is not None and "Hopper GPU" not in why and "DSV_HOPPER_FORWARD" not in why:
+                warnings.warn(f"DSVAttention layer {self.layer_index}: the sparse forward runs the Triton kernel, "
+                              f"not the faster warp-specialized Hopper one: {why}", stacklevel=4)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: SparseIndex | None) -> torch.Tensor:
         """`q, k, v [B, H, S, D]` (grouped order) → `[B, H, S, D]`: dense SDPA when `index` is None,

@@ -7,7 +7,8 @@ element is written by exactly one program: no atomics, deterministic results. Th
 ``atomic_dq`` backward (``SparseAttentionConfig``), which adds dq from the key tiles atomically.
 
 - forward: FlashAttention-2 online softmax over the listed key blocks, base-2 exponentials, saves the
-  natural-log LSE ``[B, H, S]`` (fp32).
+  natural-log LSE ``[B, H, S]`` (fp32). On Hopper GPUs the launcher runs the warp-specialized Gluon forward
+  of ``hopper_kernels`` instead, where it applies (measured 4-12% faster).
 - backward, dq: query-major, same walk as the forward; it also computes ``delta = rowsum(o * do) - dlse``
   and stores it for the dk/dv pass.
 - backward, dk/dv: key-major; walks the transposed index (for each key block, the ascending list of groups
@@ -39,6 +40,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dsv.ops.index import key_major_csr
+from dsv.ops.sparse_attention.hopper_kernels import hopper_forward_unsupported, sparse_attention_fwd_hopper
 
 _LOG2E = 1.4426950408889634  # the kernels work in base 2 (exp2) and store the LSE in natural log
 
@@ -476,10 +478,16 @@ def _check_tiles(cfg: KernelConfig, group_size: int, kv_block: int, what: str):
 
 def sparse_attention_fwd_launch(q, k, v, indices, counts, group_size: int, kv_block: int, scale: float,
                                 cfg: Optional[KernelConfig] = None):
-    """Forward launcher: returns ``out [B, H, S, D]`` (q's dtype) and ``lse [B, H, S]`` (fp32, natural log)."""
+    """Forward launcher: returns ``out [B, H, S, D]`` (q's dtype) and ``lse [B, H, S]`` (fp32, natural log).
+
+    Without a ``cfg``, inputs the warp-specialized Hopper forward takes run there (``hopper_kernels``:
+    ``hopper_forward_unsupported`` says why not); a ``cfg`` always runs the Triton forward with it.
+    """
     _check_inputs(q, k, v, indices, counts, group_size, kv_block)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     indices, counts = indices.contiguous(), counts.contiguous()
+    if cfg is None and hopper_forward_unsupported(q, group_size, kv_block) is None:
+        return sparse_attention_fwd_hopper(q, k, v, indices, counts, group_size, kv_block, scale)
     B, H, S, D = q.shape
     cfg = cfg or default_config(D, group_size, kv_block, _tma_supported(q)).fwd
     _check_tiles(cfg, group_size, kv_block, "forward")

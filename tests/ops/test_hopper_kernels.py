@@ -1,0 +1,194 @@
+"""The warp-specialized Hopper forward (Gluon) against the fp32 reference and the Triton forward.
+
+On a CPU the kernel cannot run, but it is compiled for sm_90 with the installed triton (Gluon's API moves
+between releases: this catches a triton the kernel no longer compiles with). On a Hopper GPU, ``-m gpu``
+runs it in bf16/fp16. The module is imported inside the tests: importing triton while pytest collects would
+keep test_triton_kernels from switching on the Triton interpreter first.
+"""
+
+import importlib
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dsv.ops.index import SparseIndex
+
+IS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def hopper_kernels():
+    pytest.importorskip("triton", reason="triton not installed: pip install -e '.[triton]'")
+    return importlib.import_module("dsv.ops.sparse_attention.hopper_kernels")
+
+
+# Every (group_size, kv_block, D) class the launcher sends here: both launch settings, both head dims.
+SM90_COMPILES = [(128, 128, 128), (128, 256, 64), (64, 64, 128), (64, 64, 64)]
+
+
+def compile_for_sm90(group_size: int, kv_block: int, head_dim: int) -> int:
+    """Compile the forward for sm_90 without a GPU (through triton's compiler entry point); returns the shared
+    memory it needs in bytes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    hk = hopper_kernels()
+    n_cons, block_n, k_stages, v_stages, _, maxnreg, consumer_regs = hk._settings(group_size, kv_block)
+    x = torch.empty(1, 2, 512, head_dim, dtype=torch.bfloat16)
+    kernel = hk._sparse_attn_fwd_ws_kernel
+    args = [hk._descriptor(x, 64), hk._descriptor(x, block_n), hk._descriptor(x, block_n), x,
+            torch.empty(1, dtype=torch.float32), torch.empty(1, dtype=torch.int32), torch.empty(1, dtype=torch.int32)]
+    signature = {name: mangle_type(arg) for name, arg in zip(kernel.arg_names, args)}
+    signature.update({name: "i32" for name in ("sob", "soh", "sos", "H", "S", "NG", "K_MAX", "num_tiles")})
+    signature["qk_scale"] = "fp32"
+    constants = dict(GROUP=group_size, KV_BLOCK=kv_block, BLOCK_N=block_n, N_CONS=n_cons, K_STAGES=k_stages,
+                     V_STAGES=v_stages, CONSUMER_REGS=consumer_regs, num_warps=4)
+    signature.update({name: "constexpr" for name in constants})
+    source = GluonASTSource(kernel, signature,
+                            constexprs={(kernel.arg_names.index(name),): v for name, v in constants.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
+    assert compiled.asm["cubin"], "no cubin"
+    return compiled.metadata.shared
+
+
+def test_compiles_for_sm90_with_the_installed_triton():
+    """In a fresh process: the Triton interpreter (which the kernel tests switch on without a GPU) cannot
+    compile Gluon."""
+    hk = hopper_kernels()
+    if hk.GLUON_IMPORT_ERROR is not None:
+        # The launcher then never takes this kernel, and says why.
+        reason = hk.hopper_forward_unsupported(torch.empty(1, 1, 64, 64), 128, 128)
+        assert reason is not None
+        return
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("from tests.ops.test_hopper_kernels import SM90_COMPILES, compile_for_sm90\n"
+            "for case in SM90_COMPILES: print(*case, compile_for_sm90(*case))")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert run.returncode == 0, run.stderr[-4000:]
+    shared = [int(line.split()[-1]) for line in run.stdout.splitlines()]
+    assert len(shared) == len(SM90_COMPILES)
+    # One program per SM for the 128-row setting, two for the 64-row one: both within the H100/H200's
+    # 227 KiB of shared memory per SM.
+    assert shared[0] <= 227 * 1024 and all(2 * s <= 227 * 1024 for s in shared[2:]), shared
+
+
+def test_settings_by_grouping():
+    hk = hopper_kernels()
+    assert hk._settings(128, 128) == hk._WIDE and hk._settings(256, 128) == hk._WIDE
+    assert hk._settings(64, 64) == hk._NARROW
+    for group_size, kv_block in ((64, 128), (128, 64), (32, 32), (64, 256)):
+        assert hk._settings(group_size, kv_block) is None
+
+
+def test_unsupported_reasons(monkeypatch):
+    hk = hopper_kernels()
+    assert "Hopper" in hk.hopper_forward_unsupported(torch.empty(1, 1, 64, 128), 128, 128)
+    monkeypatch.setattr(hk, "ENABLED", False)
+    assert "DSV_HOPPER_FORWARD=0" in hk.hopper_forward_unsupported(torch.empty(1, 1, 64, 128), 128, 128)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Hopper GPU
+# ----------------------------------------------------------------------------------------------------------
+
+
+def dtype_rel_tol(dtype: torch.dtype) -> float:
+    """Two units of the dtype's eps: rounding the output costs half an ulp, rounding P before P.V one more."""
+    return 2 * torch.finfo(dtype).eps
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+# (B, H, S, D, group_size, kv_block, keep per head)
+HOPPER_CASES = [
+    (1, 4, 4096, 128, 128, 128, [4, 8, 12, 32]),  # per-head k, the last head keeps every block: dense
+    (2, 3, 3001, 64, 64, 64, [3, 10, 47]),  # batch > 1, ragged S, D = 64, the 64-row setting
+    (1, 2, 2000, 128, 128, 256, [2, 5]),  # kv_block 256 (two key tiles a block), ragged
+    (2, 2, 2112, 64, 128, 128, [9, 17]),  # D = 64 in the 128-row setting; the last group ends past S
+]
+
+
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: "B{}H{}S{}D{}G{}kv{}".format(*c[:6]))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper GPU (compute capability 9.x)")
+def test_hopper_forward_matches_fp32_reference(case, dtype, layout):
+    """Fresh NaN-filled memory of the outputs' sizes is what the allocator hands the kernel, so an unwritten
+    element fails; one group lists no block (zeros and LSE = -inf, as the Triton forward gives)."""
+    hk = hopper_kernels()
+    tk = importlib.import_module("dsv.ops.sparse_attention.triton_kernels")
+    naive = importlib.import_module("dsv.ops.sparse_attention.naive")
+    B, H, S, D, G, kv, keep = case
+    assert hk.hopper_forward_unsupported(torch.empty(B, H, S, D, dtype=dtype, device="cuda"), G, kv) is None
+    scores = torch.randn(B, H, math.ceil(S / G), math.ceil(S / kv), device="cuda")
+    index = SparseIndex.from_topk(scores, torch.tensor(keep), G, kv, S)
+    index.counts[-1, -1, 1] = 0
+    if layout == "contiguous":
+        q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=dtype) for _ in range(3))
+    else:  # [B, S, H, D] memory, as attention layers produce it
+        q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=dtype).transpose(1, 2) for _ in range(3))
+    torch.cuda.synchronize()
+    poison = [torch.full((B, H, S, D), float("nan"), dtype=dtype, device="cuda"),
+              torch.full((B, H, S), float("nan"), dtype=torch.float32, device="cuda")]
+    del poison
+    out, lse = hk.sparse_attention_fwd_hopper(q, k, v, index.indices, index.counts, G, kv, D**-0.5)
+    want_out, want_lse = naive.sparse_attention_reference_with_lse(q.float(), k.float(), v.float(), index)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert rel_err(out, want_out) < dtype_rel_tol(dtype), rel_err(out, want_out)
+    empty = slice(G, 2 * G)
+    assert (out[-1, -1, empty] == 0).all() and torch.isneginf(lse[-1, -1, empty]).all()
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    # The LSE is fp32 throughout; its error comes from the bf16/fp16 inputs' scores alone.
+    assert rel_err(lse[finite], want_lse[finite]) < dtype_rel_tol(dtype)
+    cfg = tk.default_config(D, G, kv, tma=True).fwd  # an explicit config runs the Triton forward
+    triton_out, _ = tk.sparse_attention_fwd_launch(q, k, v, index.indices, index.counts, G, kv, D**-0.5, cfg)
+    assert rel_err(out, triton_out) < dtype_rel_tol(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper GPU (compute capability 9.x)")
+def test_default_launch_takes_the_hopper_forward_and_gradients_match(monkeypatch):
+    """sparse_attention_triton's forward runs here on Hopper; its LSE feeds the Triton backward."""
+    hk = hopper_kernels()
+    tk = importlib.import_module("dsv.ops.sparse_attention.triton_kernels")
+    naive = importlib.import_module("dsv.ops.sparse_attention.naive")
+    calls = []
+    monkeypatch.setattr(tk, "sparse_attention_fwd_hopper",
+                        lambda *a: calls.append(1) or hk.sparse_attention_fwd_hopper(*a))
+    B, H, S, D, G, kv = 2, 2, 1500, 128, 128, 128
+    scores = torch.randn(B, H, math.ceil(S / G), math.ceil(S / kv), device="cuda")
+    index = SparseIndex.from_topk(scores, torch.tensor([3, 7]), G, kv, S)
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    grad_out = torch.randn_like(q)
+    out = tk.sparse_attention_triton(q, k, v, index)
+    got = (out, *torch.autograd.grad(out, (q, k, v), grad_out))
+    assert calls, "the default launch did not take the Hopper forward"
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    ref = naive.sparse_attention_reference(q32, k32, v32, index)
+    want = (ref, *torch.autograd.grad(ref, (q32, k32, v32), grad_out.float()))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert rel_err(a, b) < dtype_rel_tol(torch.bfloat16), (name, rel_err(a, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper GPU (compute capability 9.x)")
+def test_reasons_on_a_hopper_gpu():
+    """The cases the launcher leaves to the Triton forward, each with its reason (a layer warns with it)."""
+    from dsv.ops.sparse_attention import hopper_forward_unsupported
+
+    x = torch.empty(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16)
+    assert hopper_forward_unsupported(x, 128, 128) is None
+    assert "head dim 96" in hopper_forward_unsupported(x[..., :96], 128, 128)
+    assert "float32" in hopper_forward_unsupported(x.float(), 128, 128)
+    assert "group_size 64 with kv_block 128" in hopper_forward_unsupported(x, 64, 128)
