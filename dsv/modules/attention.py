@@ -312,7 +312,8 @@ class DSVAttentionCore(nn.Module):
                 self._warned_estimation = True
                 warnings.warn(f"DSVAttention layer {self.layer_index}: critical-KV estimation runs the PyTorch "
                               f"reference: {estimation_reason}", stacklevel=4)
-        if self._last_backend == "triton" and not self._warned_forward_kernel:
+        # Checked in eager calls only: a flag flipped inside a compiled region would change its guards.
+        if self._last_backend == "triton" and not self._warned_forward_kernel and not torch.compiler.is_compiling():
             self._warned_forward_kernel = True
             why = hopper_forward_unsupported(q, self.cfg.group_size, self.cfg.key_block)
             # Only where the faster forward exists and was not turned off on purpose.
