@@ -89,6 +89,8 @@ def test_settings_by_grouping():
 def test_unsupported_reasons(monkeypatch):
     hk = hopper_kernels()
     assert "Hopper" in hk.hopper_forward_unsupported(torch.empty(1, 1, 64, 128), 128, 128)
+    # The count check comes after the device check: on a CPU the device is the reason.
+    assert hk.hopper_forward_unsupported(torch.empty(1, 1, 64, 128), 128, 128, 2).startswith("needs a Hopper")
     monkeypatch.setattr(hk, "ENABLED", False)
     assert "DSV_HOPPER_FORWARD=0" in hk.hopper_forward_unsupported(torch.empty(1, 1, 64, 128), 128, 128)
 
@@ -187,3 +189,6 @@ def test_reasons_on_a_hopper_gpu():
     assert "head dim 96" in hopper_forward_unsupported(x[..., :96], 128, 128)
     assert "float32" in hopper_forward_unsupported(x.float(), 128, 128)
     assert "group_size 64 with kv_block 128" in hopper_forward_unsupported(x, 64, 128)
+    hk = hopper_kernels()
+    assert "list 3 key blocks" in hk.hopper_forward_unsupported(x, 128, 128, 3)
+    assert hk.hopper_forward_unsupported(x, 128, 128, hk.MIN_LISTED_BLOCKS) is None

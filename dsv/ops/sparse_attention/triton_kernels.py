@@ -486,7 +486,7 @@ def sparse_attention_fwd_launch(q, k, v, indices, counts, group_size: int, kv_bl
     _check_inputs(q, k, v, indices, counts, group_size, kv_block)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     indices, counts = indices.contiguous(), counts.contiguous()
-    if cfg is None and hopper_forward_unsupported(q, group_size, kv_block) is None:
+    if cfg is None and hopper_forward_unsupported(q, group_size, kv_block, indices.shape[3]) is None:
         return sparse_attention_fwd_hopper(q, k, v, indices, counts, group_size, kv_block, scale)
     B, H, S, D = q.shape
     cfg = cfg or default_config(D, group_size, kv_block, _tma_supported(q)).fwd
