@@ -25,8 +25,8 @@ def hopper_kernels():
     return importlib.import_module("dsv.ops.sparse_attention.hopper_kernels")
 
 
-# Every (group_size, kv_block, D) class the launcher sends here: both launch settings, both head dims.
-SM90_COMPILES = [(128, 128, 128), (128, 256, 64), (64, 64, 128), (64, 64, 64)]
+# Every (group_size, kv_block, D) class the launcher sends here: both launch settings, both head dims of the wide one.
+SM90_COMPILES = [(128, 128, 128), (128, 256, 64), (64, 64, 128)]
 
 
 def compile_for_sm90(group_size: int, kv_block: int, head_dim: int) -> int:
@@ -113,7 +113,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 # (B, H, S, D, group_size, kv_block, keep per head)
 HOPPER_CASES = [
     (1, 4, 4096, 128, 128, 128, [4, 8, 12, 32]),  # per-head k, the last head keeps every block: dense
-    (2, 3, 3001, 64, 64, 64, [3, 10, 47]),  # batch > 1, ragged S, D = 64, the 64-row setting
+    (2, 3, 3001, 128, 64, 64, [3, 10, 47]),  # batch > 1, ragged S, the 64-row setting
     (1, 2, 2000, 128, 128, 256, [2, 5]),  # kv_block 256 (two key tiles a block), ragged
     (2, 2, 2112, 64, 128, 128, [9, 17]),  # D = 64 in the 128-row setting; the last group ends past S
 ]
@@ -131,7 +131,6 @@ def test_hopper_forward_matches_fp32_reference(case, dtype, layout):
     tk = importlib.import_module("dsv.ops.sparse_attention.triton_kernels")
     naive = importlib.import_module("dsv.ops.sparse_attention.naive")
     B, H, S, D, G, kv, keep = case
-    assert hk.hopper_forward_unsupported(torch.empty(B, H, S, D, dtype=dtype, device="cuda"), G, kv) is None
     scores = torch.randn(B, H, math.ceil(S / G), math.ceil(S / kv), device="cuda")
     index = SparseIndex.from_topk(scores, torch.tensor(keep), G, kv, S)
     if layout == "contiguous":
@@ -189,6 +188,8 @@ def test_reasons_on_a_hopper_gpu():
     assert "head dim 96" in hopper_forward_unsupported(x[..., :96], 128, 128)
     assert "float32" in hopper_forward_unsupported(x.float(), 128, 128)
     assert "group_size 64 with kv_block 128" in hopper_forward_unsupported(x, 64, 128)
+    assert hopper_forward_unsupported(x, 64, 64) is None and hopper_forward_unsupported(x[..., :64], 128, 128) is None
+    assert "head dim 64" in hopper_forward_unsupported(x[..., :64], 64, 64)
     hk = hopper_kernels()
     assert "list 3 key blocks" in hk.hopper_forward_unsupported(x, 128, 128, 3)
     assert hk.hopper_forward_unsupported(x, 128, 128, hk.MIN_LISTED_BLOCKS) is None

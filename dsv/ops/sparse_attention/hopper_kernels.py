@@ -17,7 +17,8 @@ as FlashAttention-3 organises a Hopper kernel:
 Measured on one H200 (benchmarks/NOTES.md, round 9; B=1, H=24, D=128, bf16): 32k tokens, 128-token blocks,
 2.33 / 1.25 / 0.58 ms at 90 / 95 / 98% sparsity against the Triton forward's 2.58 / 1.30 / 0.59; 64k
 8.81 / 4.76 / 2.02 against 9.97 / 5.22 / 2.19; 64-token blocks at 32k 2.79 / 1.53 / 0.70 against
-3.06 / 1.66 / 0.72. The backward passes written the same way were not faster than the Triton ones
+3.06 / 1.66 / 0.72. At head dim 64 the 128-token setting measured 5-9% faster than Triton, the 64-token one
+15-18% slower (not taken). The backward passes written the same way were not faster than the Triton ones
 (round 10), so the backward stays in Triton.
 
 ``hopper_forward_unsupported`` says why these inputs cannot take this kernel (the Triton forward runs
@@ -91,6 +92,9 @@ def hopper_forward_unsupported(q: torch.Tensor, group_size: int, kv_block: int,
     if _settings(group_size, kv_block) is None:
         return (f"group_size {group_size} with kv_block {kv_block}: it runs multiples of 128 for both, or 64 "
                 "for both (other pairs were not measured faster than the Triton forward)")
+    if _settings(group_size, kv_block) is _NARROW and q.shape[-1] != 128:
+        return (f"64-token groups at head dim {q.shape[-1]}: measured 1.15-1.18x slower than the Triton forward "
+                "on one H200 (faster at head dim 128)")
     if listed_blocks is not None and listed_blocks < MIN_LISTED_BLOCKS:
         return (f"groups list {listed_blocks} key blocks; below {MIN_LISTED_BLOCKS} the Triton forward is faster "
                 "(a loop that short shows the persistent kernel's per-tile cost)")
