@@ -300,7 +300,12 @@ def _forward_kernel(args, dtype) -> str:
 
     probe = torch.empty(1, 1, args.group_size, args.head_dim, dtype=dtype, device="cuda")
     why = hopper_forward_unsupported(probe, args.group_size, args.kv_block)
-    return ("the warp-specialized Hopper kernel (Gluon)" if why is None else f"the Triton kernel ({why})")
+    if why is not None:
+        return f"the Triton kernel ({why})"
+    from dsv.ops.sparse_attention.hopper_kernels import MIN_LISTED_BLOCKS
+
+    return (f"the warp-specialized Hopper kernel (Gluon); the Triton kernel where groups list fewer than "
+            f"{MIN_LISTED_BLOCKS} blocks")
 
 
 def _report(rows, args, device_name: str, forward_kernel: str) -> str:

@@ -33,7 +33,7 @@ from dsv.ops import (
 )
 from dsv.ops.estimate import triton_estimation_unsupported
 from dsv.ops.grouping import check_sequence_matches_grid, cube_permutation_on, outside_inference_mode
-from dsv.ops.sparse_attention import hopper_forward_unsupported, resolve_backend
+from dsv.ops.sparse_attention import hopper_forward_missing, resolve_backend
 
 
 def _ema(old: torch.Tensor, new: torch.Tensor, momentum: float) -> torch.Tensor:
@@ -312,12 +312,12 @@ class DSVAttentionCore(nn.Module):
                 self._warned_estimation = True
                 warnings.warn(f"DSVAttention layer {self.layer_index}: critical-KV estimation runs the PyTorch "
                               f"reference: {estimation_reason}", stacklevel=4)
-        # Checked in eager calls only: a flag flipped inside a compiled region would change its guards.
-        if self._last_backend == "triton" and not self._warned_forward_kernel and not torch.compiler.is_compiling():
+        # From eager forwards only (the check reads device properties; a compiled-from-the-start model does not
+        # warn): the compiling check comes first, so Dynamo never reads the flag and guards on it.
+        if not torch.compiler.is_compiling() and self._last_backend == "triton" and not self._warned_forward_kernel:
             self._warned_forward_kernel = True
-            why = hopper_forward_unsupported(q, self.cfg.group_size, self.cfg.key_block)
-            # Only where the faster forward exists and was not turned off on purpose.
-            if why is not None and "Hopper GPU" not in why and "DSV_HOPPER_FORWARD" not in why:
+            why = hopper_forward_missing(q, self.cfg.group_size, self.cfg.key_block)
+            if why is not None:
                 warnings.warn(f"DSVAttention layer {self.layer_index}: the sparse forward runs the Triton kernel, "
                               f"not the faster warp-specialized Hopper one: {why}", stacklevel=4)
 

@@ -26,10 +26,10 @@ def hopper_kernels():
 
 
 # Every (group_size, kv_block, D) class the launcher sends here: both launch settings, both head dims of the wide one.
-SM90_COMPILES = [(128, 128, 128), (128, 256, 64), (64, 64, 128)]
+SM90_COMPILES = [(128, 128, 128, "bf16"), (128, 256, 64, "bf16"), (64, 64, 128, "bf16"), (128, 128, 128, "fp16")]
 
 
-def compile_for_sm90(group_size: int, kv_block: int, head_dim: int) -> int:
+def compile_for_sm90(group_size: int, kv_block: int, head_dim: int, dtype: str) -> int:
     """Compile the forward for sm_90 without a GPU (through triton's compiler entry point); returns the shared
     memory it needs in bytes."""
     import triton
@@ -38,8 +38,8 @@ def compile_for_sm90(group_size: int, kv_block: int, head_dim: int) -> int:
     from triton.runtime.jit import mangle_type
 
     hk = hopper_kernels()
-    n_cons, block_n, k_stages, v_stages, _, maxnreg, consumer_regs = hk._settings(group_size, kv_block)
-    x = torch.empty(1, 2, 512, head_dim, dtype=torch.bfloat16)
+    n_cons, block_n, k_stages, v_stages, _, maxnreg = hk._settings(group_size, kv_block)
+    x = torch.empty(1, 2, 512, head_dim, dtype=torch.bfloat16 if dtype == "bf16" else torch.float16)
     kernel = hk._sparse_attn_fwd_ws_kernel
     args = [hk._descriptor(x, 64), hk._descriptor(x, block_n), hk._descriptor(x, block_n), x,
             torch.empty(1, dtype=torch.float32), torch.empty(1, dtype=torch.int32), torch.empty(1, dtype=torch.int32)]
@@ -47,7 +47,8 @@ def compile_for_sm90(group_size: int, kv_block: int, head_dim: int) -> int:
     signature.update({name: "i32" for name in ("sob", "soh", "sos", "H", "S", "NG", "K_MAX", "num_tiles")})
     signature["qk_scale"] = "fp32"
     constants = dict(GROUP=group_size, KV_BLOCK=kv_block, BLOCK_N=block_n, N_CONS=n_cons, K_STAGES=k_stages,
-                     V_STAGES=v_stages, CONSUMER_REGS=consumer_regs, num_warps=4)
+                     V_STAGES=v_stages, PRODUCER_REGS=hk._PRODUCER_REGS, CONSUMER_REGS=hk._CONSUMER_REGS,
+                     num_warps=4)
     signature.update({name: "constexpr" for name in constants})
     source = GluonASTSource(kernel, signature,
                             constexprs={(kernel.arg_names.index(name),): v for name, v in constants.items()})
@@ -60,11 +61,8 @@ def test_compiles_for_sm90_with_the_installed_triton():
     """In a fresh process: the Triton interpreter (which the kernel tests switch on without a GPU) cannot
     compile Gluon."""
     hk = hopper_kernels()
-    if hk.GLUON_IMPORT_ERROR is not None:
-        # The launcher then never takes this kernel, and says why.
-        reason = hk.hopper_forward_unsupported(torch.empty(1, 1, 64, 64), 128, 128)
-        assert reason is not None
-        return
+    if hk.GLUON_IMPORT_ERROR is not None:  # the launcher then never takes this kernel, and says why
+        pytest.skip(hk.GLUON_IMPORT_ERROR)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("from tests.ops.test_hopper_kernels import SM90_COMPILES, compile_for_sm90\n"
             "for case in SM90_COMPILES: print(*case, compile_for_sm90(*case))")
@@ -75,7 +73,8 @@ def test_compiles_for_sm90_with_the_installed_triton():
     assert len(shared) == len(SM90_COMPILES)
     # One program per SM for the 128-row setting, two for the 64-row one: both within the H100/H200's
     # 227 KiB of shared memory per SM.
-    assert shared[0] <= 227 * 1024 and all(2 * s <= 227 * 1024 for s in shared[2:]), shared
+    programs_per_sm = [1 if hk._settings(g, kv) is hk._WIDE else 2 for g, kv, _, _ in SM90_COMPILES]
+    assert all(n * s <= 227 * 1024 for n, s in zip(programs_per_sm, shared)), shared
 
 
 def test_settings_by_grouping():
@@ -89,8 +88,9 @@ def test_settings_by_grouping():
 def test_unsupported_reasons(monkeypatch):
     hk = hopper_kernels()
     assert "Hopper" in hk.hopper_forward_unsupported(torch.empty(1, 1, 64, 128), 128, 128)
+    assert hk.hopper_forward_missing(torch.empty(1, 1, 64, 128), 128, 128) is None  # no GPU: nothing to warn of
     # The count check comes after the device check: on a CPU the device is the reason.
-    assert hk.hopper_forward_unsupported(torch.empty(1, 1, 64, 128), 128, 128, 2).startswith("needs a Hopper")
+    assert hk.hopper_forward_unsupported(torch.empty(1, 1, 64, 128), 128, 128, 2).startswith("needs an NVIDIA Hopper")
     monkeypatch.setattr(hk, "ENABLED", False)
     assert "DSV_HOPPER_FORWARD=0" in hk.hopper_forward_unsupported(torch.empty(1, 1, 64, 128), 128, 128)
 
@@ -145,8 +145,9 @@ def test_hopper_forward_matches_fp32_reference(case, dtype, layout):
     want_out, want_lse = naive.sparse_attention_reference_with_lse(q.float(), k.float(), v.float(), index)
     assert out.dtype == dtype and torch.isfinite(out).all()
     assert rel_err(out, want_out) < dtype_rel_tol(dtype), rel_err(out, want_out)
-    # The LSE is fp32 throughout; its error comes from the bf16/fp16 inputs' scores alone.
-    assert torch.isfinite(lse).all() and rel_err(lse, want_lse) < dtype_rel_tol(dtype)
+    # The reference takes the same rounded inputs in fp32: the LSE differs by fp32 summation order alone
+    # (5.5e-8 measured), 1e-5 leaves ~200x headroom.
+    assert torch.isfinite(lse).all() and rel_err(lse, want_lse) < 1e-5, rel_err(lse, want_lse)
     cfg = tk.default_config(D, G, kv, tma=True).fwd  # an explicit config runs the Triton forward
     triton_out, _ = tk.sparse_attention_fwd_launch(q, k, v, index.indices, index.counts, G, kv, D**-0.5, cfg)
     assert rel_err(out, triton_out) < dtype_rel_tol(dtype)
@@ -193,3 +194,60 @@ def test_reasons_on_a_hopper_gpu():
     hk = hopper_kernels()
     assert "list 3 key blocks" in hk.hopper_forward_unsupported(x, 128, 128, 3)
     assert hk.hopper_forward_unsupported(x, 128, 128, hk.MIN_LISTED_BLOCKS) is None
+    # A layer warns of what the kernel lacks, not of the cases Triton measured faster in.
+    from dsv.ops.sparse_attention import hopper_forward_missing
+
+    assert "head dim 96" in hopper_forward_missing(x[..., :96], 128, 128)
+    assert hopper_forward_missing(x[..., :64], 64, 64) is None and hopper_forward_missing(x, 128, 128) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper GPU (compute capability 9.x)")
+@pytest.mark.parametrize("programs", [1, 3])
+def test_persistent_walk_over_many_tiles(monkeypatch, programs):
+    """With 1 or 3 programs every program walks dozens of tiles, so the K/V ring and Q buffers carry their
+    phases from tile to tile; per-head keeps differ (tiles of unequal length) and some groups list no block.
+    The Triton forward is the oracle (the reference refuses empty groups; both give zeros and LSE -inf)."""
+    hk = hopper_kernels()
+    tk = importlib.import_module("dsv.ops.sparse_attention.triton_kernels")
+    monkeypatch.setattr(hk, "_sm_count", lambda device_index: programs)
+    B, H, S, D, G, kv = 2, 3, 2000, 128, 128, 128
+    scores = torch.randn(B, H, math.ceil(S / G), math.ceil(S / kv), device="cuda")
+    index = SparseIndex.from_topk(scores, torch.tensor([1, 6, 16]), G, kv, S)
+    index.counts[0, 1, 2] = 0
+    index.counts[1, 2, 5:9] = 0
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out, lse = hk.sparse_attention_fwd_hopper(q, k, v, index.indices, index.counts, G, kv, D**-0.5)
+    cfg = tk.default_config(D, G, kv, tma=True).fwd
+    want_out, want_lse = tk.sparse_attention_fwd_launch(q, k, v, index.indices, index.counts, G, kv, D**-0.5, cfg)
+    assert torch.isfinite(out).all() and rel_err(out, want_out) < dtype_rel_tol(torch.bfloat16)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse)) and torch.isneginf(lse).sum() == 5 * G
+    finite = torch.isfinite(want_lse)
+    assert rel_err(lse[finite], want_lse[finite]) < 1e-5  # both fp32 from the same bf16 inputs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper GPU (compute capability 9.x)")
+def test_compiled_graph_takes_the_hopper_forward(monkeypatch):
+    """torch.compile(fullgraph) of the custom op, at a shape the Hopper forward takes: equal to eager."""
+    hk = hopper_kernels()
+    tk = importlib.import_module("dsv.ops.sparse_attention.triton_kernels")
+    calls = []
+    monkeypatch.setattr(tk, "sparse_attention_fwd_hopper",
+                        lambda *a: calls.append(1) or hk.sparse_attention_fwd_hopper(*a))
+    B, H, S, D, G = 1, 2, 1024, 128, 128
+    scores = torch.randn(B, H, S // G, S // G, device="cuda")
+    index = SparseIndex.from_topk(scores, torch.tensor([4, 6]), G, G, S)
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    grad_out = torch.randn_like(q)
+
+    def fn(q, k, v):
+        return tk.sparse_attention_triton(q * 1.0, k, v, index)
+
+    results = []
+    for f in (fn, torch.compile(fn, fullgraph=True)):
+        out = f(q, k, v)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), grad_out)))
+    assert len(calls) == 2
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

@@ -14,7 +14,8 @@ as FlashAttention-3 organises a Hopper kernel:
 - with 128-token groups and key blocks the grid is persistent (one program per SM walks the tiles), so the
   producer loads the next tile's Q and K/V while the consumers finish this one.
 
-Measured on one H200 (benchmarks/NOTES.md, round 9; B=1, H=24, D=128, bf16): 32k tokens, 128-token blocks,
+Measured on one H200 (benchmarks/NOTES.md, round 9; B=1, H=24, D=128, bf16; 2-12% less time than the Triton
+forward in the sweep, 4-9% in `dsv bench kernels`): 32k tokens, 128-token blocks,
 2.33 / 1.25 / 0.58 ms at 90 / 95 / 98% sparsity against the Triton forward's 2.58 / 1.30 / 0.59; 64k
 8.81 / 4.76 / 2.02 against 9.97 / 5.22 / 2.19; 64-token blocks at 32k 2.79 / 1.53 / 0.70 against
 3.06 / 1.66 / 0.72. At head dim 64 the 128-token setting measured 5-9% faster than Triton, the 64-token one
@@ -46,13 +47,17 @@ except (ImportError, AttributeError) as error:  # pragma: no cover - depends on 
     GLUON_IMPORT_ERROR = f"triton {triton.__version__} lacks the Gluon Hopper API ({error})"
 
 _LOG2E = 1.4426950408889634
-ENABLED = os.environ.get("DSV_HOPPER_FORWARD", "1") != "0"
+ENABLED = os.environ.get("DSV_HOPPER_FORWARD", "1") != "0"  # read once, at import
 
 # Launch settings by (group_size, kv_block) class, from the round-9 sweep on one H200:
-# (consumer warpgroups, key tile, K stages, V stages, programs per SM or 0 for one per tile, maxnreg,
-#  consumer registers). The producer warp gets 24 registers; maxnreg × 12 warps fills the register file.
-_WIDE = (2, 128, 2, 2, 1, 168, 240)  # group and kv_block multiples of 128
-_NARROW = (1, 64, 2, 2, 0, 128, 232)  # 64-token groups and key blocks: two programs per SM
+# (consumer warpgroups, key tile, K stages, V stages, programs per SM or 0 for one per tile, maxnreg).
+# Registers are allocated per warpgroup: the producer's (one warp, rounded up to a warpgroup) gets 24 a
+# thread and the consumers share the rest of maxnreg × all warps: 2 × 240 of 3 × 168 for the wide setting
+# (one program per SM fills the register file), 232 of 2 × 128 for the narrow one (two programs per SM).
+_WIDE = (2, 128, 2, 2, 1, 168)  # group and kv_block multiples of 128
+_NARROW = (1, 64, 2, 2, 0, 128)  # 64-token groups and key blocks
+_PRODUCER_REGS = 24
+_CONSUMER_REGS = 240  # the second consumer's (a worker partition); the first takes what is left, also 240
 
 
 def _settings(group_size: int, kv_block: int):
@@ -65,7 +70,8 @@ def _settings(group_size: int, kv_block: int):
 
 @functools.lru_cache(maxsize=None)
 def _is_hopper(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device)[0] == 9
+    # ROCm reports its own architectures as capabilities (MI300: 9.4); the kernel is NVIDIA's sm_90 only.
+    return torch.version.hip is None and torch.cuda.get_device_capability(device)[0] == 9
 
 
 # Groups listing fewer key blocks than this run the Triton forward: with a loop this short the persistent
@@ -76,13 +82,23 @@ MIN_LISTED_BLOCKS = 4
 
 def hopper_forward_unsupported(q: torch.Tensor, group_size: int, kv_block: int,
                                listed_blocks: int | None = None) -> str | None:
-    """Why the warp-specialized forward cannot run on inputs like ``q [B, H, S, D]`` with this grouping
-    (the Triton forward then runs), or None when it can. ``listed_blocks``: the index's ``K_max`` (blocks
-    listed per group), when known."""
+    """Why the warp-specialized forward does not run on inputs like ``q [B, H, S, D]`` with this grouping
+    (the Triton forward then runs), or None when it does. ``listed_blocks``: the index's ``K_max`` (the most
+    blocks any group lists), when known."""
     if not ENABLED:
         return "turned off by DSV_HOPPER_FORWARD=0"
     if not q.is_cuda or not _is_hopper(q.device):
-        return "needs a Hopper GPU (compute capability 9.x)"
+        return "needs an NVIDIA Hopper GPU (compute capability 9.x)"
+    return hopper_forward_missing(q, group_size, kv_block) or _measured_slower(q, group_size, kv_block,
+                                                                                listed_blocks)
+
+
+def hopper_forward_missing(q: torch.Tensor, group_size: int, kv_block: int) -> str | None:
+    """On an enabled Hopper GPU: what the kernel lacks for these inputs (the dtype, head dim or grouping it
+    does not cover, or triton's Gluon API), or None. Unlike the measured-slower cases of
+    ``hopper_forward_unsupported``, these leave speed on the table: a layer warns with the reason."""
+    if not ENABLED or not q.is_cuda or not _is_hopper(q.device):
+        return None
     if GLUON_IMPORT_ERROR is not None:
         return GLUON_IMPORT_ERROR
     if q.dtype not in (torch.bfloat16, torch.float16):
@@ -92,6 +108,10 @@ def hopper_forward_unsupported(q: torch.Tensor, group_size: int, kv_block: int,
     if _settings(group_size, kv_block) is None:
         return (f"group_size {group_size} with kv_block {kv_block}: it runs multiples of 128 for both, or 64 "
                 "for both (other pairs were not measured faster than the Triton forward)")
+    return None
+
+
+def _measured_slower(q: torch.Tensor, group_size: int, kv_block: int, listed_blocks: int | None) -> str | None:
     if _settings(group_size, kv_block) is _NARROW and q.shape[-1] != 128:
         return (f"64-token groups at head dim {q.shape[-1]}: measured 1.15-1.18x slower than the Triton forward "
                 "on one H200 (faster at head dim 128)")
@@ -269,13 +289,12 @@ if GLUON_IMPORT_ERROR is None:
                                    sob, soh, sos, H, S, NG, K_MAX, num_tiles, qk_scale,
                                    GROUP: gl.constexpr, KV_BLOCK: gl.constexpr, BLOCK_N: gl.constexpr,
                                    N_CONS: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
-                                   CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                                   PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                   num_warps: gl.constexpr):
         # Program p walks the tiles p, p + grid, ...: one tile per program is the plain grid; fewer programs
         # (persistent) let the producer run ahead into the next tile.
         BLOCK_M: gl.constexpr = 64 * N_CONS
-        sub = KV_BLOCK // BLOCK_N
-        kv_block = sub * BLOCK_N
-        group = sub * 0 + GROUP
+        sub: gl.constexpr = KV_BLOCK // BLOCK_N
         even_n = (S % KV_BLOCK == 0).to(gl.int32)
         n_m = gl.cdiv(S, BLOCK_M)
 
@@ -299,15 +318,15 @@ if GLUON_IMPORT_ERROR is None:
             mbarrier.init(v_empty.index(i), count=N_CONS)
 
         producer = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                    v_empty, IDX, CNT, num_tiles, n_m, H, NG, K_MAX, group, kv_block, sub)
+                    v_empty, IDX, CNT, num_tiles, n_m, H, NG, K_MAX, GROUP, KV_BLOCK, sub)
         consumer = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                    OUT, LSE, IDX, CNT, num_tiles, n_m, H, NG, K_MAX, group, kv_block, sub,
+                    OUT, LSE, IDX, CNT, num_tiles, n_m, H, NG, K_MAX, GROUP, KV_BLOCK, sub,
                     S, sob, soh, sos, qk_scale, even_n)
         if N_CONS == 2:
             gl.warp_specialize([(_consumer0, consumer), (_consumer1, consumer), (_producer, producer)],
-                               [4, 1], [CONSUMER_REGS, 24])
+                               [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
-            gl.warp_specialize([(_consumer0, consumer), (_producer, producer)], [1], [24])
+            gl.warp_specialize([(_consumer0, consumer), (_producer, producer)], [1], [PRODUCER_REGS])
 
 
 @functools.lru_cache(maxsize=None)
@@ -319,7 +338,9 @@ def _descriptor(x: torch.Tensor, rows: int):
     """4-D TMA descriptor over ``x [B, H, S, D]`` with ``[1, 1, rows, D]`` boxes (rows past S read as zeros)."""
     elem = x.element_size()
     if x.stride(-1) != 1 or x.data_ptr() % 16 or any(st == 0 or st * elem % 16 for st in x.stride()[:-1]):
-        x = x.contiguous()  # TMA needs a 16-byte aligned base and positive 16-byte multiple strides
+        # TMA needs a 16-byte aligned base and positive 16-byte multiple strides; a fresh compact copy has
+        # them (`contiguous()` would return a misaligned but contiguous view unchanged).
+        x = x.clone(memory_format=torch.contiguous_format)
     dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, x.shape[-1]], dtype)
     return TensorDescriptor.from_tensor(x, [1, 1, rows, x.shape[-1]], layout)
@@ -331,7 +352,7 @@ def sparse_attention_fwd_hopper(q, k, v, indices, counts, group_size: int, kv_bl
     Inputs as ``triton_kernels.sparse_attention_fwd_launch`` takes them, already checked there; the caller
     also checked ``hopper_forward_unsupported`` is None.
     """
-    n_cons, block_n, k_stages, v_stages, per_sm, maxnreg, consumer_regs = _settings(group_size, kv_block)
+    n_cons, block_n, k_stages, v_stages, per_sm, maxnreg = _settings(group_size, kv_block)
     B, H, S, D = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
@@ -341,5 +362,6 @@ def sparse_attention_fwd_hopper(q, k, v, indices, counts, group_size: int, kv_bl
         _descriptor(q, 64), _descriptor(k, block_n), _descriptor(v, block_n), out, lse, indices, counts,
         *out.stride()[:3], H, S, indices.shape[2], indices.shape[3], num_tiles, scale * _LOG2E,
         GROUP=group_size, KV_BLOCK=kv_block, BLOCK_N=block_n, N_CONS=n_cons, K_STAGES=k_stages,
-        V_STAGES=v_stages, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
+        V_STAGES=v_stages, PRODUCER_REGS=_PRODUCER_REGS, CONSUMER_REGS=_CONSUMER_REGS, num_warps=4,
+        maxnreg=maxnreg)
     return out, lse
