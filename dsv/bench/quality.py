@@ -51,6 +51,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dsv.cli import positive_int
+
 MODES = ("dense", "dsv", "window")
 CONTROL = "dense-control"  # the second dense run of --dense-control
 # Late-mean gaps to dense (``seed_late_means``), by the mode they measure.
@@ -66,13 +68,6 @@ FIGURES = ("losses.png", "sparsity.png", "samples.png", "observations.png", "spe
 GRANULARITY_KEEP = (0.1, 0.25, 0.5)  # kept fractions at which token-level and key-cube selection are compared
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive number of runs, got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", default="quality_gpu", help="the model and schedule of all three runs")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
@@ -85,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed sampling passes of the DSV model, sparse and dense (median reported)")
     parser.add_argument("--observe-clips", type=int, default=4, help="held-out clips for observe/profile")
     parser.add_argument("--device", default="auto", help="device of the evaluation (the runs pick their own)")
-    parser.add_argument("--runs-per-gpu", type=_positive_int, default=1,
+    parser.add_argument("--runs-per-gpu", type=positive_int, default=1,
                         help="training runs at a time on each GPU (they share its time and the host's cores: "
                              "each run's own step time rises); at most, fewer where that leaves every run as many "
                              "co-runners on its GPU, so that their speeds compare")

@@ -551,3 +551,27 @@ def test_a_grid_the_cube_does_not_tile_runs_the_triton_kernels_on_gpu():
         error = ((got - expected).norm() / expected.norm()).item()
         # bf16 weights, activations and kernel outputs against float32: a few units of bf16 eps (2^-8).
         assert error < 4 * 2**-8, error
+
+
+def test_forward_kernel_warning_once_and_only_from_eager_forwards(monkeypatch):
+    """A layer whose inputs the Hopper forward cannot take warns once with the reason; while compiling it
+    neither checks nor reads its flag (Dynamo would guard on it)."""
+    import warnings
+
+    import dsv.modules.attention as attention_module
+
+    monkeypatch.setattr(attention_module, "resolve_backend", lambda *args: ("triton", None))
+    monkeypatch.setattr(attention_module, "hopper_forward_missing", lambda *args: "head dim 96; it takes 64 or 128")
+    q = torch.randn(1, HEADS, 64, DIM // HEADS)
+    layer = DSVAttention(DIM, HEADS, cfg=AttentionConfig(mode="dsv", cube=(2, 2, 2)))
+    with pytest.warns(UserWarning, match="head dim 96"):
+        layer.resolve_backends(q, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer.resolve_backends(q, 64)
+    compiling = DSVAttention(DIM, HEADS, cfg=AttentionConfig(mode="dsv", cube=(2, 2, 2)))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compiling.resolve_backends(q, 64)
+    assert not compiling._warned_forward_kernel

@@ -17,7 +17,7 @@ import torch
 
 from dsv.ops.index import SparseIndex
 
-IS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+IS_HOPPER = torch.cuda.is_available() and torch.version.hip is None and torch.cuda.get_device_capability()[0] == 9
 
 
 def hopper_kernels():
@@ -25,7 +25,7 @@ def hopper_kernels():
     return importlib.import_module("dsv.ops.sparse_attention.hopper_kernels")
 
 
-# Every (group_size, kv_block, D) class the launcher sends here: both launch settings, both head dims of the wide one.
+# Both launch settings, both head dims of the wide one and both dtypes (each (group, kv_block, D) compiles apart).
 SM90_COMPILES = [(128, 128, 128, "bf16"), (128, 256, 64, "bf16"), (64, 64, 128, "bf16"), (128, 128, 128, "fp16")]
 
 
@@ -83,6 +83,18 @@ def test_settings_by_grouping():
     assert hk._settings(64, 64) == hk._NARROW
     for group_size, kv_block in ((64, 128), (128, 64), (32, 32), (64, 256)):
         assert hk._settings(group_size, kv_block) is None
+
+
+def test_misaligned_inputs_get_an_aligned_copy():
+    """TMA needs a 16-byte aligned base: a view one element in gets a compact copy, a transposed view is used
+    as it is."""
+    hk = hopper_kernels()
+    flat = torch.randn(1 + 2 * 3 * 64 * 128, dtype=torch.bfloat16)
+    shifted = flat[1:].view(2, 3, 64, 128)
+    desc = hk._descriptor(shifted, 64)
+    assert desc.base.data_ptr() % 16 == 0 and torch.equal(desc.base, shifted)
+    transposed = torch.randn(2, 64, 3, 128, dtype=torch.bfloat16).transpose(1, 2)
+    assert hk._descriptor(transposed, 64).base is transposed
 
 
 def test_unsupported_reasons(monkeypatch):
@@ -189,6 +201,7 @@ def test_reasons_on_a_hopper_gpu():
     assert "head dim 96" in hopper_forward_unsupported(x[..., :96], 128, 128)
     assert "float32" in hopper_forward_unsupported(x.float(), 128, 128)
     assert "group_size 64 with kv_block 128" in hopper_forward_unsupported(x, 64, 128)
+    assert "list 2 key blocks" in hopper_forward_unsupported(x, 128, 128, 2)
     assert hopper_forward_unsupported(x, 64, 64) is None and hopper_forward_unsupported(x[..., :64], 128, 128) is None
     assert "head dim 64" in hopper_forward_unsupported(x[..., :64], 64, 64)
     hk = hopper_kernels()
@@ -199,6 +212,7 @@ def test_reasons_on_a_hopper_gpu():
 
     assert "head dim 96" in hopper_forward_missing(x[..., :96], 128, 128)
     assert hopper_forward_missing(x[..., :64], 64, 64) is None and hopper_forward_missing(x, 128, 128) is None
+    assert hopper_forward_missing(x, 32, 32) is None  # the default 2x4x4 cube: left to Triton, no warning
 
 
 @pytest.mark.gpu

@@ -33,22 +33,23 @@ def triton_unsupported(q: torch.Tensor, group_size: int, kv_block: int) -> str |
     return None
 
 
-def hopper_forward_unsupported(q: torch.Tensor, group_size: int, kv_block: int) -> str | None:
+def hopper_forward_unsupported(q: torch.Tensor, group_size: int, kv_block: int,
+                               listed_blocks: int | None = None) -> str | None:
     """Why the Triton backend's forward does not take its warp-specialized Hopper kernel for inputs like `q`
-    (the plain Triton forward runs instead), or None when it does. Importing the kernel needs triton."""
+    (the plain Triton forward runs instead), or None when it does. `listed_blocks`: the index's K_max, when
+    known (groups listing few blocks stay on Triton). Importing the kernel needs triton."""
     if not q.is_cuda or torch.version.hip is not None or torch.cuda.get_device_capability(q.device)[0] != 9:
         return "needs an NVIDIA Hopper GPU (compute capability 9.x)"
     if not TRITON_INSTALLED:
         return "triton is not installed"
     from dsv.ops.sparse_attention.hopper_kernels import hopper_forward_unsupported as reason
 
-    return reason(q, group_size, kv_block)
+    return reason(q, group_size, kv_block, listed_blocks)
 
 
 def hopper_forward_missing(q: torch.Tensor, group_size: int, kv_block: int) -> str | None:
     """On an NVIDIA Hopper GPU with the kernel enabled: what it lacks for inputs like `q` (dtype, head dim,
-    grouping, triton's Gluon API), or None; the cases it leaves to Triton because Triton measured faster
-    give None."""
+    triton's Gluon API), or None; the cases it leaves to Triton by measurement give None."""
     if not q.is_cuda or torch.version.hip is not None or torch.cuda.get_device_capability(q.device)[0] != 9:
         return None
     if not TRITON_INSTALLED:

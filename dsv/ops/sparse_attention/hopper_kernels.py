@@ -11,8 +11,8 @@ as FlashAttention-3 organises a Hopper kernel:
   the softmax of tile j runs while P·V is on the tensor cores. As separate partitions the two consumers are
   not tied by CTA-wide barriers (a Triton or plain Gluon kernel with two warpgroups runs them in lockstep:
   benchmarks/NOTES.md, rounds 3 and 7);
-- with 128-token groups and key blocks the grid is persistent (one program per SM walks the tiles), so the
-  producer loads the next tile's Q and K/V while the consumers finish this one.
+- with groups and key blocks that are multiples of 128 tokens the grid is persistent (one program per SM
+  walks the tiles), so the producer loads the next tile's Q and K/V while the consumers finish this one.
 
 Measured on one H200 (benchmarks/NOTES.md, round 9; B=1, H=24, D=128, bf16; 2-12% less time than the Triton
 forward in the sweep, 4-9% in `dsv bench kernels`): 32k tokens, 128-token blocks,
@@ -29,6 +29,7 @@ instead); ``DSV_HOPPER_FORWARD=0`` in the environment turns it off.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 
 import torch
@@ -42,9 +43,12 @@ try:  # Gluon is triton's explicit-layout dialect (triton >= 3.5); its API still
 
     # Renamed after triton 3.6 (async_copy_global_to_shared -> async_load).
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    # triton 3.5's warp_specialize took (default_args, default_partition, worker_args, ...) instead.
+    if next(iter(inspect.signature(gl.warp_specialize).parameters)) != "functions_and_args":
+        raise AttributeError("gl.warp_specialize has the pre-3.6 signature")
     GLUON_IMPORT_ERROR: str | None = None
 except (ImportError, AttributeError) as error:  # pragma: no cover - depends on the installed triton
-    GLUON_IMPORT_ERROR = f"triton {triton.__version__} lacks the Gluon Hopper API ({error})"
+    GLUON_IMPORT_ERROR = f"triton {triton.__version__} lacks the Gluon Hopper API of triton >= 3.6 ({error})"
 
 _LOG2E = 1.4426950408889634
 ENABLED = os.environ.get("DSV_HOPPER_FORWARD", "1") != "0"  # read once, at import
@@ -89,14 +93,15 @@ def hopper_forward_unsupported(q: torch.Tensor, group_size: int, kv_block: int,
         return "turned off by DSV_HOPPER_FORWARD=0"
     if not q.is_cuda or not _is_hopper(q.device):
         return "needs an NVIDIA Hopper GPU (compute capability 9.x)"
-    return hopper_forward_missing(q, group_size, kv_block) or _measured_slower(q, group_size, kv_block,
-                                                                                listed_blocks)
+    return hopper_forward_missing(q, group_size, kv_block) or _left_to_triton(q, group_size, kv_block,
+                                                                               listed_blocks)
 
 
 def hopper_forward_missing(q: torch.Tensor, group_size: int, kv_block: int) -> str | None:
-    """On an enabled Hopper GPU: what the kernel lacks for these inputs (the dtype, head dim or grouping it
-    does not cover, or triton's Gluon API), or None. Unlike the measured-slower cases of
-    ``hopper_forward_unsupported``, these leave speed on the table: a layer warns with the reason."""
+    """On an enabled Hopper GPU: what the kernel lacks for these inputs (the dtype or head dim it does not
+    cover, or triton's Gluon API), or None. Unlike the groupings and index lengths that
+    ``hopper_forward_unsupported`` leaves to Triton by measurement, these leave speed on the table: a layer
+    warns with the reason."""
     if not ENABLED or not q.is_cuda or not _is_hopper(q.device):
         return None
     if GLUON_IMPORT_ERROR is not None:
@@ -105,13 +110,14 @@ def hopper_forward_missing(q: torch.Tensor, group_size: int, kv_block: int) -> s
         return f"dtype {q.dtype}; it takes bfloat16 or float16"
     if q.shape[-1] not in (64, 128):
         return f"head dim {q.shape[-1]}; it takes 64 or 128"
-    if _settings(group_size, kv_block) is None:
-        return (f"group_size {group_size} with kv_block {kv_block}: it runs multiples of 128 for both, or 64 "
-                "for both (other pairs were not measured faster than the Triton forward)")
     return None
 
 
-def _measured_slower(q: torch.Tensor, group_size: int, kv_block: int, listed_blocks: int | None) -> str | None:
+def _left_to_triton(q: torch.Tensor, group_size: int, kv_block: int, listed_blocks: int | None) -> str | None:
+    # Choices, not gaps: inputs the kernel could take where it was not measured faster than Triton.
+    if _settings(group_size, kv_block) is None:
+        return (f"group_size {group_size} with kv_block {kv_block}: it runs multiples of 128 for both, or 64 "
+                "for both (other pairs were not measured faster than the Triton forward)")
     if _settings(group_size, kv_block) is _NARROW and q.shape[-1] != 128:
         return (f"64-token groups at head dim {q.shape[-1]}: measured 1.15-1.18x slower than the Triton forward "
                 "on one H200 (faster at head dim 128)")
@@ -141,7 +147,7 @@ if GLUON_IMPORT_ERROR is None:
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                   v_empty, IDX, CNT, num_tiles, n_m, H, NG, K_MAX, group, kv_block, sub):
-        # Constexprs do not pass into partitions (triton 3.6): the tile shapes come from the buffers' types.
+        # The tile shapes are read from the buffers' types (constants passed into a partition arrive as values).
         N_CONS: gl.constexpr = q_smem.type.shape[0]
         SUB_M: gl.constexpr = q_smem.type.shape[3]
         BLOCK_N: gl.constexpr = k_smem.type.shape[3]
@@ -150,8 +156,8 @@ if GLUON_IMPORT_ERROR is None:
         kv_it = 0
         q_it = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            b, h, bh, q_row0, n_iter, idx_row = _tile(tile, n_m, H, NG, group, IDX, CNT, K_MAX, sub,
-                                                      SUB_M * N_CONS)
+            b, h, _, q_row0, n_iter, idx_row = _tile(tile, n_m, H, NG, group, IDX, CNT, K_MAX, sub,
+                                                     SUB_M * N_CONS)
             if n_iter > 0:
                 for c in gl.static_range(N_CONS):
                     # A slot starts free: the first wait (phase 1) passes at once.
@@ -353,7 +359,7 @@ def sparse_attention_fwd_hopper(q, k, v, indices, counts, group_size: int, kv_bl
     also checked ``hopper_forward_unsupported`` is None.
     """
     n_cons, block_n, k_stages, v_stages, per_sm, maxnreg = _settings(group_size, kv_block)
-    B, H, S, D = q.shape
+    B, H, S, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
     num_tiles = -(-S // (64 * n_cons)) * B * H
