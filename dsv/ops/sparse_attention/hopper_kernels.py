@@ -274,6 +274,8 @@ if GLUON_IMPORT_ERROR is None:
             offs_ms = row0 + gl.arange(0, SUB_M, layout=row_s)
             gl.store(LSE + bh.to(gl.int64) * S + offs_ms, lse, mask=offs_ms < S)
 
+    # One entry per consumer: the consumer's index selects its Q rows at compile time (`q_smem.index(C)`),
+    # and a constant passed into a partition would arrive as a runtime value.
     @gluon.jit
     def _consumer0(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                    OUT, LSE, IDX, CNT, num_tiles, n_m, H, NG, K_MAX, group, kv_block, sub,
