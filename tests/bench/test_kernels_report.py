@@ -12,7 +12,8 @@ def test_report_rows_have_every_column_and_the_gpu_time_ratio():
         dict(S=32768, method="FlexAttention", kept=0.1, fwd_ms=3.2, ms=12.0, tflops=390.0, mem=1.6, agree=1e-4,
              dense_ms=80.0, gpu_ms=11.5),
         dict(S=32768, method="DSV", kept=0.1, sparsity=0.9, fwd_ms=2.6, ms=10.0, tflops=430.0, mem=1.6, est_ms=0.2,
-             est_gpu_ms=0.1, est_ref_ms=0.9, dense_ms=80.0, flex_ms=12.0, gpu_ms=9.2, flex_gpu_ms=11.5),
+             est_gpu_ms=0.1, est_ref_ms=0.9, dense_ms=80.0, flex_ms=12.0, gpu_ms=9.2, flex_gpu_ms=11.5,
+             forward="Hopper"),
     ]
     table = [line for line in _report(rows, args, "a GPU", "a kernel").splitlines() if line.startswith("|")]
     widths = {line.count("|") for line in table}
@@ -20,7 +21,7 @@ def test_report_rows_have_every_column_and_the_gpu_time_ratio():
     dsv = table[-1].split("|")
     assert dsv[9].strip() == "9.20 (1.25×)"  # 11.5 / 9.2 GPU ms
     assert dsv[7].strip() == "8.0" and dsv[8].strip() == "1.20"  # × dense, × Flex by wall time
-    assert "target ≥8×: met" in table[-1]
+    assert "Hopper forward; target ≥8×: met" in table[-1]
     assert table[2].split("|")[9].strip() == "79.00"  # dense: GPU ms without a ratio
 
 
@@ -66,6 +67,7 @@ def test_one_sequence_length_runs_every_method_and_checks_flex_against_dsv(monke
     assert [r["method"] for r in rows] == ["cuDNN dense"] + ["FlexAttention", "DSV"] * 2
     dsv = rows[-1]
     assert dsv["kept"] == 0.5 and dsv["key_major_ms"] == 1.0 and dsv["flex_ms"] == 1.0
+    assert dsv["forward"] == "Triton"  # a CPU has no Hopper forward
     assert rows[1]["agree"] == 0.0 and rows[1]["fwd_ms"] == 1.0
     with pytest.raises(RuntimeError, match="FlexAttention differs from DSV"):
         kernels._bench_seq_len(S, args, torch.float64, lambda *a, **kw: flex(*a, **kw, honour_mask=False),

@@ -439,8 +439,10 @@ def _descriptor(x: torch.Tensor, block_rows: int, d_pad: int, cfg: KernelConfig)
         return x
     elem = x.element_size()
     if x.data_ptr() % 16 or any(st == 0 or st * elem % 16 for st in x.stride()[:-1]):
-        x = x.contiguous()  # TMA needs a 16-byte aligned base and positive 16-byte multiple strides
-    if x.data_ptr() % 16 or x.shape[-1] * elem % 16:
+        # TMA needs a 16-byte aligned base and positive 16-byte multiple strides; a fresh compact copy has
+        # them (`contiguous()` would return a misaligned but contiguous view unchanged).
+        x = x.clone(memory_format=torch.contiguous_format)
+    if x.shape[-1] * elem % 16:
         raise ValueError(f"TMA loads need D * itemsize to be a multiple of 16 bytes, got D={x.shape[-1]} of "
                          f"{x.dtype}; use a config with tma=False")
     return TensorDescriptor.from_tensor(x, [1, 1, block_rows, d_pad])
