@@ -9,12 +9,40 @@ ATTENTION_MODES = ("dense", "dsv", "window", "oracle")
 BACKENDS = ("auto", "reference", "triton")
 
 
-def require_finite_floats(config, section: str) -> None:
-    """Raise ValueError naming the first float field of a config dataclass (or float in a tuple field) that is
-    NaN or infinite: every range check below compares False with NaN, so NaN would pass them all."""
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# What each declared field type accepts (the annotations are strings under `from __future__ import annotations`).
+_FIELD_CHECKS = {
+    "int": (_is_int, "an int"),
+    "float": (_is_number, "a number"),
+    "bool": (lambda v: isinstance(v, bool), "a bool (true/false)"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "str | None": (lambda v: v is None or isinstance(v, str), "a string or None"),
+}
+
+
+def check_config_fields(config, section: str) -> None:
+    """Raise ValueError naming the first field of a config dataclass whose value is not of its declared type
+    (e.g. `kv_block=16.5`, or a cube of floats, which `int()` would truncate without a word), and the first
+    float (or float in a tuple field) that is NaN or infinite: every range check after this compares False
+    with NaN, so NaN would pass them all. Configs from Python or a stored JSON config reach here unparsed."""
     for f in fields(config):
         value = getattr(config, f.name)
-        values = value if isinstance(value, tuple) else (value,)
+        if f.type in _FIELD_CHECKS:
+            accepts, expected = _FIELD_CHECKS[f.type]
+            if not accepts(value):
+                raise ValueError(f"{section}.{f.name} must be {expected}, got {value!r}")
+        elif f.type.startswith("tuple["):
+            element, expected = (_is_int, "ints") if "int" in f.type else (_is_number, "numbers")
+            if not isinstance(value, (tuple, list)) or not all(element(v) for v in value):
+                raise ValueError(f"{section}.{f.name} must be a tuple of {expected}, got {value!r}")
+        values = value if isinstance(value, (tuple, list)) else (value,)
         if any(isinstance(v, float) and not math.isfinite(v) for v in values):
             raise ValueError(f"{section}.{f.name} must be finite, got {value!r}")
 
@@ -74,8 +102,8 @@ class AttentionConfig:
     check_finite: bool = True  # raise on NaN/Inf activations entering attention
 
     def __post_init__(self) -> None:
-        self.cube = tuple(int(c) for c in self.cube)
-        require_finite_floats(self, "attention")
+        check_config_fields(self, "attention")
+        self.cube = tuple(self.cube)
         if self.mode not in ATTENTION_MODES:
             raise ValueError(f"attention.mode must be one of {ATTENTION_MODES}, got {self.mode!r}")
         if self.backend not in BACKENDS:
@@ -94,8 +122,7 @@ class AttentionConfig:
         if self.max_stage1_steps and self.max_stage1_steps < self.min_stage1_steps:
             raise ValueError(f"attention.max_stage1_steps={self.max_stage1_steps} is below "
                              f"attention.min_stage1_steps={self.min_stage1_steps} (0 = no maximum)")
-        if (not isinstance(self.predictor_keys, int) or isinstance(self.predictor_keys, bool)
-                or self.predictor_keys < 0 or self.predictor_keys == 1):
+        if self.predictor_keys < 0 or self.predictor_keys == 1:
             # One key has no spread: its centred Grams are zero and the loss says nothing.
             raise ValueError(f"attention.predictor_keys must be an int, 0 (every key) or >= 2 (a random sample "
                              f"of that many keys), got {self.predictor_keys!r}")

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dsv.modules.attention import DSVAttention
-from dsv.modules.config import AttentionConfig, require_finite_floats
+from dsv.modules.config import AttentionConfig, check_config_fields
 from dsv.modules.controller import DSVController
 from dsv.ops.grouping import cube_permutation_on
 
@@ -40,8 +40,8 @@ class ModelConfig:
         if self.compile and self.arch != "dit":
             raise ValueError(f"model.compile={self.compile!r} compiles the blocks of model.arch='dit'; for a diffusers "
                              "model compile its transformer blocks yourself, or set model.compile=''")
-        self.patch = tuple(int(p) for p in self.patch)
-        require_finite_floats(self, "model")
+        check_config_fields(self, "model")
+        self.patch = tuple(self.patch)
         if len(self.patch) != 3 or min(self.patch) < 1:
             raise ValueError(f"model.patch must be three positive ints (t, h, w), got {self.patch}")
         for name in ("in_channels", "hidden", "depth", "heads"):

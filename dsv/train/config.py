@@ -7,7 +7,7 @@ import math
 import warnings
 from dataclasses import dataclass, field
 
-from dsv.modules.config import AttentionConfig, require_finite_floats
+from dsv.modules.config import AttentionConfig, check_config_fields
 from dsv.modules.dit import ModelConfig
 from dsv.train.data import DataConfig
 
@@ -21,8 +21,8 @@ class OptimConfig:
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
 
     def __post_init__(self) -> None:
+        check_config_fields(self, "optim")
         self.betas = tuple(float(b) for b in self.betas)
-        require_finite_floats(self, "optim")
         if not 0 < self.lr < math.inf:
             raise ValueError(f"optim.lr must be a finite number > 0, got {self.lr}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
@@ -51,6 +51,7 @@ class TrainConfig:
     threads: int = 0  # torch CPU threads; 0 leaves the default
 
     def __post_init__(self) -> None:
+        check_config_fields(self, "train")
         for name in ("steps", "batch_size", "log_every", "eval_every", "ckpt_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
@@ -76,7 +77,7 @@ class ParallelConfig:
     inter_node_gbps: float = 25.0  # between nodes (a 200 Gb/s NIC per GPU)
 
     def __post_init__(self) -> None:
-        require_finite_floats(self, "parallel")
+        check_config_fields(self, "parallel")
         if self.cp < 1:
             raise ValueError(f"parallel.cp must be >= 1, got {self.cp}")
         if self.gpus_per_node < 1 or self.intra_node_gbps <= 0 or self.inter_node_gbps <= 0:
