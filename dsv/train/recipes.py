@@ -81,19 +81,20 @@ def quality_gpu() -> Config:
     grid of 4096 tokens (the paper's latent grid), 4×4×4 query cubes (64 tokens: the Triton kernels'
     64-token blocks), batch 8, bf16.
 
-    On one H200, in the 600-step run of benchmarks/results/2026-11-29-h200-quality, a stage-2 step took
-    118 ms dense, 138 ms window and 208 ms DSV (predictor update, estimation and profiling at this small
-    size), plus ~15 s of start-up per run: the three runs one after another took 328 s. DSV learns its predictors
-    densely for 100–400 steps (at most a third of the run) and trains sparse from then on where a block's sparsity
-    reaches 0.5 and the kernel-speed model says sparse pays. Profiling every 10 steps in stage 1 and every
-    25 in stage 2 lets the sparsity EMA (momentum 0.9) follow the rising sparsity of so short a run. 64
-    held-out clips give the held-out loss and the FVD's real set. The recall floor (`recall_target=0.95`)
-    widens budgets until the selection keeps 95% of the critical mass. Without a floor, a 600-step run on
-    one H200 kept 16% of the keys in its sparse blocks at 0.75 recall (83.6% of θ) and ended +1.9% over
-    dense in held-out loss; in 1000-step runs the held-out loss over the second half was +2.2% over dense
-    at a floor of 0.9 (22% of the keys kept) and +1.6% at 0.95 (25% kept; FVD +2.9% and +0.1%); two seeds
-    at 0.95 gave +2.4% and +1.8% (FVD +5.2%), while two dense-attention runs of the same seeds differed by
-    -1.9% and +0.4% (FVD +5.6%): at this size the targets sit inside the run-to-run noise.
+    On one H200, the three 1000-step trainings sharing the GPU took 340 s together
+    (benchmarks/results/2026-11-29-h200-quality). DSV learns its predictors densely for 100–400 steps (at most
+    a third of the run) and trains sparse from then on where a block's sparsity reaches 0.5 and the
+    kernel-speed model says sparse pays. Profiling every 10 steps in stage 1 and every 25 in stage 2 lets the
+    sparsity EMA (momentum 0.9) follow the rising sparsity of so short a run. 64 held-out clips give the
+    held-out loss and the FVD's real set. The recall floor (`recall_target=0.95`) widens budgets until the
+    selection keeps 95% of the critical mass. In the 1000-step runs of benchmarks/results/ (held-out loss over
+    the second half against dense), a floor of 0.9 gave +2.2% with 22% of the keys kept in the sparse blocks
+    and 83.4% of θ recalled on held-out clips (2026-11-29-h200-quality), this recipe's 0.95 gave +1.6% with
+    25% kept and 90.3% of θ (2026-11-29-h200-quality-floor095; FVD +2.9% and +0.1%). Over eight training
+    seeds at 0.95 (2026-11-29-h200-quality-two-seeds and -dense-control, 2026-11-30-h200-quality-seeds-40-50
+    and -seeds-60-70) DSV's gap averaged +1.04% (per seed −1.86…+2.42%), while four comparisons of two
+    dense-attention trainings from the same command differed by −1.87…+0.37% (2026-11-29-h200-quality-theta095
+    and -dense-control): at this size the targets sit inside the run-to-run noise.
     """
     return Config(
         model=ModelConfig(in_channels=3, patch=(1, 4, 4), hidden=384, depth=12, heads=6),
@@ -115,7 +116,7 @@ def _paper_shape(depth: int, heads: int, head_dim: int) -> Config:
     # sparse would not pay, and the paper's block 4 (sparsity ~0.75) runs 3× faster sparse than dense.
     # 4096 sampled keys per predictor update: at 32k tokens it took the update from 186 to 51 ms per step on
     # one H200 (benchmarks/results/2026-11-29-h200-train-step.md); the quality run with 512 of 4096 keys
-    # kept the predictors' recall (2026-11-29-h200-quality).
+    # kept the predictors' recall (2026-11-29-h200-quality-predictor-keys).
     # DSV's per-layer state in host memory between uses: at 32k and 64k tokens on one H200 the 2.7B shape's
     # peak requested bytes equal dense's (+0.43 GiB without), the step time within noise (the train-step
     # reports of 2026-11-29 and -30).
