@@ -84,15 +84,23 @@ def _bench(args) -> int:
     raise AssertionError(args.what)
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an int >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = _int_at_least(1)
+"""argparse type: an int >= 1."""
+non_negative_int = _int_at_least(0)
+"""argparse type: an int >= 0."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,13 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="what", required=True)
-    kernels = bench_sub.add_parser("kernels", help="sparse kernels vs dense cuDNN and FlexAttention (GPU)")
-    try:
-        from dsv.bench.kernels import add_arguments
-    except ImportError:  # the benchmark needs triton, which the CPU install may lack
-        add_arguments = None
-    if add_arguments is not None:
-        add_arguments(kernels)
+    from dsv.bench.kernels import add_arguments as add_kernel_arguments
+
+    add_kernel_arguments(bench_sub.add_parser("kernels", help="sparse kernels vs dense cuDNN and FlexAttention (GPU)"))
     from dsv.bench.train import add_arguments as add_train_arguments
 
     add_train_arguments(bench_sub.add_parser("train", help="training-step time: dense vs window vs DSV stage 2"))

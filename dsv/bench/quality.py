@@ -73,12 +73,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="override a config field of all three runs")
     parser.add_argument("--out", type=Path, required=True, help="output folder (must not hold runs yet)")
-    parser.add_argument("--sample-steps", type=int, default=25, help="Euler steps per sample")
+    parser.add_argument("--sample-steps", type=positive_int, default=25, help="Euler steps per sample")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling noise (the same for every run)")
-    parser.add_argument("--bootstrap", type=int, default=100, help="bootstrap draws for the FVD spread")
-    parser.add_argument("--timing-repeats", type=int, default=2,
+    # At least one draw: the report's FVD target states the draws' spread, which zero draws would leave as NaN.
+    parser.add_argument("--bootstrap", type=positive_int, default=100, help="bootstrap draws for the FVD spread")
+    parser.add_argument("--timing-repeats", type=positive_int, default=2,
                         help="timed sampling passes of the DSV model, sparse and dense (median reported)")
-    parser.add_argument("--observe-clips", type=int, default=4, help="held-out clips for observe/profile")
+    parser.add_argument("--observe-clips", type=positive_int, default=4, help="held-out clips for observe/profile")
     parser.add_argument("--device", default="auto", help="device of the evaluation (the runs pick their own)")
     parser.add_argument("--runs-per-gpu", type=positive_int, default=1,
                         help="training runs at a time on each GPU (they share its time and the host's cores: "
@@ -367,13 +368,13 @@ def same_initial_weights(cfg) -> bool:
 
 
 def timed_samples(model, cfg, num: int, steps: int, seed: int, repeats: int) -> tuple[torch.Tensor, list[float]]:
-    """Samples of ``model`` (in [-1, 1]) from the noise of ``seed`` and the seconds of ``repeats`` timed
+    """Samples of ``model`` (in [-1, 1]) from the noise of ``seed`` and the seconds of ``repeats`` (>= 1) timed
     passes, after one untimed one-step pass at the same batch shape (Triton compilation and autotuning, cuDNN
     plans)."""
     from dsv.analysis.sample import generate
 
     generate(model, cfg, num, 1, seed)
-    passes = [generate(model, cfg, num, steps, seed) for _ in range(max(1, repeats))]
+    passes = [generate(model, cfg, num, steps, seed) for _ in range(repeats)]
     # Clamped to the data range, as any written video would be (and as the I3D requires).
     return passes[0][0].clamp(-1, 1), [seconds for _, seconds in passes]
 

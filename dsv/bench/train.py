@@ -10,6 +10,12 @@ mean per step), so its ms/step carries the update's cost / k. DSV's overheads ar
 update (steps with and without it), a profiling step (amortised over `profile_every_stage2`), and the
 critical-KV estimation. `--set` takes the model and attention fields that the bench applies, and refuses
 the others (the bench fixes the rest of the run: see `bench_config`).
+
+The timed steps run without `attention.check_finite` (a device sync per step), so before any timing of each
+mode at each token count a correctness gate must hold, or the command fails without a report: one untimed
+step's loss and every parameter gradient are finite (`_finite_gate`), and where layers run sparse (window; DSV
+in stage 2), the first sparse layer's sparse attention on its real inputs at the benchmark shape, with the
+index that the layer builds, matches the float32 PyTorch reference (`_sparse_gate`).
 """
 
 from __future__ import annotations
@@ -20,25 +26,33 @@ import dataclasses
 import gc
 import math
 import statistics
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from dsv.bench.profiling import write_op_profile
+from dsv.cli import non_negative_int, positive_int
 from dsv.modules.attention import model_parameters
 from dsv.modules.dit import VideoDiT, flow_matching_loss
+from dsv.ops import sparse_attention, sparse_attention_reference
 from dsv.parallel.planner import load_profile, paper_profile
 from dsv.train.config import apply_overrides
 from dsv.train.recipes import get_recipe
 
 MODES = ("dense", "window", "dsv")
+# Heads of the first sparse layer that the correctness gate compares with the float32 reference: the kernels
+# treat every head alike, and the reference's cost grows with the heads compared.
+GATE_HEADS = 2
 
 # `--set` fields that the bench fixes itself, with the one value it runs: any other value is refused.
 _FIXED = {
     "model.arch": ("dit", "the bench builds DSV's VideoDiT"),
     "model.activation_checkpointing": (True, "the bench always checkpoints the blocks"),
-    "attention.check_finite": (False, "the bench turns the per-step finite check (a device sync) off"),
+    "attention.check_finite": (False, "the bench turns the per-step finite check (a device sync) off; its "
+                               "correctness gate checks one untimed step instead"),
 }
 # Attention fields that the bench never lets act on what it times.
 _NOT_APPLIED = {
@@ -77,12 +91,13 @@ def bench_config(recipe, overrides: list[str]):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", default="dit_2p7b", help="model shape (its model/attention sections)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[32768, 65536], help="tokens per sample")
-    parser.add_argument("--spatial", type=int, default=64, help="latent H = W in tokens; T = tokens / spatial²")
+    parser.add_argument("--tokens", type=positive_int, nargs="+", default=[32768, 65536], help="tokens per sample")
+    parser.add_argument("--spatial", type=positive_int, default=64,
+                        help="latent H = W in tokens; T = tokens / spatial²")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--profile", default="paper", help="'paper' or a JSON of per-layer per-head sparsity")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per mode (median reported)")
+    parser.add_argument("--warmup", type=non_negative_int, default=1, help="untimed steps before the timed ones")
+    parser.add_argument("--steps", type=positive_int, default=3, help="timed steps per mode (median reported)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", type=Path, default=None, help="write the markdown report here")
     parser.add_argument("--op-profile", type=Path, default=None, metavar="FOLDER",
@@ -170,6 +185,103 @@ def _timed_steps(run: _Run, args, name: str, device: torch.device, period: int =
     return ms, _peak_gib(device), _peak_requested_gib(device)
 
 
+class GateFailure(Exception):
+    """A correctness gate did not hold: the steps that the bench would time compute NaN or wrong attention."""
+
+
+class _Captured(Exception):
+    """Raised by the sparse gate's observer with the first sparse layer's inputs: the rest of the forward is
+    not needed."""
+
+
+def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative L2 error of `out` against `ref`, in float64; not finite when `out` is not."""
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def gate_tolerance(dtype: torch.dtype) -> float:
+    """Relative L2 error that the sparse attention of inputs in `dtype` may have against the float32 reference."""
+    # Two units of eps: rounding the output to the dtype costs half an ulp, rounding P before P·V at most one more
+    # (tests/ops/test_triton_kernels.py); at least 1e-5, as an fp32 kernel sums long rows in another order.
+    return max(2 * torch.finfo(dtype).eps, 1e-5)
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def _finite_gate(run: _Run) -> str:
+    """One untimed step whose loss must be finite, and which must give every parameter that the optimizer steps
+    (all but the predictors, which step themselves) a finite gradient, checked before the optimizer consumes
+    them; returns the gate's line, raises `GateFailure` naming what is missing or not finite."""
+    checked = {}
+    stepped = {id(p) for p in model_parameters(run.model)}
+    params = [(name, p) for name, p in run.model.named_parameters() if id(p) in stepped]
+
+    def inspect(loss: torch.Tensor) -> None:
+        missing = [name for name, p in params if p.grad is None]
+        grads = [(name, p.grad) for name, p in params if p.grad is not None]
+        # One host sync for all of them: the step is untimed, but the gate stays cheap at 2.7B parameters.
+        finite = torch.stack([torch.isfinite(grad).all() for _, grad in grads]).tolist() if grads else []
+        bad = [name for (name, _), ok in zip(grads, finite) if not ok]
+        value = loss.item()
+        if not math.isfinite(value) or bad or missing:
+            problems = [f"one step's loss is {value}"]
+            if bad:
+                problems.append(f"non-finite gradients in {len(bad)} of {len(params)} parameters: {_names(bad)}")
+            if missing:
+                problems.append(f"no gradient in {len(missing)} of {len(params)} parameters: {_names(missing)}")
+            raise GateFailure("; ".join(problems))
+        checked.update(loss=value)
+
+    run.step(inspect)
+    return f"one step's loss {checked['loss']:.4f} and the gradients of all {len(params)} parameters finite"
+
+
+def _sparse_gate(run: _Run) -> str:
+    """The first sparse layer's sparse attention against the float32 PyTorch reference, on that layer's inputs at
+    the benchmark shape (one forward up to it, no gradients) with the index that the layer builds for them, on
+    its first `GATE_HEADS` heads and random values; returns the gate's line, raises `GateFailure` when the
+    relative L2 error exceeds `gate_tolerance` of the inputs' dtype or is not finite."""
+    sparse = [layer for layer in run.model.controller.layers if layer.runs_sparse()]
+    if not sparse:
+        return "no layer runs sparse: no sparse-attention check"
+    layer = sparse[0]
+    heads = min(GATE_HEADS, layer.heads)
+
+    def observer(_layer, hidden, q, k, grid):  # set on `layer` alone
+        index = layer.compute_index(hidden, q, k, grid)
+        index = dataclasses.replace(index, indices=index.indices[:, :heads].contiguous(),
+                                    counts=index.counts[:, :heads].contiguous())
+        raise _Captured(*(x[:, :heads].clone(memory_format=torch.contiguous_format) for x in (q, k)), index,
+                        layer.sparse_backend)
+
+    layer.observer = observer
+    try:
+        # No gradients: no predictor step and no selection kept for a recompute, so the state under test stays
+        # as it is. Eager blocks: a compiled block cannot run the Python hook.
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+            run.loss()
+    except _Captured as captured:
+        q, k, index, backend = captured.args
+    else:
+        raise GateFailure(f"layer {layer.layer_index} runs sparse, but the forward never reached its key selection")
+    finally:
+        layer.observer = None
+    v = torch.randn(q.shape, dtype=q.dtype, device=q.device, generator=torch.Generator(q.device).manual_seed(2))
+    with torch.no_grad():
+        out = sparse_attention(q, k, v, index, scale=layer.scale, backend=backend)
+        ref = sparse_attention_reference(q.float(), k.float(), v.float(), index, scale=layer.scale)
+    error, tolerance = _relative_error(out, ref), gate_tolerance(q.dtype)
+    what = (f"layer {layer.layer_index}'s sparse attention ({backend}, {str(q.dtype).removeprefix('torch.')}, "
+            f"{heads} of {layer.heads} heads, its own index) against the float32 reference: relative L2 error "
+            f"{error:.2e}")
+    if not error <= tolerance:  # a NaN error fails too
+        raise GateFailure(f"{what} > {tolerance:.2e}")
+    return f"{what} <= {tolerance:.2e}"
+
+
 def _peaks_against_dense(rows: list[dict]) -> list[str]:
     """Each mode's peaks minus dense's at the same token count, in MiB: the table's GiB hide a few MiB."""
     dense = {r["tokens"]: r for r in rows if r["mode"] == "dense"}
@@ -207,12 +319,19 @@ class _Run:
         self.device = device
         self.step_index = 0
 
-    def step(self) -> None:
+    def loss(self) -> torch.Tensor:
+        """The flow-matching loss on the fixed latents, under the bench's autocast."""
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+            return flow_matching_loss(self.model, self.x0, self.t, self.noise)
+
+    def step(self, inspect: Callable[[torch.Tensor], None] | None = None) -> None:
+        """One training step; `inspect(loss)` runs after the backward, while the gradients are still there."""
         controller = self.model.controller
         controller.begin_step(self.step_index)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
-            loss = flow_matching_loss(self.model, self.x0, self.t, self.noise)
+        loss = self.loss()
         loss.backward()
+        if inspect is not None:
+            inspect(loss)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)  # as the trainer: no old gradients during the next forward
         controller.end_step()
@@ -281,14 +400,29 @@ class _Run:
                 self.restore_dsv_state(state)
 
 
+def _gates(run_: _Run, tokens: int, mode: str) -> list[str]:
+    """Both correctness gates of one run, in the state that the bench times next; prints and returns their
+    lines (`GateFailure` when one does not hold)."""
+    lines = []
+    for gate in (_finite_gate, _sparse_gate):
+        line = gate(run_)
+        print(f"{tokens:>6} {mode:>6} gate: {line}", flush=True)
+        lines.append(f"{mode} at {tokens} tokens: {line}")
+    return lines
+
+
 def run(args) -> int:
+    repeated = sorted({mode for mode in args.modes if args.modes.count(mode) > 1})
+    if repeated:
+        raise ValueError(f"--modes {' '.join(args.modes)}: expected each mode at most once, "
+                         f"{', '.join(repeated)} listed more than once")
     device = torch.device(args.device)
     cfg = bench_config(get_recipe(args.recipe), args.set)
     learn_every = cfg.attention.learn_every_stage2
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    rows = []
+    rows, gates = [], []
     for tokens in args.tokens:
-        dense_ms = None
+        measured = []  # this token count's rows: their speedups need dense's time, whatever the order of --modes
         for mode in args.modes:
             if cfg.model.compile:
                 torch._dynamo.reset()  # each run is a new model: no guards or graphs carried over from the last
@@ -301,7 +435,14 @@ def run(args) -> int:
                 profile = paper_profile(cfg.model.depth, cfg.model.heads) if args.profile == "paper" \
                     else load_profile(args.profile)
                 run_.enter_stage2(profile)
-                row["sparse_blocks"] = sum(layer.runs_sparse() for layer in run_.model.controller.layers)
+            try:
+                gates += _gates(run_, tokens, mode)
+            except GateFailure as err:
+                print(f"dsv bench train: correctness gate FAILED for {mode} at {tokens} tokens: {err}. Its steps "
+                      "would compute NaN or wrong attention: not timed, no report written", file=sys.stderr)
+                return 1
+            row["sparse_blocks"] = sum(layer.runs_sparse() for layer in run_.model.controller.layers)
+            if mode == "dsv":
                 # Whole update periods: with a predictor update every k > 1 steps, one step in k carries it.
                 row["ms"], row["peak_gib"], row["peak_requested_gib"] = _timed_steps(run_, args, f"{tokens}-{mode}",
                                                                                       device, period=learn_every)
@@ -335,16 +476,12 @@ def run(args) -> int:
                                 f"{profiling_peak:.1f}, of a step without the predictor update "
                                 f"{no_predictor_peak:.1f}")
             else:
-                row["sparse_blocks"] = sum(layer.runs_sparse() for layer in run_.model.controller.layers)
                 row["ms"], row["peak_gib"], row["peak_requested_gib"] = _timed_steps(run_, args, f"{tokens}-{mode}",
                                                                                       device)
             if args.op_profile is not None:
                 write_op_profile(run_.step, device, args.op_profile / f"{tokens}-{mode}.txt")
-            if mode == "dense":
-                dense_ms = row["ms"]
-            row["speedup"] = dense_ms / row["ms"] if dense_ms else float("nan")
-            rows.append(row)
-            print(f"{tokens:>6} {mode:>6}: {row['ms']:.1f} ms/step, {row['speedup']:.2f}x dense, "
+            measured.append(row)
+            print(f"{tokens:>6} {mode:>6}: {row['ms']:.1f} ms/step, "
                   f"{row['peak_gib']:.3f} GiB ({row['peak_requested_gib']:.3f} requested), "
                   f"{row['sparse_blocks']} sparse blocks. {row['notes']}", flush=True)
             del run_
@@ -353,6 +490,13 @@ def run(args) -> int:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        dense_ms = next((r["ms"] for r in measured if r["mode"] == "dense"), None)
+        for r in measured:
+            r["speedup"] = dense_ms / r["ms"] if dense_ms is not None else float("nan")  # NaN: no dense run
+        if dense_ms is not None:
+            print(f"{tokens:>6} against dense: " + ", ".join(f"{r['mode']} {r['speedup']:.2f}x" for r in measured),
+                  flush=True)
+        rows += measured
     periods = f" (DSV: of {args.steps} update periods of {learn_every} steps, each its mean per step)" \
         if learn_every > 1 and "dsv" in args.modes else ""
     lines = [f"# Training step time, {args.recipe} shape, {machine}", "",
@@ -362,7 +506,10 @@ def run(args) -> int:
              f"AdamW{', blocks compiled (' + cfg.model.compile + ')' if cfg.model.compile else ''}; random "
              f"latents of {cfg.model.in_channels} channels, patch {cfg.model.patch}; DSV in stage 2 with the "
              f"{'paper 2.7B' if args.profile == 'paper' else args.profile} sparsity profile; median of "
-             f"{args.steps} steps{periods} after {args.warmup} warm-up. DSV dispatch: sparse from mean sparsity "
+             f"{args.steps} steps{periods} after {args.warmup} warm-up. Before any timing, each run passed a "
+             "correctness gate (below): one untimed step's loss and parameter gradients finite and, where layers "
+             "run sparse, the first sparse layer's sparse attention on its own inputs and index within a dtype "
+             "tolerance of the float32 PyTorch reference. DSV dispatch: sparse from mean sparsity "
              f"{cfg.attention.sparse_threshold} where the kernel-speed model says it pays; predictor update every "
              f"{cfg.attention.learn_every_stage2} step(s) on "
              f"{cfg.attention.predictor_keys or 'all'} keys; predictor state and recompute rows "
@@ -376,6 +523,7 @@ def run(args) -> int:
                      f"{r['peak_requested_gib']:.3f} | "
                      f"{r['sparse_blocks']} | {r['notes']} |")
     lines += _peaks_against_dense(rows)
+    lines += ["", "Correctness gates:", "", *(f"- {gate}" for gate in gates)]
     report = "\n".join(lines) + "\n"
     print(report)
     if args.out is not None:

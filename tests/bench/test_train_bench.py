@@ -1,12 +1,14 @@
-"""`dsv bench train` runs every mode on a tiny shape and reports DSV in stage 2 with sparse blocks."""
+"""`dsv bench train` runs every mode on a tiny shape and reports DSV in stage 2 with sparse blocks, after
+correctness gates that fail the command on NaN steps or wrong sparse attention."""
 
+import math
 import re
 
 import pytest
 import torch
 
 import dsv.bench.train as bench_train
-from dsv.bench.train import _peaks_against_dense, _Run, paper_profile
+from dsv.bench.train import GateFailure, _finite_gate, _peaks_against_dense, _Run, gate_tolerance, paper_profile
 from dsv.cli import main
 from dsv.modules.predictor import LowRankPredictor
 from dsv.train.config import apply_overrides
@@ -20,8 +22,24 @@ def test_bench_train_reports_all_modes(tmp_path, capsys):
                  "--set", "attention.cube=2,2,2", "--warmup", "0", "--steps", "1", "--out", str(out),
                  "--op-profile", str(tmp_path / "ops"), "--memory-history", str(tmp_path / "mem")])
     assert code == 0
-    rows = [line for line in out.read_text().splitlines() if line.startswith("| 128 |")]
+    report = out.read_text()
+    rows = [line for line in report.splitlines() if line.startswith("| 128 |")]
     assert [row.split("|")[2].strip() for row in rows] == ["dense", "window", "dsv"]
+    # The gates ran before each mode's timing, and the report lists them.
+    printed = capsys.readouterr().out
+    for mode in ("dense", "window", "dsv"):
+        assert printed.index(f"128 {mode:>6} gate:") < printed.index(f"128 {mode:>6}: ")
+        finite = re.search(rf"- {mode} at 128 tokens: one step's loss ([0-9.]+) and the gradients of all (\d+) "
+                           "parameters finite", report)
+        assert finite and math.isfinite(float(finite.group(1))) and int(finite.group(2)) > 0
+    assert "- dense at 128 tokens: no layer runs sparse: no sparse-attention check" in report
+    assert "Before any timing, each run passed a correctness gate" in report
+    for mode, layer in (("window", 0), ("dsv", 3)):  # the paper profile's first sparse block here: 3 (of 0-4)
+        sparse = re.search(rf"- {mode} at 128 tokens: layer {layer}'s sparse attention \(reference, float32, 2 of 2 "
+                           r"heads, its own index\) against the float32 reference: relative L2 error (\S+) <= (\S+)",
+                           report)
+        assert sparse, mode
+        assert float(sparse.group(1)) <= float(sparse.group(2)) == gate_tolerance(torch.float32)
     dsv_row = rows[-1].split("|")
     # The paper profile: blocks 4-31 (here 4 of 5) are >= 0.70 sparse; with the reference backend the
     # 0.8 threshold alone dispatches, so blocks with mean sparsity >= 0.8 run sparse.
@@ -90,12 +108,14 @@ TINY = ["--recipe", "debug_cpu", "--device", "cpu", "--tokens", "128", "--spatia
         "--set", "model.hidden=32", "--set", "model.heads=2", "--set", "attention.cube=2,2,2"]
 
 
+@pytest.mark.parametrize("modes", [["dense", "dsv"], ["dsv", "dense"]])
 @pytest.mark.parametrize("learn_every", [1, 3])
-def test_dsv_step_time_carries_the_periodic_predictor_update(tmp_path, monkeypatch, learn_every):
+def test_dsv_step_time_carries_the_periodic_predictor_update(tmp_path, capsys, monkeypatch, learn_every, modes):
     """With a predictor update every k steps, DSV's ms/step is the mean over whole update periods: it carries
     the update's cost / k, and so does the "predictor update" note (a median of single steps left the update
     step out). A fake clock makes it exact: 10 ms a step, 100 ms more for a step that updates a predictor.
-    With k = 1 every step updates, and the numbers are medians of single steps as before."""
+    With k = 1 every step updates, and the numbers are medians of single steps as before. The speedup over
+    dense is the same in either order of --modes (it is computed once every mode of a token count ran)."""
     updates = []
     update = LowRankPredictor.update
 
@@ -112,7 +132,7 @@ def test_dsv_step_time_carries_the_periodic_predictor_update(tmp_path, monkeypat
     monkeypatch.setattr(bench_train, "_timed", fake_timed)
     out = tmp_path / "report.md"
     code = main(["bench", "train", *TINY, "--set", f"attention.learn_every_stage2={learn_every}",
-                 "--modes", "dense", "dsv", "--warmup", "0", "--steps", "2", "--out", str(out)])
+                 "--modes", *modes, "--warmup", "0", "--steps", "2", "--out", str(out)])
     assert code == 0
     rows = {row.split("|")[2].strip(): row.split("|") for row in out.read_text().splitlines()
             if row.startswith("| 128 |")}
@@ -120,6 +140,8 @@ def test_dsv_step_time_carries_the_periodic_predictor_update(tmp_path, monkeypat
     assert float(rows["dense"][3]) == 10.0
     assert float(rows["dsv"][3]) == pytest.approx(expected, abs=0.05)  # the report rounds to 0.1 ms
     assert float(rows["dsv"][4]) == pytest.approx(10.0 / expected, abs=0.005)
+    speedups = re.search(r"128 against dense: (.*)", capsys.readouterr().out).group(1)
+    assert speedups == ", ".join(f"{mode} {1.0 if mode == 'dense' else 10.0 / expected:.2f}x" for mode in modes)
     update_ms = float(re.search(r"predictor update ([0-9.-]+) ms/step", rows["dsv"][8]).group(1))
     assert update_ms == pytest.approx(100.0 / learn_every, abs=0.5)
     assert ("one update every 3 steps" in rows["dsv"][8]) == (learn_every == 3)
@@ -181,3 +203,105 @@ def test_stage2_training_step_has_no_host_sync_on_gpu(host_offload):
         run.step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def test_gate_tolerance_is_two_units_of_the_dtypes_eps():
+    assert gate_tolerance(torch.bfloat16) == 2 * 2**-7
+    assert gate_tolerance(torch.float16) == 2 * 2**-10
+    assert gate_tolerance(torch.float32) == 1e-5  # floor: an fp32 kernel sums long rows in another order
+
+
+@pytest.mark.parametrize("wrong", ["scaled", "nan"])
+def test_bench_train_fails_before_timing_when_the_sparse_path_is_wrong(tmp_path, capsys, monkeypatch, wrong):
+    """The sparse attention that the gate checks (the path under test, not its reference) made 0.1% too large,
+    or NaN: the window run fails its gate before any of its steps is timed, the command exits 1 and writes no
+    report. Dense, which runs no sparse layer, passed and was timed first."""
+    sparse_attention = bench_train.sparse_attention
+
+    def broken(q, k, v, index, **kwargs):
+        out = sparse_attention(q, k, v, index, **kwargs)
+        return out * 1.001 if wrong == "scaled" else torch.full_like(out, float("nan"))
+
+    timed = []
+    timed_steps = bench_train._timed_steps
+
+    def recorded(run, args, name, device, period=1):
+        timed.append(name)
+        return timed_steps(run, args, name, device, period)
+
+    monkeypatch.setattr(bench_train, "sparse_attention", broken)
+    monkeypatch.setattr(bench_train, "_timed_steps", recorded)
+    out = tmp_path / "report.md"
+    code = main(["bench", "train", *TINY, "--modes", "dense", "window", "--warmup", "0", "--steps", "1",
+                 "--out", str(out)])
+    assert code == 1
+    assert timed == ["128-dense"]
+    error = capsys.readouterr().err
+    assert "correctness gate FAILED for window at 128 tokens: layer 0's sparse attention" in error
+    measured = re.search(r"relative L2 error (\S+) > 1\.00e-05", error).group(1)
+    assert measured == "nan" if wrong == "nan" else float(measured) == pytest.approx(1e-3, rel=0.01)
+    assert not out.exists()
+
+
+def test_bench_train_fails_before_timing_on_a_nan_loss(tmp_path, capsys, monkeypatch):
+    """Window: its sparse layers run from the first step (DSV's stage-1 step before the gate would stop on the
+    NaN weights that its optimizer step leaves, in the key selection)."""
+    loss = bench_train.flow_matching_loss
+    monkeypatch.setattr(bench_train, "flow_matching_loss", lambda *args: loss(*args) * float("nan"))
+    monkeypatch.setattr(bench_train, "_timed_steps", lambda *args, **kwargs: pytest.fail("timed after a NaN loss"))
+    out = tmp_path / "report.md"
+    code = main(["bench", "train", *TINY, "--modes", "window", "--warmup", "0", "--steps", "1", "--out", str(out)])
+    assert code == 1
+    error = capsys.readouterr().err
+    assert "correctness gate FAILED for window at 128 tokens: one step's loss is nan; non-finite gradients in" in error
+    assert not out.exists()
+
+
+def test_finite_gate_names_a_non_finite_or_missing_gradient():
+    """A finite loss is not enough: one parameter's NaN gradient fails the gate, named, and so does a parameter
+    of the optimizer that the backward never reached. The DSV predictors, which step themselves, have no
+    gradient after the backward and are not asked for one."""
+    cfg = apply_overrides(get_recipe("debug_cpu"), ["model.depth=2", "model.hidden=32", "model.heads=2",
+                                                    "attention.cube=2,2,2"])
+
+    def dsv_run():
+        return _Run(cfg, "dsv", 128, 8, torch.device("cpu"))
+
+    run = dsv_run()
+    stepped = len(bench_train.model_parameters(run.model))
+    assert stepped < len(list(run.model.parameters()))  # the predictors' are left out
+    assert _finite_gate(run).endswith(f"the gradients of all {stepped} parameters finite")
+    run = dsv_run()
+    run.model.final_linear.weight.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+    with pytest.raises(GateFailure, match=rf"one step's loss is [0-9.]+; non-finite gradients in 1 of {stepped} "
+                                          r"parameters: final_linear\.weight$"):
+        _finite_gate(run)
+    run = dsv_run()
+    run.model.final_table.requires_grad_(False)  # still stepped by the optimizer, but no longer reached
+    with pytest.raises(GateFailure, match=rf"; no gradient in 1 of {stepped} parameters: final_table$"):
+        _finite_gate(run)
+
+
+@pytest.mark.parametrize("flag, value, expected", [
+    ("--steps", "0", "expected an integer >= 1, got 0"),
+    ("--steps", "two", "expected an integer >= 1, got 'two'"),
+    ("--tokens", "0", "expected an integer >= 1, got 0"),
+    ("--tokens", "-128", "expected an integer >= 1, got -128"),
+    ("--spatial", "0", "expected an integer >= 1, got 0"),
+    ("--warmup", "-1", "expected an integer >= 0, got -1"),
+])
+def test_bench_train_rejects_bad_counts_when_parsing(capsys, flag, value, expected):
+    """Checked before any model is built (--steps 0 used to fail after the warm-up: no median of no steps)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "train", *TINY, flag, value])
+    assert exit_.value.code == 2
+    assert f"argument {flag}: {expected}" in capsys.readouterr().err
+
+
+def test_bench_train_refuses_a_mode_listed_twice(tmp_path, capsys):
+    out = tmp_path / "report.md"
+    code = main(["bench", "train", *TINY, "--modes", "dsv", "dense", "dsv", "--out", str(out)])
+    assert code == 2
+    error = capsys.readouterr().err
+    assert "--modes dsv dense dsv: expected each mode at most once, dsv listed more than once" in error
+    assert not out.exists()
