@@ -192,6 +192,9 @@ class DSVAttentionCore(nn.Module):
 
         return {
             "path": self.last_path,
+            # Why the sparse path is not the Triton kernels (None where it is): the warning of an eager forward,
+            # kept for compiled models, which cannot warn.
+            "backend_reason": self.backend_reason,
             "sparse": self.runs_sparse(),
             "sparsity": values(self.sparsity_ema),
             "recall": values(self.recall_ema),
@@ -275,15 +278,21 @@ class DSVAttentionCore(nn.Module):
         compiling = torch.compiler.is_compiling()
         check = self.cfg.check_finite and compiling  # see `check_input_values`
         autocast_dtype = torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else None
-        # Both steps are runtime ops (end of this file), so that torch.compile captures the layer whole. Eager
-        # mode calls their kernels directly: through the dispatcher a call costs ~60 us more.
+        # Both steps are runtime ops (end of this file), so that torch.compile captures the layer whole (with
+        # fullgraph=True: the selection's index width is data-dependent, which a graph with breaks allowed
+        # splits at). Eager mode calls their kernels directly: through the dispatcher a call costs ~60 us more.
         select, update = (_layer_select, _layer_update) if compiling else (_select_kernel, _update_kernel)
         index = None
         # Select before the predictor steps, so a checkpointing recompute selects the same keys.
         if self.runs_sparse():
             indices, counts = select(self._runtime_id, hidden, q, k, list(grid), self.cfg.group_size, training, check,
                                      autocast_dtype)
-            index = SparseIndex(indices, counts, self.cfg.group_size, self.cfg.key_block, q.shape[2])
+            window = None if compiling or self._window_cache is None else self._window_cache[1]
+            if window is not None and window.indices is indices:
+                # The window's fixed index as cached: its key-major view, built by the first backward, is kept.
+                index = window
+            else:
+                index = SparseIndex(indices, counts, self.cfg.group_size, self.cfg.key_block, q.shape[2])
             check = False
         if learning or check:
             update(self._runtime_id, hidden, q, k, None if index is None else index.indices, list(grid), check,
@@ -306,15 +315,19 @@ class DSVAttentionCore(nn.Module):
         # the first compiled call would change what torch.compile guards on, and recompile the graph.
         self._last_backend, self.backend_reason = resolve_backend(
             self.cfg.backend, q, self.cfg.group_size, self.cfg.key_block)
+        # The warnings below come from eager forwards only: torch.compile cannot trace `warnings.warn` in a
+        # fullgraph block, and the compiling check comes first so that Dynamo never reads (and guards on) the
+        # once-flags. A compiled model shows the path instead: `last_path` and `backend_reason` in the
+        # trainer's per-block lines and `state_summary`.
+        if torch.compiler.is_compiling():
+            return
         if q.is_cuda and self.cfg.mode == "dsv" and not self._warned_estimation:
             estimation_reason = triton_estimation_unsupported(q, self.cfg.key_block)
             if estimation_reason is not None:
                 self._warned_estimation = True
                 warnings.warn(f"DSVAttention layer {self.layer_index}: critical-KV estimation runs the PyTorch "
                               f"reference: {estimation_reason}", stacklevel=4)
-        # From eager forwards only (the check reads device properties; a compiled-from-the-start model does not
-        # warn): the compiling check comes first, so Dynamo never reads the flag and guards on it.
-        if not torch.compiler.is_compiling() and self._last_backend == "triton" and not self._warned_forward_kernel:
+        if self._last_backend == "triton" and not self._warned_forward_kernel:
             self._warned_forward_kernel = True
             why = hopper_forward_missing(q, self.cfg.group_size, self.cfg.key_block)
             if why is not None:
@@ -547,6 +560,9 @@ class DSVAttentionCore(nn.Module):
             release_parked(self.predictor._parked_from)
 
     def _warn_if_slow(self, q: torch.Tensor) -> None:
+        # Eager forwards only, as in `resolve_backends` (a compiled model reports the path in `state_summary`).
+        if torch.compiler.is_compiling():
+            return
         if self._last_backend == "reference" and q.is_cuda and not self._warned_backend:
             self._warned_backend = True
             warnings.warn(

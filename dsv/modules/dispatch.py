@@ -46,7 +46,7 @@ H200_TRITON_32 = SparseSpeedModel(dense_tflops=565.0, relative_cost=3.95, fixed_
                                   source="benchmarks/NOTES.md (32-token blocks)")
 
 SPEED_MODELS = {"triton": H200_TRITON}
-"""The 128-token-block model per backend (the context-parallel planner's kernel rates)."""
+"""The 128-token-block model per backend, the base that `speed_model` picks by block size."""
 
 
 def speed_model(backend: str, group_size: int, kv_block: int) -> tuple[SparseSpeedModel | None, str]:

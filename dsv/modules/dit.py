@@ -37,6 +37,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.arch not in MODEL_ARCHS:
             raise ValueError(f"model.arch must be one of {MODEL_ARCHS}, got {self.arch!r}")
+        if self.compile and self.compile not in torch._dynamo.list_backends(exclude_tags=()):
+            raise ValueError(f"model.compile must be '' (eager) or a torch.compile backend, e.g. "
+                             f"{', '.join(torch._dynamo.list_backends())}; got {self.compile!r}")
         if self.compile and self.arch != "dit":
             raise ValueError(f"model.compile={self.compile!r} compiles the blocks of model.arch='dit'; for a diffusers "
                              "model compile its transformer blocks yourself, or set model.compile=''")

@@ -211,6 +211,8 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, di
         manifest = json.loads((ckpt / MANIFEST).read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise CheckpointError(f"{ckpt / MANIFEST} is unreadable: {err}") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("config"), dict):
+        raise CheckpointError(f"{ckpt / MANIFEST} is not a checkpoint manifest: it lacks the run's config")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{ckpt}: format_version {manifest.get('format_version')} is not {FORMAT_VERSION}")
     digests = manifest.get("sha256", {})

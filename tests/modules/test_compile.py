@@ -10,6 +10,8 @@ graph. The GPU test compiles whole blocks with Inductor.
 """
 
 import copy
+import types
+import warnings
 from typing import NamedTuple
 
 import pytest
@@ -280,3 +282,37 @@ def test_block_compiles_on_gpu_with_triton_kernels(mode):
             assert rel_err(got[name], want[name]) < BF16_REL_TOL, (step, name, rel_err(got[name], want[name]))
     assert compiled.block.attn.last_path == eager.block.attn.last_path == "sparse:triton"
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == GRAPHS[mode]
+
+
+def test_compiled_forward_does_not_warn_about_the_slow_path(monkeypatch):
+    """`warnings.warn` cannot be traced in a fullgraph block: while compiling, the slow-path warning stays
+    silent (and its once-flag unread), and `state_summary` carries the reason instead."""
+    layer = Block(attention_config("window"), hidden=32, heads=2).block.attn
+    layer._last_backend, layer.backend_reason = "reference", "head dim 8: the kernels take 16 or more"
+    fake_cuda_q = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))  # all the check reads
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer._warn_if_slow(fake_cuda_q)
+    assert not layer._warned_backend
+    assert layer.state_summary()["backend_reason"] == "head dim 8: the kernels take 16 or more"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    with pytest.warns(UserWarning, match="slow PyTorch reference"):
+        layer._warn_if_slow(fake_cuda_q)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_fullgraph_block_on_the_reference_path_compiles_on_gpu():
+    # 8-token cubes take the PyTorch reference on a GPU (the kernels need 16 or more): compiled from the first
+    # forward, the layer's slow-path warning must not break the fullgraph compile (it did: warnings.warn is
+    # not traceable).
+    grid = (4, 8, 8)
+    block = Block(attention_config("window", cube=(2, 2, 2), speed_dispatch=False), hidden=64, heads=2).cuda()
+    torch._dynamo.reset()
+    forward = torch.compile(block.block, fullgraph=True)
+    x, t_mod = torch.randn(2, 256, 64, device="cuda"), torch.randn(2, 6, 64, device="cuda")
+    got = train_step(block, forward, x, t_mod, grid, 0)
+    assert all(torch.isfinite(got[name]).all() for name in got if name in ("out", "dx") or name.startswith("grad."))
+    assert block.block.attn.last_path == "sparse:reference"
+    assert block.block.attn.state_summary()["backend_reason"]  # why not the kernels, for the trainer's log

@@ -258,6 +258,8 @@ def test_the_triton_path_validates_a_given_index_once_and_the_scale(monkeypatch)
                             torch.full((1, 1, 2), 2, dtype=torch.int32), 16, 16, 32)
     with pytest.raises(ValueError, match="strictly ascending"):
         public.sparse_attention(q, k, v, duplicate)
+    with pytest.raises(ValueError, match="strictly ascending"):  # parameters hold real values too
+        public.sparse_attention(torch.nn.Parameter(q), k, v, duplicate)
     assert not launched
     public.sparse_attention(q, k, v, duplicate, check_index=False)  # trusted by the caller: launched as given
     good = dataclasses.replace(duplicate, indices=torch.tensor([0, 1, 0, 1], dtype=torch.int32).view(1, 1, 2, 2))

@@ -378,6 +378,14 @@ def test_rejects_unsupported_arguments():
     with pytest.raises(ValueError, match="key_major must be int32"):
         tk.sparse_attention_bwd_launch(q, q, q, q, q, lse, None, index.indices, index.counts, 16, 16, 0.25,
                                        key_major=(offsets[:-1], groups))
+    # The backward's own tensors: undersized ones would be read past their end by the kernels.
+    for args, match in (((q[:, :, :32], q, lse, None), r"do must be \[B, H, S, D\]"),
+                        ((q, q.double(), lse, None), r"out must be \[B, H, S, D\]"),
+                        ((q, q, lse[:, :, :5], None), r"lse must be float32 \[B, H, S\]"),
+                        ((q, q, lse, lse.double()), r"dlse must be float32 \[B, H, S\]")):
+        do, out, lse_arg, dlse = args
+        with pytest.raises(ValueError, match=match):
+            tk.sparse_attention_bwd_launch(do, q, q, q, out, lse_arg, dlse, index.indices, index.counts, 16, 16, 0.25)
 
 
 def assert_valid_topk(index: SparseIndex, q_lr, k_lr, keep, tol):

@@ -281,7 +281,7 @@ def test_train_only_photos_leave_heldout_batch_unchanged() -> None:
     ],
 )
 def test_config_rejects_bad_values(field: str, value: object) -> None:
-    with pytest.raises(ValueError, match=f"DataConfig.{field}"):
+    with pytest.raises(ValueError, match=f"data.{field}"):
         DataConfig(**{field: value})
 
 

@@ -205,6 +205,9 @@ def test_checkpoint_errors_are_clear_and_keep_saved_files(tmp_path):
     manifest.write_text(json.dumps({k: v for k, v in json.loads(snapshot[manifest]).items() if k != "sha256"}))
     with pytest.raises(CheckpointError, match="lacks the SHA-256"):  # unchecked files are not loaded
         Trainer(tiny_config(tmp_path, "train.steps=6"), resume=True, quiet=True)
+    manifest.write_text(json.dumps({k: v for k, v in json.loads(snapshot[manifest]).items() if k != "config"}))
+    with pytest.raises(CheckpointError, match="lacks the run's config"):  # was a KeyError
+        Trainer(tiny_config(tmp_path, "train.steps=6"), resume=True, quiet=True)
     manifest.write_bytes(snapshot[manifest])
     # Nothing the failed attempts touched was lost or changed.
     assert {p: p.read_bytes() for c in list_checkpoints(tmp_path) for p in c.iterdir()} == snapshot
@@ -256,6 +259,16 @@ def test_resume_on_another_device_type_is_refused(tmp_path, monkeypatch):
         Trainer(tiny_config(tmp_path, "train.steps=4"), resume=True, quiet=True)
 
 
+def test_resume_with_another_number_of_ranks_names_the_cause_on_every_rank(tmp_path):
+    """A rank the checkpoint has no state for (resumed with more processes) reports the rank count, as rank 0
+    does, instead of failing with an IndexError on the per-rank state."""
+    Trainer(tiny_config(tmp_path, "train.steps=2", "train.ckpt_every=2"), quiet=True).run()
+    trainer = Trainer(tiny_config(tmp_path / "other", "train.steps=4"), quiet=True)
+    trainer.rank, trainer.world = 1, 2  # what rank 1 of a two-process resume sees
+    with pytest.raises(CheckpointError, match="saved by 1 ranks; this run has 2"):
+        trainer._restore(list_checkpoints(tmp_path)[-1])
+
+
 def test_config_overrides_reject_bad_input():
     base = get_recipe("debug_cpu")
     with pytest.raises(ValueError, match="unknown field"):
@@ -296,6 +309,10 @@ def test_config_overrides_reject_bad_input():
         ("model.hidden=4", "model.hidden must be >= 6"),
         ("train.threads=-1", "train.threads must be >= 0"),
         ("train.out_dir=", "train.out_dir must name a folder"),
+        # Raw torch errors (or a silent default) before: named now, before any run folder exists.
+        ("train.device=gpu0", "train.device must be auto, cpu, cuda or cuda:N"),
+        ("model.compile=inductr", "model.compile must be '' \\(eager\\) or a torch.compile backend"),
+        ("data.path=", "expected a value, or none for the default"),  # e.g. data.path=$UNSET: not the bundled data
     ]:
         extra = {"attention.loss_cosine_weight=0": ["attention.loss_mse_weight=0"],
                  "attention.switch_loss_threshold=0": ["attention.max_stage1_steps=0"]}.get(override, [])

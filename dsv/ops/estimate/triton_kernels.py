@@ -21,7 +21,8 @@ from dsv.ops.estimate.naive import check_means
 from dsv.ops.index import SparseIndex, check_bhsd, check_keep_blocks
 
 MAX_TILE_ELEMENTS = 8192
-"""Scores one program holds in registers (``BLOCK_G x BLOCK_K``): 32 per thread at 8 warps."""
+"""Scores one program holds in registers (``BLOCK_G x BLOCK_K``): 32 per thread at 8 warps. Above 8192 key
+blocks one group's row alone exceeds it (``BLOCK_G = 1``), up to ``MAX_KV_BLOCKS``."""
 
 MAX_KV_BLOCKS = 16384
 """Largest NKB one program row can hold (BLOCK_G = 1); e.g. S = 1M tokens at kv_block = 64."""

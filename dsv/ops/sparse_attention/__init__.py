@@ -77,8 +77,9 @@ def _values_readable(q: torch.Tensor) -> bool:
     functional tensors under a dispatch mode) nor while a CUDA graph is being captured."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-    return not (torch.compiler.is_compiling() or type(q) is not torch.Tensor or _get_current_dispatch_mode() is not None
-                or (q.is_cuda and torch.cuda.is_current_stream_capturing()))
+    # Plain tensors and parameters hold real values; other subclasses (fake, functional) may not.
+    return not (torch.compiler.is_compiling() or type(q) not in (torch.Tensor, torch.nn.Parameter)
+                or _get_current_dispatch_mode() is not None or (q.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
 def sparse_attention(

@@ -15,8 +15,8 @@ element is written by exactly one program: no atomics, deterministic results. Th
   that selected it), built on the GPU by a stable sort of the index once per index and cached on it
   (``SparseIndex.key_major``; a compiled graph builds it with traced ops). A split backward (7 matmuls per
   tile pair) measured faster than accumulating dq with fp32 element atomics from this pass (5 matmuls):
-  benchmarks/NOTES.md. ``atomic_dq`` offers that path again with TMA bulk reductions on Hopper, to be
-  measured against it.
+  benchmarks/NOTES.md. ``atomic_dq`` keeps that path, with TMA bulk reductions on Hopper, for measurement:
+  it was slower than the split backward there too (NOTES, round 4; a warp-specialized form tied it, round 12).
 
 The gathered tiles of each loop (K/V, or Q/dO) load through TMA descriptors on Hopper where that measured
 faster, through pointers elsewhere (``default_config``).
@@ -381,8 +381,9 @@ class SparseAttentionConfig:
 def default_config(head_dim: int, group_size: int, kv_block: int, tma: bool = False) -> SparseAttentionConfig:
     """Launch settings for the three kernels, chosen by the H200 sweeps (benchmarks/NOTES.md).
 
-    ``tma``: use TMA loads where they measured faster (forward and dk/dv); the launchers pass True on
-    Hopper-class GPUs (compute capability >= 9) when ``D * itemsize`` is a multiple of 16 bytes.
+    ``tma``: use TMA loads where they measured faster (forward and dk/dv; the dq pass too for blocks under 128
+    tokens); the launchers pass True on Hopper-class GPUs (compute capability >= 9) when ``D * itemsize`` is a
+    multiple of 16 bytes.
 
     Memoised (every launch asks for it, and building the dataclasses costs host time); the configs are
     frozen, so callers share them safely (``dataclasses.replace`` makes a variant).
@@ -581,6 +582,7 @@ def sparse_attention_bwd_launch(do, q, k, v, out, lse, dlse, indices, counts, gr
     ``key_major``: the index's ``(offsets, groups)`` (``SparseIndex.key_major``); built here when None.
     """
     _check_inputs(q, k, v, indices, counts, group_size, kv_block)
+    _check_backward_inputs(do, out, lse, dlse, q)
     num_kv_blocks = _cdiv(q.shape[2], kv_block)
     offsets, groups = (None, None) if key_major is None else key_major
     if key_major is not None:
@@ -588,6 +590,18 @@ def sparse_attention_bwd_launch(do, q, k, v, out, lse, dlse, indices, counts, gr
     key_major_source = _given_or_built(offsets, groups, indices, num_kv_blocks)
     return _launch_bwd(do, q, k, v, out, lse, dlse, indices, counts, key_major_source, group_size, kv_block, scale,
                        cfg)
+
+
+def _check_backward_inputs(do, out, lse, dlse, q):
+    # The kernels index these with q's shape and strides: a smaller tensor would be read past its end.
+    for name, x in (("do", do), ("out", out)):
+        if x.shape != q.shape or x.dtype != q.dtype or x.device != q.device:
+            raise ValueError(f"{name} must be [B, H, S, D] = {tuple(q.shape)} {q.dtype} on {q.device} like q, got "
+                             f"{tuple(x.shape)} {x.dtype} on {x.device}")
+    for name, x in (("lse", lse), ("dlse", dlse)):
+        if x is not None and (x.shape != q.shape[:3] or x.dtype != torch.float32 or x.device != q.device):
+            raise ValueError(f"{name} must be float32 [B, H, S] = {tuple(q.shape[:3])} on {q.device}, got "
+                             f"{x.dtype} {tuple(x.shape)} on {x.device}")
 
 
 def _check_key_major(offsets, groups, indices, num_kv_blocks):
