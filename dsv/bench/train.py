@@ -418,6 +418,14 @@ def run(args) -> int:
                          f"{', '.join(repeated)} listed more than once")
     device = torch.device(args.device)
     cfg = bench_config(get_recipe(args.recipe), args.set)
+    # Checked before anything runs: found at the second token count, a bad value would cost the first one's runs.
+    area = args.spatial * args.spatial
+    if any(tokens % area for tokens in args.tokens):
+        raise ValueError(f"--tokens {' '.join(map(str, args.tokens))}: each must be a multiple of --spatial² = {area}")
+    profile = None
+    if "dsv" in args.modes:
+        profile = paper_profile(cfg.model.depth, cfg.model.heads) if args.profile == "paper" \
+            else load_profile(args.profile)
     learn_every = cfg.attention.learn_every_stage2
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     rows, gates = [], []
@@ -432,8 +440,6 @@ def run(args) -> int:
                 _reset_peak(device)
                 run_.step()  # one stage-1 step: the layers see their shapes and backends before dispatch
                 stage1_peak = _peak_gib(device)
-                profile = paper_profile(cfg.model.depth, cfg.model.heads) if args.profile == "paper" \
-                    else load_profile(args.profile)
                 run_.enter_stage2(profile)
             try:
                 gates += _gates(run_, tokens, mode)

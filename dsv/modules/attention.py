@@ -287,12 +287,7 @@ class DSVAttentionCore(nn.Module):
         if self.runs_sparse():
             indices, counts = select(self._runtime_id, hidden, q, k, list(grid), self.cfg.group_size, training, check,
                                      autocast_dtype)
-            window = None if compiling or self._window_cache is None else self._window_cache[1]
-            if window is not None and window.indices is indices:
-                # The window's fixed index as cached: its key-major view, built by the first backward, is kept.
-                index = window
-            else:
-                index = SparseIndex(indices, counts, self.cfg.group_size, self.cfg.key_block, q.shape[2])
+            index = SparseIndex(indices, counts, self.cfg.group_size, self.cfg.key_block, q.shape[2])
             check = False
         if learning or check:
             update(self._runtime_id, hidden, q, k, None if index is None else index.indices, list(grid), check,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, fields
 
 ATTENTION_MODES = ("dense", "dsv", "window", "oracle")
@@ -10,11 +11,18 @@ BACKENDS = ("auto", "reference", "triton")
 
 
 def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _plain(value):
+    """A numpy (or other) scalar as the Python int or float it stands for; Python values unchanged."""
+    if isinstance(value, bool) or type(value) in (int, float):
+        return value
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
 
 
 # What each declared field type accepts (the annotations are strings under `from __future__ import annotations`).
@@ -31,18 +39,23 @@ def check_config_fields(config, section: str) -> None:
     """Raise ValueError naming the first field of a config dataclass whose value is not of its declared type
     (e.g. `kv_block=16.5`, or a cube of floats, which `int()` would truncate without a word), and the first
     float (or float in a tuple field) that is NaN or infinite: every range check after this compares False
-    with NaN, so NaN would pass them all. Configs from Python or a stored JSON config reach here unparsed."""
+    with NaN, so NaN would pass them all. Configs from Python or a stored JSON config reach here unparsed.
+    Numeric scalars of other libraries (numpy) are accepted and stored as Python ints and floats."""
     for f in fields(config):
         value = getattr(config, f.name)
         if f.type in _FIELD_CHECKS:
             accepts, expected = _FIELD_CHECKS[f.type]
             if not accepts(value):
                 raise ValueError(f"{section}.{f.name} must be {expected}, got {value!r}")
+            if f.type in ("int", "float"):
+                value = _plain(value)
         elif f.type.startswith("tuple["):
             element, expected = (_is_int, "ints") if "int" in f.type else (_is_number, "numbers")
             if not isinstance(value, (tuple, list)) or not all(element(v) for v in value):
                 raise ValueError(f"{section}.{f.name} must be a tuple of {expected}, got {value!r}")
-        values = value if isinstance(value, (tuple, list)) else (value,)
+            value = tuple(_plain(v) for v in value)
+        setattr(config, f.name, value)
+        values = value if isinstance(value, tuple) else (value,)
         if any(isinstance(v, float) and not math.isfinite(v) for v in values):
             raise ValueError(f"{section}.{f.name} must be finite, got {value!r}")
 
@@ -103,7 +116,6 @@ class AttentionConfig:
 
     def __post_init__(self) -> None:
         check_config_fields(self, "attention")
-        self.cube = tuple(self.cube)
         if self.mode not in ATTENTION_MODES:
             raise ValueError(f"attention.mode must be one of {ATTENTION_MODES}, got {self.mode!r}")
         if self.backend not in BACKENDS:

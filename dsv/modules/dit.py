@@ -44,7 +44,6 @@ class ModelConfig:
             raise ValueError(f"model.compile={self.compile!r} compiles the blocks of model.arch='dit'; for a diffusers "
                              "model compile its transformer blocks yourself, or set model.compile=''")
         check_config_fields(self, "model")
-        self.patch = tuple(self.patch)
         if len(self.patch) != 3 or min(self.patch) < 1:
             raise ValueError(f"model.patch must be three positive ints (t, h, w), got {self.patch}")
         for name in ("in_channels", "hidden", "depth", "heads"):

@@ -24,7 +24,6 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         check_config_fields(self, "optim")
-        self.betas = tuple(float(b) for b in self.betas)
         if not 0 < self.lr < math.inf:
             raise ValueError(f"optim.lr must be a finite number > 0, got {self.lr}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):

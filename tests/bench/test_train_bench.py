@@ -305,3 +305,18 @@ def test_bench_train_refuses_a_mode_listed_twice(tmp_path, capsys):
     error = capsys.readouterr().err
     assert "--modes dsv dense dsv: expected each mode at most once, dsv listed more than once" in error
     assert not out.exists()
+
+
+def test_bench_train_checks_every_token_count_and_the_profile_before_running(tmp_path, capsys, monkeypatch):
+    """A token count that the grid cannot hold, or a profile that cannot be read, is refused before the first
+    run: found at the second token count, it would have cost the first one's runs and left no report."""
+    import dsv.bench.train as bench_train
+
+    built = []
+    monkeypatch.setattr(bench_train._Run, "__init__", lambda self, *args: built.append(args) or 1 / 0)
+    at = TINY.index("--tokens") + 1
+    code = main(["bench", "train", *TINY[:at], "128", "100", *TINY[at + 1:]])
+    assert code == 2 and not built
+    assert "--tokens 128 100: each must be a multiple of --spatial² = 64" in capsys.readouterr().err
+    code = main(["bench", "train", *TINY, "--modes", "dense", "dsv", "--profile", str(tmp_path / "missing.json")])
+    assert code != 0 and not built
