@@ -593,7 +593,7 @@ def sparse_attention_bwd_launch(do, q, k, v, out, lse, dlse, indices, counts, gr
 
 
 def _check_backward_inputs(do, out, lse, dlse, q):
-    # The kernels index these with q's shape and strides: a smaller tensor would be read past its end.
+    # The kernels walk these over q's shape: a smaller tensor would be read past its end.
     for name, x in (("do", do), ("out", out)):
         if x.shape != q.shape or x.dtype != q.dtype or x.device != q.device:
             raise ValueError(f"{name} must be [B, H, S, D] = {tuple(q.shape)} {q.dtype} on {q.device} like q, got "
