@@ -15,7 +15,7 @@ The timed steps run without `attention.check_finite` (a device sync per step), s
 mode at each token count a correctness gate must hold, or the command fails without a report: one untimed
 step's loss and every parameter gradient are finite (`_finite_gate`), and where layers run sparse (window; DSV
 in stage 2), the first sparse layer's sparse attention on its real inputs at the benchmark shape, with the
-index that the layer builds, matches the float32 PyTorch reference (`_sparse_gate`).
+index that the layer builds, matches the float32 PyTorch reference forward and backward (`_sparse_gate`).
 """
 
 from __future__ import annotations
@@ -240,10 +240,11 @@ def _finite_gate(run: _Run) -> str:
 
 
 def _sparse_gate(run: _Run) -> str:
-    """The first sparse layer's sparse attention against the float32 PyTorch reference, on that layer's inputs at
-    the benchmark shape (one forward up to it, no gradients) with the index that the layer builds for them, on
-    its first `GATE_HEADS` heads and random values; returns the gate's line, raises `GateFailure` when the
-    relative L2 error exceeds `gate_tolerance` of the inputs' dtype or is not finite."""
+    """The first sparse layer's sparse attention, forward and backward, against the float32 PyTorch reference, on
+    that layer's inputs at the benchmark shape (one forward up to it, no gradients) with the index that the layer
+    builds for them, on its first `GATE_HEADS` heads and random values and output gradients; returns the gate's
+    line, raises `GateFailure` when the largest relative L2 error (of out, dq, dk, dv) exceeds `gate_tolerance`
+    of the inputs' dtype or is not finite."""
     sparse = [layer for layer in run.model.controller.layers if layer.runs_sparse()]
     if not sparse:
         return "no layer runs sparse: no sparse-attention check"
@@ -269,17 +270,27 @@ def _sparse_gate(run: _Run) -> str:
         raise GateFailure(f"layer {layer.layer_index} runs sparse, but the forward never reached its key selection")
     finally:
         layer.observer = None
-    v = torch.randn(q.shape, dtype=q.dtype, device=q.device, generator=torch.Generator(q.device).manual_seed(2))
-    with torch.no_grad():
-        out = sparse_attention(q, k, v, index, scale=layer.scale, backend=backend)
-        ref = sparse_attention_reference(q.float(), k.float(), v.float(), index, scale=layer.scale)
-    error, tolerance = _relative_error(out, ref), gate_tolerance(q.dtype)
+    generator = torch.Generator(q.device).manual_seed(2)
+    v, grad_out = (torch.randn(q.shape, dtype=q.dtype, device=q.device, generator=generator) for _ in range(2))
+    tolerance = gate_tolerance(q.dtype)
     what = (f"layer {layer.layer_index}'s sparse attention ({backend}, {str(q.dtype).removeprefix('torch.')}, "
-            f"{heads} of {layer.heads} heads, its own index) against the float32 reference: relative L2 error "
-            f"{error:.2e}")
-    if not error <= tolerance:  # a NaN error fails too
-        raise GateFailure(f"{what} > {tolerance:.2e}")
-    return f"{what} <= {tolerance:.2e}"
+            f"{heads} of {layer.heads} heads, its own index) against the float32 reference")
+    # Forward first: an output that is already wrong (or not connected to the inputs) fails without a backward.
+    inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+    reference_inputs = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    out = sparse_attention(*inputs, index, scale=layer.scale, backend=backend)
+    ref = sparse_attention_reference(*reference_inputs, index, scale=layer.scale)
+    errors = {"out": _relative_error(out.detach(), ref.detach())}
+    if errors["out"] <= tolerance:  # a NaN error fails too
+        # The backward too: the timed steps run it, and the kernels' dq and dk/dv passes are separate code.
+        grads = torch.autograd.grad(out, inputs, grad_out)
+        ref_grads = torch.autograd.grad(ref, reference_inputs, grad_out.float())
+        errors |= {name: _relative_error(g, r) for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads)}
+    worst = max(errors.values(), key=lambda e: math.inf if math.isnan(e) else e)
+    detail = ", ".join(f"{name} {error:.2e}" for name, error in errors.items())
+    if not worst <= tolerance:
+        raise GateFailure(f"{what}: relative L2 error {worst:.2e} > {tolerance:.2e} ({detail})")
+    return f"{what}: relative L2 error {worst:.2e} <= {tolerance:.2e} ({detail})"
 
 
 def _peaks_against_dense(rows: list[dict]) -> list[str]:
@@ -514,8 +525,8 @@ def run(args) -> int:
              f"{'paper 2.7B' if args.profile == 'paper' else args.profile} sparsity profile; median of "
              f"{args.steps} steps{periods} after {args.warmup} warm-up. Before any timing, each run passed a "
              "correctness gate (below): one untimed step's loss and parameter gradients finite and, where layers "
-             "run sparse, the first sparse layer's sparse attention on its own inputs and index within a dtype "
-             "tolerance of the float32 PyTorch reference. DSV dispatch: sparse from mean sparsity "
+             "run sparse, the first sparse layer's sparse attention (output and dq, dk, dv) on its own inputs and "
+             "index within a dtype tolerance of the float32 PyTorch reference. DSV dispatch: sparse from mean sparsity "
              f"{cfg.attention.sparse_threshold} where the kernel-speed model says it pays; predictor update every "
              f"{cfg.attention.learn_every_stage2} step(s) on "
              f"{cfg.attention.predictor_keys or 'all'} keys; predictor state and recompute rows "

@@ -36,7 +36,8 @@ def test_bench_train_reports_all_modes(tmp_path, capsys):
     assert "Before any timing, each run passed a correctness gate" in report
     for mode, layer in (("window", 0), ("dsv", 3)):  # the paper profile's first sparse block here: 3 (of 0-4)
         sparse = re.search(rf"- {mode} at 128 tokens: layer {layer}'s sparse attention \(reference, float32, 2 of 2 "
-                           r"heads, its own index\) against the float32 reference: relative L2 error (\S+) <= (\S+)",
+                           r"heads, its own index\) against the float32 reference: relative L2 error (\S+) <= (\S+) "
+                           r"\(out \S+, dq \S+, dk \S+, dv \S+\)",
                            report)
         assert sparse, mode
         assert float(sparse.group(1)) <= float(sparse.group(2)) == gate_tolerance(torch.float32)
@@ -241,6 +242,38 @@ def test_bench_train_fails_before_timing_when_the_sparse_path_is_wrong(tmp_path,
     measured = re.search(r"relative L2 error (\S+) > 1\.00e-05", error).group(1)
     assert measured == "nan" if wrong == "nan" else float(measured) == pytest.approx(1e-3, rel=0.01)
     assert not out.exists()
+
+
+class _ScaledBackward(torch.autograd.Function):
+    """The identity forward, a backward 0.1% too large: a wrong backward behind a right output."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 1.001
+
+
+def test_bench_train_gate_checks_the_backward_too(tmp_path, capsys, monkeypatch):
+    """A sparse path whose output is right and whose gradients are 0.1% off fails the gate (before any timing),
+    naming the gradients' errors: the timed steps run the backward kernels, which are separate code."""
+    sparse_attention = bench_train.sparse_attention
+
+    def wrong_backward(q, k, v, index, **kwargs):
+        return _ScaledBackward.apply(sparse_attention(q, k, v, index, **kwargs))
+
+    monkeypatch.setattr(bench_train, "sparse_attention", wrong_backward)
+    out = tmp_path / "report.md"
+    code = main(["bench", "train", *TINY, "--modes", "window", "--warmup", "0", "--steps", "1", "--out", str(out)])
+    assert code == 1 and not out.exists()
+    error = capsys.readouterr().err
+    detail = re.search(r"relative L2 error (\S+) > 1\.00e-05 \(out (\S+), dq (\S+), dk (\S+), dv (\S+)\)", error)
+    assert detail, error
+    assert float(detail.group(2)) < 1e-5  # the output itself is right
+    for group in (1, 3, 4, 5):
+        assert float(detail.group(group)) == pytest.approx(1e-3, rel=0.01)
 
 
 def test_bench_train_fails_before_timing_on_a_nan_loss(tmp_path, capsys, monkeypatch):
