@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from dsv.ops.sparse_attention import hopper_forward_unsupported
+from dsv.ops.sparse_attention import hopper_backward_unsupported, hopper_forward_unsupported
 
 TARGETS = {0.90: 8.0, 0.95: 15.0, 0.98: 25.0}
 """Forward+backward speedup over dense cuDNN asked for at S >= 32k, by sparsity."""
@@ -82,9 +82,11 @@ def correctness_gate(args, dtype: torch.dtype, device: str = "cuda") -> list[str
     B, H = 2, 3
     # A ragged length (masked tails) and a multiple of the blocks: the timed lengths compile the kernels'
     # unmasked variants, which the ragged length alone would leave unchecked.
-    for S in (8 * max(G, kv) + 37, 8 * max(G, kv)):
+    # The third length's index lists enough blocks a group for the fused Hopper backward (it runs at the timed
+    # 90% shapes); the first two take the split backward.
+    for S, lists_many in ((8 * max(G, kv) + 37, False), (8 * max(G, kv), False), (24 * max(G, kv) + 37, True)):
         n_blocks = math.ceil(S / kv)
-        keep = torch.tensor([1, 3, n_blocks // 2])
+        keep = torch.tensor([1, 3, n_blocks - 3 if lists_many else n_blocks // 2])
         q_lr, k_lr = (torch.randn(B, H, S, args.rank, device=device, dtype=dtype) for _ in range(2))
         index = estimate_index_triton(q_lr, k_lr, keep, G, kv)
         index.validate()
@@ -258,10 +260,12 @@ def _bench_seq_len(S: int, args, dtype: torch.dtype, flex, device: str = "cuda")
                              tflops=flops / flex_ms / 1e9, mem=flex_mem, agree=agree, dense_ms=dense_ms,
                              gpu_ms=flex_gpu_ms))
             print(rows[-1], flush=True)
-        # Which forward ran: the Hopper kernel leaves short group lists (and other inputs) to Triton.
+        # Which forward and backward ran: the Hopper kernels leave short group lists (and other inputs) to Triton.
         hopper_why = hopper_forward_unsupported(q, G, kv, index.indices.shape[3])
+        fused_why = hopper_backward_unsupported(q, G, kv, index.indices.shape[3])
         rows.append(dict(S=S, method="DSV", kept=kept, sparsity=sparsity, fwd_ms=dsv_fwd_ms, ms=dsv_ms,
                          forward="Triton" if hopper_why else "Hopper",
+                         backward="split Triton" if fused_why else "fused Hopper",
                          tflops=flops / dsv_ms / 1e9, mem=dsv_mem, est_ms=est_ms, est_gpu_ms=est_gpu_ms,
                          key_major_ms=key_major_ms,
                          est_ref_ms=est_ref_ms, dense_ms=dense_ms, flex_ms=flex_ms, gpu_ms=dsv_gpu_ms,
@@ -291,7 +295,8 @@ def run(args) -> int:
         flex = torch.compile(flex_attention, dynamic=False)
         rows += _bench_seq_len(S, args, dtype, flex)
         torch.cuda.empty_cache()  # the next length's inputs start from a clean pool
-    report = _report(rows, args, torch.cuda.get_device_name(), _forward_kernel(args, dtype))
+    report = _report(rows, args, torch.cuda.get_device_name(), _forward_kernel(args, dtype),
+                     _backward_kernel(args, dtype))
     print(report)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -309,11 +314,20 @@ def _forward_kernel(args, dtype) -> str:
             "(the note column says which ran)")
 
 
-def _report(rows, args, device_name: str, forward_kernel: str) -> str:
+def _backward_kernel(args, dtype) -> str:
+    probe = torch.empty(1, 1, args.group_size, args.head_dim, dtype=dtype, device="cuda")
+    why = hopper_backward_unsupported(probe, args.group_size, args.kv_block)
+    if why is not None:
+        return f"the split Triton dq and dk/dv passes ({why})"
+    return ("the fused Hopper kernel (Gluon) where the index lists enough blocks a group, else the split Triton "
+            "dq and dk/dv passes (the note column says which ran)")
+
+
+def _report(rows, args, device_name: str, forward_kernel: str, backward_kernel: str) -> str:
     lines = [
         f"# Sparse attention kernels on {device_name}",
         "",
-        f"DSV's forward: {forward_kernel}; backward: the Triton dq and dk/dv passes.",
+        f"DSV's forward: {forward_kernel}; backward: {backward_kernel}.",
         "",
         f"torch {torch.__version__}, triton {__import__('triton').__version__}; B={args.batch}, H={args.heads}, "
         f"D={args.head_dim}, {args.dtype}, group_size={args.group_size}, kv_block={args.kv_block}, "
@@ -349,7 +363,7 @@ def _report(rows, args, device_name: str, forward_kernel: str) -> str:
         if "agree" in r:
             notes.append(f"vs DSV (out, grads): {r['agree']:.1e}")
         if "forward" in r:
-            notes.append(f"{r['forward']} forward")
+            notes.append(f"{r['forward']} forward, {r['backward']} backward")
         if r["method"] == "DSV" and speed_dense is not None and r["S"] >= 32768:
             target = TARGETS.get(round(r["sparsity"], 2))
             if target is not None:

@@ -47,6 +47,20 @@ def hopper_forward_unsupported(q: torch.Tensor, group_size: int, kv_block: int,
     return reason(q, group_size, kv_block, listed_blocks)
 
 
+def hopper_backward_unsupported(q: torch.Tensor, group_size: int, kv_block: int,
+                                listed_blocks: int | None = None) -> str | None:
+    """Why the Triton backend's backward does not take its fused Hopper kernel for inputs like `q` (the split
+    Triton backward runs instead), or None when it does. `listed_blocks`: the index's K_max, when known (the
+    fused kernel runs from `hopper_backward.MIN_LISTED_BLOCKS` blocks a group). Importing it needs triton."""
+    if not q.is_cuda or torch.version.hip is not None or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "needs an NVIDIA Hopper GPU (compute capability 9.x)"
+    if not TRITON_INSTALLED:
+        return "triton is not installed"
+    from dsv.ops.sparse_attention.hopper_backward import hopper_backward_unsupported as reason
+
+    return reason(q, group_size, kv_block, listed_blocks)
+
+
 def hopper_forward_missing(q: torch.Tensor, group_size: int, kv_block: int) -> str | None:
     """On an NVIDIA Hopper GPU with the kernel enabled: what it lacks for inputs like `q` (dtype, head dim,
     triton's Gluon API), or None; the cases it leaves to Triton by measurement give None."""

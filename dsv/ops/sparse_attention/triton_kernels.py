@@ -16,7 +16,10 @@ element is written by exactly one program: no atomics, deterministic results. Th
   (``SparseIndex.key_major``; a compiled graph builds it with traced ops). A split backward (7 matmuls per
   tile pair) measured faster than accumulating dq with fp32 element atomics from this pass (5 matmuls):
   benchmarks/NOTES.md. ``atomic_dq`` keeps that path, with TMA bulk reductions on Hopper, for measurement:
-  it was slower than the split backward there too (NOTES, round 4; a warp-specialized form tied it, round 12).
+  it was slower than the split backward there too (NOTES, round 4). On Hopper GPUs the launcher runs the
+  fused warp-specialized Gluon backward of ``hopper_backward`` instead (5 matmuls, dq added by a reduction
+  warp), where it applies: indices listing at least ``hopper_backward.MIN_LISTED_BLOCKS`` blocks a group,
+  where it measured 3-7% faster than the split backward (NOTES, round 15).
 
 The gathered tiles of each loop (K/V, or Q/dO) load through TMA descriptors on Hopper where that measured
 faster, through pointers elsewhere (``default_config``).
@@ -40,6 +43,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dsv.ops.index import key_major_csr
+from dsv.ops.sparse_attention.hopper_backward import hopper_backward_unsupported, sparse_attention_bwd_hopper
 from dsv.ops.sparse_attention.hopper_kernels import hopper_forward_unsupported, sparse_attention_fwd_hopper
 
 _LOG2E = 1.4426950408889634  # the kernels work in base 2 (exp2) and store the LSE in natural log
@@ -580,6 +584,8 @@ def sparse_attention_bwd_launch(do, q, k, v, out, lse, dlse, indices, counts, gr
     """Backward launcher: returns ``dq, dk, dv [B, H, S, D]`` (q's dtype). ``dlse`` may be None.
 
     ``key_major``: the index's ``(offsets, groups)`` (``SparseIndex.key_major``); built here when None.
+    Without a ``cfg``, inputs the fused Hopper backward takes run there (``hopper_backward``:
+    ``hopper_backward_unsupported`` says why not); a ``cfg`` always runs the Triton passes with it.
     """
     _check_inputs(q, k, v, indices, counts, group_size, kv_block)
     _check_backward_inputs(do, out, lse, dlse, q)
@@ -636,6 +642,10 @@ def _launch_bwd(do, q, k, v, out, lse, dlse, indices, counts, key_major: KeyMajo
     (short sequences are host-bound)."""
     q, k, v, out, do = (_last_dim_contiguous(x) for x in (q, k, v, out, do))
     indices, counts, lse = indices.contiguous(), counts.contiguous(), lse.contiguous()
+    if cfg is None and hopper_backward_unsupported(q, group_size, kv_block, indices.shape[3]) is None:
+        delta = _launch_bwd_delta(out, do, dlse)
+        offsets, groups = key_major()
+        return sparse_attention_bwd_hopper(do, q, k, v, lse, delta, offsets, groups, group_size, kv_block, scale)
     cfg = cfg or default_config(q.shape[-1], group_size, kv_block, _tma_supported(q))
     _check_tiles(cfg.bwd_dq, group_size, kv_block, "dq")
     _check_tiles(cfg.bwd_dkdv, group_size, kv_block, "dk/dv")
