@@ -1,9 +1,9 @@
 """Fused sparse-attention backward for Hopper GPUs (compute capability 9.x), written in Gluon.
 
 The same gradients as the split Triton backward (``triton_kernels``: a query-major dq pass and a key-major
-dk/dv pass, each recomputing P and dP: 18 executed matmul units per kept query-key pair, counting the forward's
-4), in one key-major pass that executes 14: each program owns a 128-key tile and walks the query sub-tiles (64
-rows) of the groups that listed it, and dq is added into an fp32 accumulator.
+dk/dv pass, each recomputing P and dP, 7 matmuls per tile pair), in one key-major pass of 5: each program owns
+a 128-key tile and walks the query sub-tiles (64 rows) of the groups that listed it, and dq is added into an
+fp32 accumulator.
 
 - A one-warp *producer* streams the tile's K and V once and each listed group's Q and dO sub-tiles through
   two-stage TMA rings.
