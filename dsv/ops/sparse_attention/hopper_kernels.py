@@ -20,7 +20,7 @@ forward in the sweep, 4-9% in `dsv bench kernels`): 32k tokens, 128-token blocks
 8.81 / 4.76 / 2.02 against 9.97 / 5.22 / 2.19; 64-token blocks at 32k 2.79 / 1.53 / 0.70 against
 3.06 / 1.66 / 0.72. At head dim 64 the 128-token setting measured 5-9% faster than Triton, the 64-token one
 15-18% slower (not taken). The backward passes written the same way were not faster than the Triton ones
-(round 10), so the backward stays in Triton.
+(round 10); a fused backward with a reduction warp was (round 15): ``hopper_backward``.
 
 ``hopper_forward_unsupported`` says why these inputs cannot take this kernel (the Triton forward runs
 instead); ``DSV_HOPPER_FORWARD=0`` in the environment turns it off.
