@@ -295,8 +295,7 @@ def run(args) -> int:
         flex = torch.compile(flex_attention, dynamic=False)
         rows += _bench_seq_len(S, args, dtype, flex)
         torch.cuda.empty_cache()  # the next length's inputs start from a clean pool
-    report = _report(rows, args, torch.cuda.get_device_name(), _forward_kernel(args, dtype),
-                     _backward_kernel(args, dtype))
+    report = _report(rows, args, torch.cuda.get_device_name(), *_dsv_kernels(args, dtype))
     print(report)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -305,22 +304,17 @@ def run(args) -> int:
     return 0
 
 
-def _forward_kernel(args, dtype) -> str:
-    probe = torch.empty(1, 1, args.group_size, args.head_dim, dtype=dtype, device="cuda")
-    why = hopper_forward_unsupported(probe, args.group_size, args.kv_block)
-    if why is not None:
-        return f"the Triton kernel ({why})"
-    return ("the warp-specialized Hopper kernel (Gluon) where the index allows it, else the Triton kernel "
-            "(the note column says which ran)")
-
-
-def _backward_kernel(args, dtype) -> str:
-    probe = torch.empty(1, 1, args.group_size, args.head_dim, dtype=dtype, device="cuda")
-    why = hopper_backward_unsupported(probe, args.group_size, args.kv_block)
-    if why is not None:
-        return f"the split Triton dq and dk/dv passes ({why})"
-    return ("the fused Hopper kernel (Gluon) where the index lists enough blocks a group, else the split Triton "
-            "dq and dk/dv passes (the note column says which ran)")
+def _dsv_kernels(args, dtype, device: str = "cuda") -> tuple[str, str]:
+    """Which forward and backward kernels DSV's rows run at this grouping (the note column says per row)."""
+    probe = torch.empty(1, 1, args.group_size, args.head_dim, dtype=dtype, device=device)
+    forward_why = hopper_forward_unsupported(probe, args.group_size, args.kv_block)
+    backward_why = hopper_backward_unsupported(probe, args.group_size, args.kv_block)
+    split = "the split Triton dq and dk/dv passes"
+    forward = (f"the Triton kernel ({forward_why})" if forward_why else "the warp-specialized Hopper kernel (Gluon) "
+               "where the index allows it, else the Triton kernel (the note column says which ran)")
+    backward = (f"{split} ({backward_why})" if backward_why else "the fused Hopper kernel (Gluon) where the index "
+                f"lists enough blocks a group, else {split} (the note column says which ran)")
+    return forward, backward
 
 
 def _report(rows, args, device_name: str, forward_kernel: str, backward_kernel: str) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv.bench.kernels import _report
+from dsv.bench.kernels import _dsv_kernels, _report
 
 
 def test_report_rows_have_every_column_and_the_gpu_time_ratio():
@@ -30,6 +30,20 @@ def test_report_rows_have_every_column_and_the_gpu_time_ratio():
     assert dsv[7].strip() == "8.0" and dsv[8].strip() == "1.20"  # × dense, × Flex by wall time
     assert "Hopper forward, fused Hopper backward; target ≥8×: met" in table[-1]
     assert table[2].split("|")[9].strip() == "79.00"  # dense: GPU ms without a ratio
+
+
+def test_kernel_lines_name_the_kernels_or_why_not(monkeypatch):
+    from dsv.bench import kernels
+
+    args = argparse.Namespace(group_size=128, kv_block=128, head_dim=128)
+    forward, backward = _dsv_kernels(args, torch.bfloat16, device="cpu")
+    assert forward == "the Triton kernel (needs an NVIDIA Hopper GPU (compute capability 9.x))"
+    assert backward == "the split Triton dq and dk/dv passes (needs an NVIDIA Hopper GPU (compute capability 9.x))"
+    monkeypatch.setattr(kernels, "hopper_forward_unsupported", lambda *a: None)
+    monkeypatch.setattr(kernels, "hopper_backward_unsupported", lambda *a: None)
+    forward, backward = _dsv_kernels(args, torch.bfloat16, device="cpu")
+    assert forward.startswith("the warp-specialized Hopper kernel") and "note column" in forward
+    assert backward.startswith("the fused Hopper kernel") and backward.endswith("(the note column says which ran)")
 
 
 def test_one_sequence_length_runs_every_method_and_checks_flex_against_dsv(monkeypatch):
