@@ -23,8 +23,8 @@ the launcher takes it from ``MIN_LISTED_BLOCKS`` blocks a group (the index's K_m
 kernels`` forward+backward went from 10.70 to 10.19 ms at 32k/90% and from 42.57 to 41.22 ms at 64k/90%
 (benchmarks/results/2026-11-30-h200-kernels-fused-backward.md).
 
-The fp32 accumulator is half the heads' size (the heads run in two launches), so the backward needs no more
-memory than dq's own bf16 size on top of the split backward's. The partial sums of dq arrive in an order
+The fp32 accumulator holds half the heads (rounded up; the heads run in two launches), so the backward needs
+about dq's own bf16 size more than the split backward. The partial sums of dq arrive in an order
 that varies from run to run, so dq is not bitwise reproducible (dk, dv are); under
 ``torch.use_deterministic_algorithms(True)`` the split backward runs.
 
@@ -41,8 +41,10 @@ import torch
 from dsv.ops.sparse_attention import hopper_kernels as _hopper
 
 ENABLED = os.environ.get("DSV_HOPPER_BACKWARD", "1") != "0"  # read once, at import
-# Below this many listed key blocks a group (the index's K_max) the split backward is as fast or faster: one
-# H200, 5 blocks a group 7-10% slower, 13 and 26 blocks within 2% (NOTES, round 15).
+# From this many listed key blocks a group the fused backward runs. Measured on one H200 against the split
+# backward (NOTES, round 15): 5 blocks a group 7-10% slower, 10 and 13 within 2%, 26 even (64k) to 5-7% faster
+# (32k), 51 3-5% faster. The rule reads the index's K_max (a shape: no device sync), so an index whose
+# groups list very unequal counts is judged by its longest list.
 MIN_LISTED_BLOCKS = 20
 _MAXNREG = 168  # 12 warps (two consumer warpgroups, the producer and reducer padded to one) fill 64K registers
 _CONSUMER_REGS = 240  # each consumer warpgroup's (the first, the default partition, gets what is left: 240)
@@ -212,6 +214,7 @@ if BACKWARD_IMPORT_ERROR is None:
         v2 = v_smem.index(C).reshape([SUB_N, HEAD_DIM])
         my_p = p_smem.index(C)
         offs_m = gl.arange(0, BLOCK_M, layout=col_s)
+        offs_k = gl.arange(0, SUB_N, layout=gl.SliceLayout(1, s_layout))
         zero_s = gl.zeros([SUB_N, BLOCK_M], gl.float32, s_layout)
         zero_q = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, q_layout)
         offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
@@ -221,6 +224,7 @@ if BACKWARD_IMPORT_ERROR is None:
             _, _, _, bh, k_row0, start, n_iter = _key_tile(tile, n_kt, H, h0, heads, NKB, OFFSETS, kv_block, q_sub,
                                                            SUB_N * N_CONS)
             vec_base = bh.to(gl.int64) * S
+            keys = k_row0 + C * SUB_N + offs_k
             dk = warpgroup_mma_init(gl.zeros([SUB_N, HEAD_DIM], gl.float32, o_layout))
             dv = warpgroup_mma_init(gl.zeros([SUB_N, HEAD_DIM], gl.float32, o_layout))
             mbarrier.wait(kv_ready.index(C), t_it & 1)
@@ -239,7 +243,9 @@ if BACKWARD_IMPORT_ERROR is None:
                 dpt_tok = warpgroup_mma(v2, do_smem.index(dss).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)),
                                         zero_s, use_acc=False, is_async=True)
                 st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok,))
-                pt = gl.exp2(st * qk_scale - lse2[None, :])
+                # Keys past S (zeros from TMA) get P = 0, as in the split backward: unmasked, their P = exp(-lse)
+                # times delta can overflow fp16 in dS, and inf times their zero K rows is NaN in dq.
+                pt = gl.where(keys[:, None] < S, gl.exp2(st * qk_scale - lse2[None, :]), 0.0)
                 delta = gl.load(DELTA + vec_base + rows, mask=rows < S, other=0.0)
                 dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt_tok,))
                 if t > 0:  # every matmul of the previous sub-tile has retired: its Q and dO may be replaced
@@ -276,7 +282,9 @@ if BACKWARD_IMPORT_ERROR is None:
                 _dq_handoff(dq_smem, dq_full, dq_empty, dq * sm_scale, last, C)
                 mbarrier.arrive(q_empty.index(last % Q_STAGES), count=1)
                 mbarrier.arrive(d_empty.index(last % D_STAGES), count=1)
-            mbarrier.arrive(kv_empty.index(C), count=1)
+            # Both consumers' dq matmuls read both K halves: each releases both.
+            for j in gl.static_range(N_CONS):
+                mbarrier.arrive(kv_empty.index(j), count=1)
             t_it += 1
             it += n_iter
 
@@ -362,7 +370,7 @@ if BACKWARD_IMPORT_ERROR is None:
         dq_empty = gl.allocate_shared_memory(gl.int64, [N_CONS, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(N_CONS):
             mbarrier.init(kv_ready.index(i), count=1)
-            mbarrier.init(kv_empty.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=N_CONS)
             mbarrier.init(dq_full.index(i), count=1)
             mbarrier.init(dq_empty.index(i), count=1)
         for i in gl.static_range(STAGES):
@@ -402,6 +410,10 @@ def sparse_attention_bwd_hopper(do, q, k, v, lse, delta, offsets, groups, group_
     that ``hopper_backward_unsupported`` is None.
     """
     B, H, S, D = q.shape
+    for name, x in (("lse", lse), ("delta", delta)):  # read as flat [B*H*S] arrays
+        if x.shape != (B, H, S) or x.dtype != torch.float32 or not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous float32 [B, H, S] = {(B, H, S)}, got {x.dtype} "
+                             f"{tuple(x.shape)} with strides {x.stride()}")
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dv = torch.empty(q.shape, dtype=q.dtype, device=q.device)
