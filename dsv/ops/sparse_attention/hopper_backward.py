@@ -18,10 +18,10 @@ fp32 accumulator.
 
 Measured on one H200 (NOTES, round 15; B=1, H=24, D=128, bf16, 128-token groups and blocks): 7.70-7.81 ms
 against the split backward's 8.24-9.01 at 32k tokens and 90% sparsity (26 blocks a group), 31.3-31.6
-against 32.3-33.3 at 64k/90%; about even at 13-26 blocks elsewhere, and 7-10% slower at 5 blocks a group, so
-the launcher takes it from ``MIN_LISTED_BLOCKS`` blocks a group (the index's K_max). In ``dsv bench
-kernels`` forward+backward went from 10.70 to 10.19 ms at 32k/90% and from 42.57 to 41.22 ms at 64k/90%
-(benchmarks/results/2026-11-30-h200-kernels-fused-backward.md).
+against 32.3-33.3 at 64k/90%; within 2% at 10-13 blocks and at 26 blocks at 64k, and 7-10% slower at 5
+blocks a group, so the launcher takes it from ``MIN_LISTED_BLOCKS`` blocks a group (the index's K_max). In ``dsv bench
+kernels`` forward+backward went from 10.70 to 9.91-10.19 ms at 32k/90% and from 42.57 to 39.61-41.22 ms at
+64k/90% (benchmarks/results/2026-11-30-h200-kernels-fused-backward.md).
 
 The fp32 accumulator holds half the heads (rounded up; the heads run in two launches), so the backward needs
 about dq's own bf16 size more than the split backward. The partial sums of dq arrive in an order
@@ -103,8 +103,8 @@ def hopper_backward_unsupported(q: torch.Tensor, group_size: int, kv_block: int,
         return (f"group_size {group_size} with kv_block {kv_block}: it takes groups of a multiple of {_SUB} tokens "
                 f"and key blocks of a multiple of {_KEYS}")
     if listed_blocks is not None and listed_blocks < MIN_LISTED_BLOCKS:
-        return (f"groups list {listed_blocks} key blocks; below {MIN_LISTED_BLOCKS} the split Triton backward is "
-                "as fast or faster")
+        return (f"groups list {listed_blocks} key blocks; below {MIN_LISTED_BLOCKS} it was not measured faster than "
+                "the split Triton backward (7-10% slower at 5)")
     return None
 
 
@@ -417,7 +417,7 @@ def sparse_attention_bwd_hopper(do, q, k, v, lse, delta, offsets, groups, group_
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dv = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    # Half the heads per launch: the fp32 accumulator is then the size of dq itself.
+    # Half the heads per launch (rounded up): the fp32 accumulator is then about the size of dq itself.
     heads = -(-H // 2)
     acc = torch.empty((B, heads, S, D), dtype=torch.float32, device=q.device)
     descriptors = [_hopper._descriptor(x, _SUB) for x in (q, do, k, v)]
