@@ -7,14 +7,12 @@ importing triton while pytest collects would keep test_triton_kernels from switc
 
 import importlib
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from dsv.ops.index import PAD, SparseIndex
+from tests.ops.gluon_compile import sm90_shared_memory
 
 IS_HOPPER = torch.cuda.is_available() and torch.version.hip is None and torch.cuda.get_device_capability()[0] == 9
 
@@ -64,13 +62,7 @@ def test_compiles_for_sm90_with_the_installed_triton():
     hb = hopper_backward()
     if hb.BACKWARD_IMPORT_ERROR is not None:  # the launcher then never takes this kernel, and says why
         pytest.skip(hb.BACKWARD_IMPORT_ERROR)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("from tests.ops.test_hopper_backward import SM90_COMPILES, compile_for_sm90\n"
-            "for case in SM90_COMPILES: print(*case, compile_for_sm90(*case))")
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    assert run.returncode == 0, run.stderr[-4000:]
-    shared = [int(line.split()[-1]) for line in run.stdout.splitlines()]
+    shared = sm90_shared_memory("tests.ops.test_hopper_backward")
     assert len(shared) == len(SM90_COMPILES)
     # One program per SM, within the H100/H200's 227 KiB of shared memory per SM.
     assert all(s <= 227 * 1024 for s in shared), shared

@@ -8,14 +8,12 @@ keep test_triton_kernels from switching on the Triton interpreter first.
 
 import importlib
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from dsv.ops.index import SparseIndex
+from tests.ops.gluon_compile import sm90_shared_memory
 
 IS_HOPPER = torch.cuda.is_available() and torch.version.hip is None and torch.cuda.get_device_capability()[0] == 9
 
@@ -63,13 +61,7 @@ def test_compiles_for_sm90_with_the_installed_triton():
     hk = hopper_kernels()
     if hk.GLUON_IMPORT_ERROR is not None:  # the launcher then never takes this kernel, and says why
         pytest.skip(hk.GLUON_IMPORT_ERROR)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("from tests.ops.test_hopper_kernels import SM90_COMPILES, compile_for_sm90\n"
-            "for case in SM90_COMPILES: print(*case, compile_for_sm90(*case))")
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    assert run.returncode == 0, run.stderr[-4000:]
-    shared = [int(line.split()[-1]) for line in run.stdout.splitlines()]
+    shared = sm90_shared_memory("tests.ops.test_hopper_kernels")
     assert len(shared) == len(SM90_COMPILES)
     # One program per SM for the 128-row setting, two for the 64-row one: both within the H100/H200's
     # 227 KiB of shared memory per SM.
