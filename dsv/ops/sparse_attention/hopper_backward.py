@@ -18,10 +18,10 @@ fp32 accumulator.
 
 Measured on one H200 (NOTES, round 15; B=1, H=24, D=128, bf16, 128-token groups and blocks): 7.70-7.81 ms
 against the split backward's 8.24-9.01 at 32k tokens and 90% sparsity (26 blocks a group), 31.3-31.6
-against 32.3-33.3 at 64k/90%; within 2% at 10-13 blocks and at 26 blocks at 64k, and 7-10% slower at 5
-blocks a group, so the launcher takes it from ``MIN_LISTED_BLOCKS`` blocks a group (the index's K_max). In ``dsv bench
-kernels`` forward+backward went from 10.70 to 9.91-10.19 ms at 32k/90% and from 42.57 to 39.61-41.22 ms at
-64k/90% (benchmarks/results/2026-11-30-h200-kernels-fused-backward.md).
+against 32.3-33.3 at 64k/90%; within 2% at 10-13 blocks, even to 11% slower at 26 blocks at 64k, and 7-10%
+slower at 5 blocks a group, so the launcher takes it from ``MIN_LISTED_BLOCKS`` blocks a group (the index's
+K_max). In ``dsv bench kernels`` forward+backward went from 10.70 to 9.91-10.19 ms at 32k/90% and from 42.57
+to 39.61-41.22 ms at 64k/90% (benchmarks/results/2026-11-30-h200-kernels-fused-backward.md).
 
 The fp32 accumulator holds half the heads (rounded up; the heads run in two launches), so the backward needs
 about dq's own bf16 size more than the split backward. The partial sums of dq arrive in an order
@@ -42,8 +42,8 @@ from dsv.ops.sparse_attention import hopper_kernels as _hopper
 
 ENABLED = os.environ.get("DSV_HOPPER_BACKWARD", "1") != "0"  # read once, at import
 # From this many listed key blocks a group the fused backward runs. Measured on one H200 against the split
-# backward (NOTES, round 15): 5 blocks a group 7-10% slower, 10 and 13 within 2%, 26 even (64k) to 5-7% faster
-# (32k), 51 3-5% faster. The rule reads the index's K_max (a shape: no device sync), so an index whose
+# backward (NOTES, round 15): 5 blocks a group 7-10% slower, 10 and 13 within 2%, 26 even to 11% slower (64k)
+# and 5-7% faster (32k), 51 3-5% faster. The rule reads the index's K_max (a shape: no device sync), so an index whose
 # groups list very unequal counts is judged by its longest list.
 MIN_LISTED_BLOCKS = 20
 _MAXNREG = 168  # 12 warps (two consumer warpgroups, the producer and reducer padded to one) fill 64K registers
