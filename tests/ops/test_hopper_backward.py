@@ -37,7 +37,7 @@ def compile_for_sm90(group_size: int, kv_block: int, dtype: str) -> int:
                   k_desc=hb._hopper._descriptor(x, 64), v_desc=hb._hopper._descriptor(x, 64),
                   acc_desc=hb._accumulator_descriptor(torch.empty(1, 1, 512, 128)), LSE=torch.empty(1),
                   DELTA=torch.empty(1), DK=x, DV=x, OFFSETS=torch.empty(1, dtype=torch.int32),
-                  GROUPS=torch.empty(1, dtype=torch.int32), ORDER=torch.empty(1, dtype=torch.int32))
+                  GROUPS=torch.empty(1, dtype=torch.int32))
     signature = {name: mangle_type(value) for name, value in values.items()}
     signature.update({name: "i32" for name in ("S", "H", "h0", "heads", "NKB", "num_tiles")})
     signature.update(qk_scale="fp32", sm_scale="fp32")

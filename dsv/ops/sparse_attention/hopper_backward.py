@@ -111,10 +111,8 @@ def hopper_backward_unsupported(q: torch.Tensor, group_size: int, kv_block: int,
 if BACKWARD_IMPORT_ERROR is None:
 
     @gluon.jit
-    def _key_tile(slot, ORDER, n_kt, H, h0, heads, NKB, OFFSETS, kv_block, q_sub, KEYS: gl.constexpr):
-        # ORDER maps the walk's slot to a tile, numbered key tile fastest, then head (of this launch's heads),
-        # then batch: the longest walks first, so the grid's last programs are short ones.
-        tile = gl.load(ORDER + slot)
+    def _key_tile(tile, n_kt, H, h0, heads, NKB, OFFSETS, kv_block, q_sub, KEYS: gl.constexpr):
+        # Tiles are numbered key tile fastest, then head (of this launch's heads), then batch.
         pid_n = tile % n_kt
         bhc = tile // n_kt
         b = bhc // heads
@@ -134,7 +132,7 @@ if BACKWARD_IMPORT_ERROR is None:
 
     @gluon.jit
     def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, kv_empty,
-                  q_ready, q_empty, d_ready, d_empty, OFFSETS, GROUPS, ORDER, num_tiles, n_kt, H, h0, heads, NKB, group,
+                  q_ready, q_empty, d_ready, d_empty, OFFSETS, GROUPS, num_tiles, n_kt, H, h0, heads, NKB, group,
                   kv_block, q_sub):
         # Tile shapes come from the buffers' types: a constant passed into a partition arrives as a value.
         N_CONS: gl.constexpr = k_smem.type.shape[0]
@@ -145,7 +143,7 @@ if BACKWARD_IMPORT_ERROR is None:
         it = 0
         t_it = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            b, h, _, _, k_row0, start, n_iter = _key_tile(tile, ORDER, n_kt, H, h0, heads, NKB, OFFSETS, kv_block, q_sub,
+            b, h, _, _, k_row0, start, n_iter = _key_tile(tile, n_kt, H, h0, heads, NKB, OFFSETS, kv_block, q_sub,
                                                           SUB_N * N_CONS)
             for c in gl.static_range(N_CONS):
                 mbarrier.wait(kv_empty.index(c), (t_it & 1) ^ 1)  # a slot starts free: phase 1 passes at once
@@ -193,7 +191,7 @@ if BACKWARD_IMPORT_ERROR is None:
 
     @gluon.jit
     def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_ready, kv_empty, q_ready, q_empty,
-                  d_ready, d_empty, ds_full, ds_free, dq_full, dq_empty, LSE, DELTA, DK, DV, OFFSETS, GROUPS, ORDER,
+                  d_ready, d_empty, ds_full, ds_free, dq_full, dq_empty, LSE, DELTA, DK, DV, OFFSETS, GROUPS,
                   num_tiles, n_kt, H, h0, heads, NKB, group, kv_block, q_sub, S, qk_scale, sm_scale,
                   C: gl.constexpr):
         N_CONS: gl.constexpr = k_smem.type.shape[0]
@@ -223,7 +221,7 @@ if BACKWARD_IMPORT_ERROR is None:
         it = 0
         t_it = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            _, _, _, bh, k_row0, start, n_iter = _key_tile(tile, ORDER, n_kt, H, h0, heads, NKB, OFFSETS, kv_block, q_sub,
+            _, _, _, bh, k_row0, start, n_iter = _key_tile(tile, n_kt, H, h0, heads, NKB, OFFSETS, kv_block, q_sub,
                                                            SUB_N * N_CONS)
             vec_base = bh.to(gl.int64) * S
             keys = k_row0 + C * SUB_N + offs_k
@@ -298,7 +296,7 @@ if BACKWARD_IMPORT_ERROR is None:
             gl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=offs_n[:, None] < S)
 
     @gluon.jit
-    def _reducer(acc_desc, dq_smem, dq_full, dq_empty, OFFSETS, GROUPS, ORDER, num_tiles, n_kt, H, h0, heads, NKB, group,
+    def _reducer(acc_desc, dq_smem, dq_full, dq_empty, OFFSETS, GROUPS, num_tiles, n_kt, H, h0, heads, NKB, group,
                  kv_block, q_sub):
         # Adds each consumer's staged dq tile into the accumulator, in the consumers' order of sub-tiles, and
         # frees the slot once the bulk reduction has read it (rows past S are clipped by the descriptor).
@@ -307,7 +305,7 @@ if BACKWARD_IMPORT_ERROR is None:
         DQ_COLS: gl.constexpr = dq_smem.type.shape[4]
         it = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            b, _, hc, _, _, start, n_iter = _key_tile(tile, ORDER, n_kt, H, h0, heads, NKB, OFFSETS, kv_block, q_sub,
+            b, _, hc, _, _, start, n_iter = _key_tile(tile, n_kt, H, h0, heads, NKB, OFFSETS, kv_block, q_sub,
                                                       BLOCK_M * N_CONS)
             for t in range(n_iter):
                 g = it + t
@@ -323,23 +321,23 @@ if BACKWARD_IMPORT_ERROR is None:
     # would arrive as a runtime value.
     @gluon.jit
     def _consumer0(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_ready, kv_empty, q_ready, q_empty,
-                   d_ready, d_empty, ds_full, ds_free, dq_full, dq_empty, LSE, DELTA, DK, DV, OFFSETS, GROUPS, ORDER,
+                   d_ready, d_empty, ds_full, ds_free, dq_full, dq_empty, LSE, DELTA, DK, DV, OFFSETS, GROUPS,
                    num_tiles, n_kt, H, h0, heads, NKB, group, kv_block, q_sub, S, qk_scale, sm_scale):
         _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_ready, kv_empty, q_ready, q_empty,
-                  d_ready, d_empty, ds_full, ds_free, dq_full, dq_empty, LSE, DELTA, DK, DV, OFFSETS, GROUPS, ORDER,
+                  d_ready, d_empty, ds_full, ds_free, dq_full, dq_empty, LSE, DELTA, DK, DV, OFFSETS, GROUPS,
                   num_tiles, n_kt, H, h0, heads, NKB, group, kv_block, q_sub, S, qk_scale, sm_scale, 0)
 
     @gluon.jit
     def _consumer1(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_ready, kv_empty, q_ready, q_empty,
-                   d_ready, d_empty, ds_full, ds_free, dq_full, dq_empty, LSE, DELTA, DK, DV, OFFSETS, GROUPS, ORDER,
+                   d_ready, d_empty, ds_full, ds_free, dq_full, dq_empty, LSE, DELTA, DK, DV, OFFSETS, GROUPS,
                    num_tiles, n_kt, H, h0, heads, NKB, group, kv_block, q_sub, S, qk_scale, sm_scale):
         _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_ready, kv_empty, q_ready, q_empty,
-                  d_ready, d_empty, ds_full, ds_free, dq_full, dq_empty, LSE, DELTA, DK, DV, OFFSETS, GROUPS, ORDER,
+                  d_ready, d_empty, ds_full, ds_free, dq_full, dq_empty, LSE, DELTA, DK, DV, OFFSETS, GROUPS,
                   num_tiles, n_kt, H, h0, heads, NKB, group, kv_block, q_sub, S, qk_scale, sm_scale, 1)
 
     @gluon.jit
     def _sparse_attn_bwd_fused_kernel(q_desc, do_desc, k_desc, v_desc, acc_desc, LSE, DELTA, DK, DV, OFFSETS,
-                                      GROUPS, ORDER, S, H, h0, heads, NKB, num_tiles, qk_scale, sm_scale,
+                                      GROUPS, S, H, h0, heads, NKB, num_tiles, qk_scale, sm_scale,
                                       GROUP: gl.constexpr, KV_BLOCK: gl.constexpr, SERVICE_REGS: gl.constexpr,
                                       CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
         SUB_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -385,12 +383,12 @@ if BACKWARD_IMPORT_ERROR is None:
             mbarrier.init(ds_free.index(i), count=N_CONS)
 
         producer = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, kv_empty,
-                    q_ready, q_empty, d_ready, d_empty, OFFSETS, GROUPS, ORDER, num_tiles, n_kt, H, h0, heads, NKB, group,
+                    q_ready, q_empty, d_ready, d_empty, OFFSETS, GROUPS, num_tiles, n_kt, H, h0, heads, NKB, group,
                     kv_block, q_sub)
         consumer = (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_ready, kv_empty, q_ready, q_empty,
-                    d_ready, d_empty, ds_full, ds_free, dq_full, dq_empty, LSE, DELTA, DK, DV, OFFSETS, GROUPS, ORDER,
+                    d_ready, d_empty, ds_full, ds_free, dq_full, dq_empty, LSE, DELTA, DK, DV, OFFSETS, GROUPS,
                     num_tiles, n_kt, H, h0, heads, NKB, group, kv_block, q_sub, S, qk_scale, sm_scale)
-        reducer = (acc_desc, dq_smem, dq_full, dq_empty, OFFSETS, GROUPS, ORDER, num_tiles, n_kt, H, h0, heads, NKB, group,
+        reducer = (acc_desc, dq_smem, dq_full, dq_empty, OFFSETS, GROUPS, num_tiles, n_kt, H, h0, heads, NKB, group,
                    kv_block, q_sub)
         gl.warp_specialize([(_consumer0, consumer), (_consumer1, consumer), (_producer, producer),
                             (_reducer, reducer)], [4, 1, 1], [CONSUMER_REGS, SERVICE_REGS, SERVICE_REGS])
@@ -401,20 +399,6 @@ def _accumulator_descriptor(acc: torch.Tensor):
     consumer's half of a sub-tile's dq)."""
     box = [1, 1, _SUB, acc.shape[-1] // 2]
     return TensorDescriptor.from_tensor(acc, box, gl.NVMMASharedLayout.get_default_for(box, gl.float32))
-
-
-def longest_first_walks(offsets: torch.Tensor, B: int, H: int, S: int, kv_block: int):
-    """``order(h0, heads)``: the key tiles of heads ``h0 .. h0 + heads`` (numbered key tile fastest, then head,
-    then batch) as int32, those that the most query groups listed first."""
-    listed = (offsets[1:] - offsets[:-1]).view(B, H, -1)
-    tile_blocks = torch.arange(0, S, _KEYS, device=offsets.device) // kv_block
-    per_tile = listed[:, :, tile_blocks]
-
-    def order(h0: int, heads: int) -> torch.Tensor:
-        walks = per_tile[:, h0:h0 + heads].reshape(-1)
-        return torch.argsort(walks, descending=True, stable=True).to(torch.int32)
-
-    return order
 
 
 def sparse_attention_bwd_hopper(do, q, k, v, lse, delta, offsets, groups, group_size: int, kv_block: int,
@@ -438,14 +422,12 @@ def sparse_attention_bwd_hopper(do, q, k, v, lse, delta, offsets, groups, group_
     acc = torch.empty((B, heads, S, D), dtype=torch.float32, device=q.device)
     descriptors = [_hopper._descriptor(x, _SUB) for x in (q, do, k, v)]
     n_kt = -(-S // _KEYS)
-    walks = longest_first_walks(offsets, B, H, S, kv_block)
     for h0 in range(0, H, heads):
         part = acc[:, : min(heads, H - h0)]
         part.zero_()
         num_tiles = n_kt * B * part.shape[1]
         _sparse_attn_bwd_fused_kernel[(num_tiles,)](
             *descriptors, _accumulator_descriptor(part), lse, delta, dk, dv, offsets, groups,
-            walks(h0, part.shape[1]),
             S, H, h0, part.shape[1], -(-S // kv_block), num_tiles, scale * _hopper._LOG2E, scale,
             GROUP=group_size, KV_BLOCK=kv_block, SERVICE_REGS=_SERVICE_REGS, CONSUMER_REGS=_CONSUMER_REGS,
             num_warps=4, maxnreg=_MAXNREG)
