@@ -83,7 +83,7 @@ def correctness_gate(args, dtype: torch.dtype, device: str = "cuda") -> list[str
     # A ragged length (masked tails) and a multiple of the blocks: the timed lengths compile the kernels'
     # unmasked variants, which the ragged length alone would leave unchecked.
     # The third length's index lists enough blocks a group for the fused Hopper backward (it runs at the timed
-    # 90% shapes); the first two take the split backward.
+    # shapes that list 10 or more); the first two take the split backward.
     for S, lists_many in ((8 * max(G, kv) + 37, False), (8 * max(G, kv), False), (24 * max(G, kv) + 37, True)):
         n_blocks = math.ceil(S / kv)
         keep = torch.tensor([1, 3, n_blocks - 3 if lists_many else n_blocks // 2])

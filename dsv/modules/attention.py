@@ -33,7 +33,12 @@ from dsv.ops import (
 )
 from dsv.ops.estimate import triton_estimation_unsupported
 from dsv.ops.grouping import check_sequence_matches_grid, cube_permutation_on, outside_inference_mode
-from dsv.ops.sparse_attention import hopper_forward_missing, resolve_backend
+from dsv.ops.sparse_attention import (
+    hopper_backward_missing,
+    hopper_backward_unsupported,
+    hopper_forward_missing,
+    resolve_backend,
+)
 
 
 def _ema(old: torch.Tensor, new: torch.Tensor, momentum: float) -> torch.Tensor:
@@ -56,7 +61,8 @@ class DSVAttentionCore(nn.Module):
 
     `DSVAttention` adds DSV's own projections; integrations (e.g. diffusers processors) subclass this
     and reuse a model's projections. `last_path` says which implementation ran ("dense:sdpa",
-    "sparse:reference", "sparse:triton").
+    "sparse:reference", "sparse:triton"); `backward_path`, which backward a training forward on the Triton
+    backend gets ("fused Hopper", or "split Triton: " and why not the fused kernel).
     """
 
     def __init__(self, dim: int, heads: int, head_dim: int, cfg: AttentionConfig | None = None):
@@ -96,6 +102,8 @@ class DSVAttentionCore(nn.Module):
         self._last_shape: tuple[int, int] | None = None
         self._warned_estimation = False
         self._warned_forward_kernel = False
+        self._warned_backward_kernel = False
+        self.backward_path: str | None = None
         self._last_backend = "reference"
         self.backend_reason: str | None = None
         self.dispatch_reason = "not dispatched yet"
@@ -195,6 +203,8 @@ class DSVAttentionCore(nn.Module):
             # Why the sparse path is not the Triton kernels (None where it is): the warning of an eager forward,
             # kept for compiled models, which cannot warn.
             "backend_reason": self.backend_reason,
+            # Recorded by eager training forwards on the Triton backend (None before one, or when compiled).
+            "backward": self.backward_path,
             "sparse": self.runs_sparse(),
             "sparsity": values(self.sparsity_ema),
             "recall": values(self.recall_ema),
@@ -336,6 +346,7 @@ class DSVAttentionCore(nn.Module):
             self.last_path = "dense:sdpa"
             return F.scaled_dot_product_attention(q, k, v, scale=self.scale)
         self._warn_if_slow(q)
+        self._note_backward(q, index)
         self.last_path = f"sparse:{self._last_backend}"
         return sparse_attention(q, k, v, index, scale=self.scale, backend=self._last_backend, check_index=False)
 
@@ -553,6 +564,21 @@ class DSVAttentionCore(nn.Module):
             # the forward can hold the step's peak (at 32k tokens on one H200, the last block's MLP). Its copy
             # is waited for now (one ~12 MiB copy per forward at the 2.7B shape).
             release_parked(self.predictor._parked_from)
+
+    def _note_backward(self, q: torch.Tensor, index: SparseIndex) -> None:
+        """Records which backward this forward's gradients will take (`backward_path`) and warns once where
+        the fused Hopper kernel lacks something for these inputs. Eager forwards only (as the warnings in
+        `resolve_backends`); the launch rule reads the index's K_max, a shape, so no device sync."""
+        if torch.compiler.is_compiling() or self._last_backend != "triton" or not torch.is_grad_enabled():
+            return
+        why = hopper_backward_unsupported(q, self.cfg.group_size, self.cfg.key_block, index.indices.shape[3])
+        self.backward_path = "fused Hopper" if why is None else f"split Triton: {why}"
+        if not self._warned_backward_kernel:
+            self._warned_backward_kernel = True
+            missing = hopper_backward_missing(q)
+            if missing is not None:
+                warnings.warn(f"DSVAttention layer {self.layer_index}: the sparse backward runs the split Triton "
+                              f"passes, not the faster fused Hopper kernel: {missing}", stacklevel=3)
 
     def _warn_if_slow(self, q: torch.Tensor) -> None:
         # Eager forwards only, as in `resolve_backends` (a compiled model reports the path in `state_summary`).

@@ -576,6 +576,8 @@ def test_a_grid_the_cube_does_not_tile_runs_the_triton_kernels_on_gpu():
     x_bf16, x_ref = x.to(torch.bfloat16).requires_grad_(True), x.clone().requires_grad_(True)
     out = layer(x_bf16, grid)
     assert layer.last_path == "sparse:triton"
+    # Head dim 64 and 32-token groups (or a GPU other than Hopper): the split backward, with the reason.
+    assert layer.backward_path.startswith("split Triton: "), layer.backward_path
     b, s, _ = x_ref.shape
     q, k, v = reference.to_qkv(x_ref).view(b, s, 3, heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
     q, k = reference.q_norm(q), reference.k_norm(k)
@@ -587,6 +589,69 @@ def test_a_grid_the_cube_does_not_tile_runs_the_triton_kernels_on_gpu():
         error = ((got - expected).norm() / expected.norm()).item()
         # bf16 weights, activations and kernel outputs against float32: a few units of bf16 eps (2^-8).
         assert error < 4 * 2**-8, error
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.version.hip is None
+                         and torch.cuda.get_device_capability()[0] == 9), reason="needs a Hopper GPU")
+def test_a_training_forward_records_the_fused_backward_on_hopper():
+    """Head dim 128, 128-token cubes and key blocks, 12 listed blocks a group: the layer's training forward
+    records the fused Hopper backward and warns of nothing; under no_grad it records nothing new."""
+    import warnings
+
+    grid, dim, heads = (4, 16, 24), 256, 2
+    cfg = AttentionConfig(mode="oracle", cube=(2, 8, 8), keep_floor_blocks=100, sparse_threshold=0.0,
+                          speed_dispatch=False)
+    layer = DSVAttention(dim, heads, cfg=cfg).cuda().to(torch.bfloat16)
+    DSVController(cfg).attach(layer)
+    layer.sparsity_ema.fill_(0.5)
+    layer.controller.stage.fill_(2)
+    layer.controller._refresh_host_state()
+    layer.dispatch()
+    x = torch.randn(1, math.prod(grid), dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with torch.no_grad():
+        layer(x, grid)
+    assert layer.last_path == "sparse:triton" and layer.backward_path is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer(x, grid).sum().backward()
+    assert layer.state_summary()["backward"] == "fused Hopper"
+    assert torch.isfinite(x.grad).all()
+
+
+def test_backward_path_recorded_and_its_warning_once(monkeypatch):
+    """A training forward on the Triton backend records which backward its gradients take; where the fused
+    Hopper kernel lacks something it warns once; no_grad, the reference backend and compiling record nothing."""
+    import warnings
+
+    import dsv.modules.attention as attention_module
+    from dsv.ops.index import SparseIndex
+
+    seen = []
+    monkeypatch.setattr(attention_module, "hopper_backward_unsupported",
+                        lambda q, group, block, listed: seen.append(listed) or "head dim 96; it takes 128")
+    monkeypatch.setattr(attention_module, "hopper_backward_missing", lambda q: "head dim 96; it takes 128")
+    q = torch.randn(1, HEADS, 64, DIM // HEADS)
+    index = SparseIndex.from_topk(torch.randn(1, HEADS, 8, 8), torch.tensor([3] * HEADS), 8, 8, 64)
+    layer = DSVAttention(DIM, HEADS, cfg=AttentionConfig(mode="dsv", cube=(2, 2, 2)))
+    layer._note_backward(q, index)  # the reference backend: its own backward
+    assert layer.backward_path is None and layer.state_summary()["backward"] is None
+    layer._last_backend = "triton"
+    with torch.no_grad():
+        layer._note_backward(q, index)
+    assert layer.backward_path is None
+    with pytest.warns(UserWarning, match="split Triton passes, not the faster fused Hopper kernel: head dim 96"):
+        layer._note_backward(q, index)
+    assert layer.state_summary()["backward"] == "split Triton: head dim 96; it takes 128"
+    assert seen == [3]  # the index's K_max, a shape
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer._note_backward(q, index)
+    compiling = DSVAttention(DIM, HEADS, cfg=AttentionConfig(mode="dsv", cube=(2, 2, 2)))
+    compiling._last_backend = "triton"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    compiling._note_backward(q, index)
+    assert compiling.backward_path is None and not compiling._warned_backward_kernel
 
 
 def test_forward_kernel_warning_once_and_only_from_eager_forwards(monkeypatch):

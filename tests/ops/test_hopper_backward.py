@@ -77,6 +77,9 @@ def test_unsupported_reasons(monkeypatch):
     assert hopper_backward_unsupported(x, 128, 128).startswith("needs an NVIDIA Hopper")
     monkeypatch.setattr(hb, "ENABLED", False)
     assert "DSV_HOPPER_BACKWARD=0" in hb.hopper_backward_unsupported(x, 128, 128)
+    from dsv.ops.sparse_attention import hopper_backward_missing
+
+    assert hb.hopper_backward_missing(x) is None and hopper_backward_missing(x) is None  # no GPU: nothing to warn of
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -288,4 +291,10 @@ def test_reasons_on_a_hopper_gpu():
     assert "float32" in hopper_backward_unsupported(x.float(), 128, 128)
     assert "group_size 32 with kv_block 32" in hopper_backward_unsupported(x, 32, 32)
     assert "group_size 128 with kv_block 64" in hopper_backward_unsupported(x, 128, 64)
-    assert "list 19 key blocks" in hopper_backward_unsupported(x, 128, 128, hb.MIN_LISTED_BLOCKS - 1)
+    too_few = hb.MIN_LISTED_BLOCKS - 1
+    assert f"list {too_few} key blocks" in hopper_backward_unsupported(x, 128, 128, too_few)
+    # What a layer warns of: the gaps (dtype, head dim), not the choices (groupings, index lengths).
+    from dsv.ops.sparse_attention import hopper_backward_missing
+
+    assert "head dim 64" in hopper_backward_missing(x[..., :64]) and "float32" in hopper_backward_missing(x.float())
+    assert hopper_backward_missing(x) is None

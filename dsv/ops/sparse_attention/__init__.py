@@ -61,6 +61,18 @@ def hopper_backward_unsupported(q: torch.Tensor, group_size: int, kv_block: int,
     return reason(q, group_size, kv_block, listed_blocks)
 
 
+def hopper_backward_missing(q: torch.Tensor) -> str | None:
+    """On an NVIDIA Hopper GPU with the fused backward enabled: what it lacks for inputs like `q` (dtype, head
+    dim, triton's Gluon API), or None; the cases it leaves to the split backward by choice give None."""
+    if not q.is_cuda or torch.version.hip is not None or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return None
+    if not TRITON_INSTALLED:
+        return "triton is not installed"
+    from dsv.ops.sparse_attention.hopper_backward import hopper_backward_missing as missing
+
+    return missing(q)
+
+
 def hopper_forward_missing(q: torch.Tensor, group_size: int, kv_block: int) -> str | None:
     """On an NVIDIA Hopper GPU with the kernel enabled: what it lacks for inputs like `q` (dtype, head dim,
     triton's Gluon API), or None; the cases it leaves to Triton by measurement give None."""

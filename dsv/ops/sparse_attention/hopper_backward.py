@@ -18,10 +18,10 @@ fp32 accumulator.
 
 Measured on one H200 (NOTES, round 15; B=1, H=24, D=128, bf16, 128-token groups and blocks): 7.70-7.81 ms
 against the split backward's 8.24-9.01 at 32k tokens and 90% sparsity (26 blocks a group), 31.3-31.6
-against 32.3-33.3 at 64k/90%; within 2% at 10-13 blocks, even to 11% slower at 26 blocks at 64k, and 7-10%
-slower at 5 blocks a group, so the launcher takes it from ``MIN_LISTED_BLOCKS`` blocks a group (the index's
-K_max). In ``dsv bench kernels`` forward+backward went from 10.70 to 9.91-10.19 ms at 32k/90% and from 42.57
-to 39.61-41.22 ms at 64k/90% (benchmarks/results/2026-11-30-h200-kernels-fused-backward.md).
+against 32.3-33.3 at 64k/90%; rounds 16-17: 2-5% faster at 13 blocks, even at 10, and 6-13% slower at 5
+blocks a group, so the launcher takes it from ``MIN_LISTED_BLOCKS`` blocks a group (the index's K_max). In
+``dsv bench kernels`` forward+backward went from 10.70 to 9.91-10.19 ms at 32k/90% and from 42.57 to
+39.61-41.22 ms at 64k/90% (benchmarks/results/2026-11-30-h200-kernels-fused-backward.md).
 
 The fp32 accumulator holds half the heads (rounded up; the heads run in two launches), so the backward needs
 about dq's own bf16 size more than the split backward. The partial sums of dq arrive in an order
@@ -42,10 +42,11 @@ from dsv.ops.sparse_attention import hopper_kernels as _hopper
 
 ENABLED = os.environ.get("DSV_HOPPER_BACKWARD", "1") != "0"  # read once, at import
 # From this many listed key blocks a group the fused backward runs. Measured on one H200 against the split
-# backward (NOTES, round 15): 5 blocks a group 7-10% slower, 10 and 13 within 2%, 26 even to 11% slower (64k)
-# and 5-7% faster (32k), 51 3-5% faster. The rule reads the index's K_max (a shape: no device sync), so an index whose
-# groups list very unequal counts is judged by its longest list.
-MIN_LISTED_BLOCKS = 20
+# backward (NOTES, rounds 15-17): 5 blocks a group 6-13% slower, 10 even (-3% to +1%), 13 2-5% faster (one
+# outlier of the split's: 13%), 26 5-9% faster at 32k and -6% to +11% at 64k, 51 3-6% faster. The rule reads
+# the index's K_max (a shape: no device sync), so an index whose groups list very unequal counts is judged by
+# its longest list.
+MIN_LISTED_BLOCKS = 10
 _MAXNREG = 168  # 12 warps (two consumer warpgroups, the producer and reducer padded to one) fill 64K registers
 _CONSUMER_REGS = 240  # each consumer warpgroup's (the first, the default partition, gets what is left: 240)
 _SERVICE_REGS = 24  # the producer's and the reducer's
@@ -82,6 +83,22 @@ if BACKWARD_IMPORT_ERROR is None:
         BACKWARD_IMPORT_ERROR = f"this triton lacks the Gluon Hopper operations the fused backward uses ({error})"
 
 
+def hopper_backward_missing(q: torch.Tensor) -> str | None:
+    """On an enabled Hopper GPU: what the fused backward lacks for inputs like ``q [B, H, S, D]`` (the dtype
+    or head dim it does not cover, or triton's Gluon API), or None. Unlike the groupings, index lengths and
+    the deterministic mode that ``hopper_backward_unsupported`` also leaves to the split backward, these leave
+    speed on the table: a layer warns with the reason."""
+    if not ENABLED or not q.is_cuda or not _hopper._is_hopper(q.device):
+        return None
+    if BACKWARD_IMPORT_ERROR is not None:
+        return BACKWARD_IMPORT_ERROR
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {q.dtype}; it takes bfloat16 or float16"
+    if q.shape[-1] != 128:  # its shared-memory plan (213.6 KB) is that of head dim 128; others not measured
+        return f"head dim {q.shape[-1]}; it takes 128"
+    return None
+
+
 def hopper_backward_unsupported(q: torch.Tensor, group_size: int, kv_block: int,
                                 listed_blocks: int | None = None) -> str | None:
     """Why the fused Hopper backward does not run on inputs like ``q [B, H, S, D]`` with this grouping (the
@@ -90,21 +107,18 @@ def hopper_backward_unsupported(q: torch.Tensor, group_size: int, kv_block: int,
         return "turned off by DSV_HOPPER_BACKWARD=0"
     if not q.is_cuda or not _hopper._is_hopper(q.device):
         return "needs an NVIDIA Hopper GPU (compute capability 9.x)"
-    if BACKWARD_IMPORT_ERROR is not None:
-        return BACKWARD_IMPORT_ERROR
+    missing = hopper_backward_missing(q)
+    if missing is not None:
+        return missing
     if torch.are_deterministic_algorithms_enabled():
         return ("torch.use_deterministic_algorithms is on: the fused backward adds dq's partial sums in an order "
                 "that varies from run to run")
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return f"dtype {q.dtype}; it takes bfloat16 or float16"
-    if q.shape[-1] != 128:  # its shared-memory plan (213.6 KB) is that of head dim 128; others not measured
-        return f"head dim {q.shape[-1]}; it takes 128"
     if group_size % _SUB or kv_block % _KEYS:
         return (f"group_size {group_size} with kv_block {kv_block}: it takes groups of a multiple of {_SUB} tokens "
                 f"and key blocks of a multiple of {_KEYS}")
     if listed_blocks is not None and listed_blocks < MIN_LISTED_BLOCKS:
         return (f"groups list {listed_blocks} key blocks; below {MIN_LISTED_BLOCKS} it was not measured faster than "
-                "the split Triton backward (7-10% slower at 5)")
+                "the split Triton backward (6-13% slower at 5)")
     return None
 
 
