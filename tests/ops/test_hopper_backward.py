@@ -82,6 +82,20 @@ def test_unsupported_reasons(monkeypatch):
     assert hb.hopper_backward_missing(x) is None and hopper_backward_missing(x) is None  # no GPU: nothing to warn of
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 8, 4), (1, 3, 5, 8), (2, 12, 7, 16), (3, 5, 2, 2)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_narrow_in_place_equals_a_cast_and_reuses_the_accumulator(shape, dtype):
+    """The in-place conversion of dq's accumulator: the same values as a cast, for slab counts that are and
+    are not powers of two, in the first half of the accumulator's own memory."""
+    hb = hopper_backward()
+    acc = torch.randn(shape, dtype=torch.float32) * 100
+    want = acc.to(dtype)
+    got = hb.narrow_in_place(acc, dtype)
+    assert got.dtype == dtype and got.shape == acc.shape and got.is_contiguous()
+    assert got.untyped_storage().data_ptr() == acc.untyped_storage().data_ptr()
+    assert torch.equal(got, want)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Hopper GPU
 # ----------------------------------------------------------------------------------------------------------

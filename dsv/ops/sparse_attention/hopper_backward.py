@@ -23,8 +23,9 @@ blocks a group, so the launcher takes it from ``MIN_LISTED_BLOCKS`` blocks a gro
 ``dsv bench kernels`` forward+backward went from 10.70 to 9.91-10.19 ms at 32k/90% and from 42.57 to
 39.61-41.22 ms at 64k/90% (benchmarks/results/2026-11-30-h200-kernels-fused-backward.md).
 
-The fp32 accumulator holds half the heads (rounded up; the heads run in two launches), so the backward needs
-about dq's own bf16 size more than the split backward. The partial sums of dq arrive in an order
+All heads run in one launch. dq is converted from the fp32 accumulator in place, into the first half of its
+memory (``narrow_in_place``), so the backward needs about dq's own bf16 size more than the split backward
+while it runs, and dq keeps the accumulator's memory until it is freed. The partial sums of dq arrive in an order
 that varies from run to run, so dq is not bitwise reproducible (dk, dv are); under
 ``torch.use_deterministic_algorithms(True)`` the split backward runs.
 
@@ -415,6 +416,29 @@ def _accumulator_descriptor(acc: torch.Tensor):
     return TensorDescriptor.from_tensor(acc, box, gl.NVMMASharedLayout.get_default_for(box, gl.float32))
 
 
+def narrow_in_place(acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``acc [B, H, S, D]`` (float32, contiguous) in ``dtype`` (2 bytes), written over the first half of acc's
+    own memory: a contiguous tensor that shares it (acc is consumed).
+
+    Head slab j of the result (``S * D`` values) lies over acc's slab j // 2, so the slabs are converted in
+    rounds of doubling ranges [1, 2), [2, 4), [4, 8), ...: a round writes over slabs that earlier rounds have
+    read and reads slabs that no round has written yet. Slab 0 lies over its own input and goes through a
+    one-slab copy. Against a separate dq this saves dq's size while the accumulator lives, so all heads
+    fit in one launch with the memory that half of them took in two (rounds 16-17: one launch 1-2% faster).
+    """
+    B, H, S, D = acc.shape
+    slabs = acc.view(B * H, S * D)
+    out = torch.empty(0, dtype=dtype, device=acc.device).set_(acc.untyped_storage(), 0, (B * H, S * D), (S * D, 1))
+    first = slabs[0].to(dtype)
+    lo = 1
+    while lo < B * H:
+        hi = min(2 * lo, B * H)
+        out[lo:hi].copy_(slabs[lo:hi])
+        lo = hi
+    out[0].copy_(first)
+    return out.view(B, H, S, D)
+
+
 def sparse_attention_bwd_hopper(do, q, k, v, lse, delta, offsets, groups, group_size: int, kv_block: int,
                                 scale: float):
     """Backward on a Hopper GPU: ``dq, dk, dv [B, H, S, D]`` (q's dtype).
@@ -428,22 +452,15 @@ def sparse_attention_bwd_hopper(do, q, k, v, lse, delta, offsets, groups, group_
         if x.shape != (B, H, S) or x.dtype != torch.float32 or not x.is_contiguous():
             raise ValueError(f"{name} must be contiguous float32 [B, H, S] = {(B, H, S)}, got {x.dtype} "
                              f"{tuple(x.shape)} with strides {x.stride()}")
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dv = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    # Half the heads per launch (rounded up): the fp32 accumulator is then about the size of dq itself.
-    heads = -(-H // 2)
-    acc = torch.empty((B, heads, S, D), dtype=torch.float32, device=q.device)
+    acc = torch.zeros((B, H, S, D), dtype=torch.float32, device=q.device)
     descriptors = [_hopper._descriptor(x, _SUB) for x in (q, do, k, v)]
-    n_kt = -(-S // _KEYS)
-    for h0 in range(0, H, heads):
-        part = acc[:, : min(heads, H - h0)]
-        part.zero_()
-        num_tiles = n_kt * B * part.shape[1]
-        _sparse_attn_bwd_fused_kernel[(num_tiles,)](
-            *descriptors, _accumulator_descriptor(part), lse, delta, dk, dv, offsets, groups,
-            S, H, h0, part.shape[1], -(-S // kv_block), num_tiles, scale * _hopper._LOG2E, scale,
-            GROUP=group_size, KV_BLOCK=kv_block, SERVICE_REGS=_SERVICE_REGS, CONSUMER_REGS=_CONSUMER_REGS,
-            num_warps=4, maxnreg=_MAXNREG)
-        dq[:, h0:h0 + part.shape[1]].copy_(part)
+    num_tiles = -(-S // _KEYS) * B * H
+    _sparse_attn_bwd_fused_kernel[(num_tiles,)](
+        *descriptors, _accumulator_descriptor(acc), lse, delta, dk, dv, offsets, groups,
+        S, H, 0, H, -(-S // kv_block), num_tiles, scale * _hopper._LOG2E, scale,
+        GROUP=group_size, KV_BLOCK=kv_block, SERVICE_REGS=_SERVICE_REGS, CONSUMER_REGS=_CONSUMER_REGS,
+        num_warps=4, maxnreg=_MAXNREG)
+    dq = narrow_in_place(acc, q.dtype)
     return dq, dk, dv
