@@ -260,11 +260,12 @@ def test_empty_groups_and_unlisted_key_tiles_against_the_split_backward():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper GPU (compute capability 9.x)")
-@pytest.mark.parametrize("keep, fused", [([20, 24], True), ([3, 19], False)])
-def test_default_backward_takes_the_fused_kernel_from_enough_listed_blocks(monkeypatch, keep, fused):
-    """Through autograd of the default launch: K_max of 24 runs the fused backward, 19 the split one; both
-    give float32 reference gradients; under deterministic algorithms the split backward runs."""
+@pytest.mark.parametrize("fused", [True, False])
+def test_default_backward_takes_the_fused_kernel_from_enough_listed_blocks(monkeypatch, fused):
+    """Through autograd of the default launch: K_max of MIN_LISTED_BLOCKS runs the fused backward, one less the
+    split one; both give float32 reference gradients; under deterministic algorithms the split backward runs."""
     hb = hopper_backward()
+    keep = [3, hb.MIN_LISTED_BLOCKS] if fused else [3, hb.MIN_LISTED_BLOCKS - 1]
     tk = importlib.import_module("dsv.ops.sparse_attention.triton_kernels")
     naive = importlib.import_module("dsv.ops.sparse_attention.naive")
     calls = []
