@@ -61,8 +61,8 @@ class DSVAttentionCore(nn.Module):
 
     `DSVAttention` adds DSV's own projections; integrations (e.g. diffusers processors) subclass this
     and reuse a model's projections. `last_path` says which implementation ran ("dense:sdpa",
-    "sparse:reference", "sparse:triton"); `backward_path`, which backward a training forward on the Triton
-    backend gets ("fused Hopper", or "split Triton: " and why not the fused kernel).
+    "sparse:reference", "sparse:triton"); `backward_path`, which attention backward the last eager training
+    forward gets ("fused Hopper", "split Triton: " and why not the fused kernel, "reference" or "dense").
     """
 
     def __init__(self, dim: int, heads: int, head_dim: int, cfg: AttentionConfig | None = None):
@@ -203,7 +203,8 @@ class DSVAttentionCore(nn.Module):
             # Why the sparse path is not the Triton kernels (None where it is): the warning of an eager forward,
             # kept for compiled models, which cannot warn.
             "backend_reason": self.backend_reason,
-            # Recorded by eager training forwards on the Triton backend (None before one, or when compiled).
+            # Recorded by eager training forwards (None before one, under torch.compile and under context
+            # parallelism, whose layouts run their own attention).
             "backward": self.backward_path,
             "sparse": self.runs_sparse(),
             "sparsity": values(self.sparsity_ema),
@@ -342,11 +343,11 @@ class DSVAttentionCore(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: SparseIndex | None) -> torch.Tensor:
         """`q, k, v [B, H, S, D]` (grouped order) → `[B, H, S, D]`: dense SDPA when `index` is None,
         else block-sparse over `index`; records the path in `last_path`."""
+        self._note_backward(q, index)
         if index is None:
             self.last_path = "dense:sdpa"
             return F.scaled_dot_product_attention(q, k, v, scale=self.scale)
         self._warn_if_slow(q)
-        self._note_backward(q, index)
         self.last_path = f"sparse:{self._last_backend}"
         return sparse_attention(q, k, v, index, scale=self.scale, backend=self._last_backend, check_index=False)
 
@@ -565,11 +566,15 @@ class DSVAttentionCore(nn.Module):
             # is waited for now (one ~12 MiB copy per forward at the 2.7B shape).
             release_parked(self.predictor._parked_from)
 
-    def _note_backward(self, q: torch.Tensor, index: SparseIndex) -> None:
-        """Records which backward this forward's gradients will take (`backward_path`) and warns once where
-        the fused Hopper kernel lacks something for these inputs. Eager forwards only (as the warnings in
-        `resolve_backends`); the launch rule reads the index's K_max, a shape, so no device sync."""
-        if torch.compiler.is_compiling() or self._last_backend != "triton" or not torch.is_grad_enabled():
+    def _note_backward(self, q: torch.Tensor, index: SparseIndex | None) -> None:
+        """Records which attention backward this forward's gradients will take (`backward_path`) and warns
+        once where the fused Hopper kernel lacks something for these inputs. Eager forwards that build a graph
+        only (as the warnings in `resolve_backends`); the launch rule reads the index's K_max, a shape, so no
+        device sync."""
+        if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and q.requires_grad):
+            return
+        if index is None or self._last_backend != "triton":
+            self.backward_path = "dense" if index is None else self._last_backend
             return
         why = hopper_backward_unsupported(q, self.cfg.group_size, self.cfg.key_block, index.indices.shape[3])
         self.backward_path = "fused Hopper" if why is None else f"split Triton: {why}"

@@ -620,8 +620,9 @@ def test_a_training_forward_records_the_fused_backward_on_hopper():
 
 
 def test_backward_path_recorded_and_its_warning_once(monkeypatch):
-    """A training forward on the Triton backend records which backward its gradients take; where the fused
-    Hopper kernel lacks something it warns once; no_grad, the reference backend and compiling record nothing."""
+    """A training forward records which attention backward its gradients take; on the Triton backend, where
+    the fused Hopper kernel lacks something, it warns once; no_grad, inputs without grad and compiling record
+    nothing."""
     import warnings
 
     import dsv.modules.attention as attention_module
@@ -631,15 +632,20 @@ def test_backward_path_recorded_and_its_warning_once(monkeypatch):
     monkeypatch.setattr(attention_module, "hopper_backward_unsupported",
                         lambda q, group, block, listed: seen.append(listed) or "head dim 96; it takes 128")
     monkeypatch.setattr(attention_module, "hopper_backward_missing", lambda q: "head dim 96; it takes 128")
-    q = torch.randn(1, HEADS, 64, DIM // HEADS)
+    q = torch.randn(1, HEADS, 64, DIM // HEADS, requires_grad=True)
     index = SparseIndex.from_topk(torch.randn(1, HEADS, 8, 8), torch.tensor([3] * HEADS), 8, 8, 64)
     layer = DSVAttention(DIM, HEADS, cfg=AttentionConfig(mode="dsv", cube=(2, 2, 2)))
+    assert layer.state_summary()["backward"] is None
+    layer._note_backward(q.detach(), index)  # no graph: nothing recorded
+    assert layer.backward_path is None
     layer._note_backward(q, index)  # the reference backend: its own backward
-    assert layer.backward_path is None and layer.state_summary()["backward"] is None
+    assert layer.state_summary()["backward"] == "reference"
+    layer._note_backward(q, None)
+    assert layer.backward_path == "dense"
     layer._last_backend = "triton"
     with torch.no_grad():
         layer._note_backward(q, index)
-    assert layer.backward_path is None
+    assert layer.backward_path == "dense" and seen == []
     with pytest.warns(UserWarning, match="split Triton passes, not the faster fused Hopper kernel: head dim 96"):
         layer._note_backward(q, index)
     assert layer.state_summary()["backward"] == "split Triton: head dim 96; it takes 128"

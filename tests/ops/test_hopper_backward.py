@@ -94,6 +94,10 @@ def test_narrow_in_place_equals_a_cast_and_reuses_the_accumulator(shape, dtype):
     assert got.dtype == dtype and got.shape == acc.shape and got.is_contiguous()
     assert got.untyped_storage().data_ptr() == acc.untyped_storage().data_ptr()
     assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="offset"):  # a view past its memory's start: the result would not fit
+        hb.narrow_in_place(torch.zeros(2, *shape)[1], dtype)
+    with pytest.raises(ValueError, match="2 bytes"):
+        hb.narrow_in_place(torch.zeros(shape), torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -18,10 +18,11 @@ fp32 accumulator.
 
 Measured on one H200 (NOTES, round 15; B=1, H=24, D=128, bf16, 128-token groups and blocks): 7.70-7.81 ms
 against the split backward's 8.24-9.01 at 32k tokens and 90% sparsity (26 blocks a group), 31.3-31.6
-against 32.3-33.3 at 64k/90%; rounds 16-17: 2-5% faster at 13 blocks, even at 10, and 6-13% slower at 5
+against 32.3-33.3 at 64k/90%; rounds 16-17: 2-9% faster at 13 blocks, even at 10 and 3-13% slower at 5
 blocks a group, so the launcher takes it from ``MIN_LISTED_BLOCKS`` blocks a group (the index's K_max). In
-``dsv bench kernels`` forward+backward went from 10.70 to 9.91-10.19 ms at 32k/90% and from 42.57 to
-39.61-41.22 ms at 64k/90% (benchmarks/results/2026-11-30-h200-kernels-fused-backward.md).
+``dsv bench kernels`` (one launch, from 10 blocks) forward+backward went from 10.70 ms with the split backward
+to 9.76 at 32k/90%, from 42.57 to 39.45 at 64k/90% and from 5.71 to 5.43 at 32k/95%
+(benchmarks/results/2026-11-30-h200-kernels-one-launch-backward.md).
 
 All heads run in one launch. dq is converted from the fp32 accumulator in place, into the first half of its
 memory (``narrow_in_place``), so the backward needs about dq's own bf16 size more than the split backward
@@ -43,10 +44,10 @@ from dsv.ops.sparse_attention import hopper_kernels as _hopper
 
 ENABLED = os.environ.get("DSV_HOPPER_BACKWARD", "1") != "0"  # read once, at import
 # From this many listed key blocks a group the fused backward runs. Measured on one H200 against the split
-# backward (NOTES, rounds 15-17): 5 blocks a group 6-13% slower, 10 even (-3% to +1%), 13 2-5% faster (one
-# outlier of the split's: 13%), 26 5-9% faster at 32k and -6% to +11% at 64k, 51 3-6% faster. The rule reads
-# the index's K_max (a shape: no device sync), so an index whose groups list very unequal counts is judged by
-# its longest list.
+# backward (NOTES, rounds 15-17 and the one-launch A/B): 5 blocks a group 3-13% slower, 10 even (-3% to +1%),
+# 13 2-9% faster, 26 mostly 5-9% faster (single timings up to 11% slower at 64k in round 15), 51 faster on
+# average (single timings -7% to +6%). The rule reads the index's K_max (a shape: no device sync), so an index
+# whose groups list very unequal counts is judged by its longest list.
 MIN_LISTED_BLOCKS = 10
 _MAXNREG = 168  # 12 warps (two consumer warpgroups, the producer and reducer padded to one) fill 64K registers
 _CONSUMER_REGS = 240  # each consumer warpgroup's (the first, the default partition, gets what is left: 240)
@@ -119,7 +120,7 @@ def hopper_backward_unsupported(q: torch.Tensor, group_size: int, kv_block: int,
                 f"and key blocks of a multiple of {_KEYS}")
     if listed_blocks is not None and listed_blocks < MIN_LISTED_BLOCKS:
         return (f"groups list {listed_blocks} key blocks; below {MIN_LISTED_BLOCKS} it was not measured faster than "
-                "the split Triton backward (6-13% slower at 5)")
+                "the split Triton backward (3-13% slower at 5)")
     return None
 
 
@@ -127,7 +128,8 @@ if BACKWARD_IMPORT_ERROR is None:
 
     @gluon.jit
     def _key_tile(tile, n_kt, H, h0, heads, NKB, OFFSETS, kv_block, q_sub, KEYS: gl.constexpr):
-        # Tiles are numbered key tile fastest, then head (of this launch's heads), then batch.
+        # Tiles are numbered key tile fastest, then head (from h0, `heads` of them), then batch: the programs in
+        # flight then share one head's Q and dO in L2 (NOTES, rounds 16-17: other orders were slower).
         pid_n = tile % n_kt
         bhc = tile // n_kt
         b = bhc // heads
@@ -410,7 +412,7 @@ if BACKWARD_IMPORT_ERROR is None:
 
 
 def _accumulator_descriptor(acc: torch.Tensor):
-    """TMA descriptor over the fp32 accumulator ``[B, heads, S, D]`` with ``[1, 1, 64, D/2]`` boxes (one
+    """TMA descriptor over the fp32 accumulator ``[B, H, S, D]`` with ``[1, 1, 64, D/2]`` boxes (one
     consumer's half of a sub-tile's dq)."""
     box = [1, 1, _SUB, acc.shape[-1] // 2]
     return TensorDescriptor.from_tensor(acc, box, gl.NVMMASharedLayout.get_default_for(box, gl.float32))
@@ -424,8 +426,14 @@ def narrow_in_place(acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     rounds of doubling ranges [1, 2), [2, 4), [4, 8), ...: a round writes over slabs that earlier rounds have
     read and reads slabs that no round has written yet. Slab 0 lies over its own input and goes through a
     one-slab copy. Against a separate dq this saves dq's size while the accumulator lives, so all heads
-    fit in one launch with the memory that half of them took in two (rounds 16-17: one launch 1-2% faster).
+    fit in one launch with the memory that half of them took in two (rounds 16-17: one launch 1-4% faster).
+    The result keeps all of acc's memory while it lives (also as a leaf's ``.grad``, or when saved).
     """
+    if acc.dtype != torch.float32 or not acc.is_contiguous() or acc.storage_offset() != 0:
+        raise ValueError(f"acc must be a contiguous float32 tensor at the start of its memory, got {acc.dtype} "
+                         f"with strides {acc.stride()} at offset {acc.storage_offset()}")
+    if dtype.itemsize != 2:
+        raise ValueError(f"dtype must take 2 bytes (bfloat16 or float16), got {dtype}")
     B, H, S, D = acc.shape
     slabs = acc.view(B * H, S * D)
     out = torch.empty(0, dtype=dtype, device=acc.device).set_(acc.untyped_storage(), 0, (B * H, S * D), (S * D, 1))

@@ -19,8 +19,8 @@ element is written by exactly one program: no atomics, deterministic results. Th
   it was slower than the split backward there too (NOTES, round 4). On Hopper GPUs the launcher runs the
   fused warp-specialized Gluon backward of ``hopper_backward`` instead (5 matmuls, dq added by a reduction
   warp), where it applies: indices listing at least ``hopper_backward.MIN_LISTED_BLOCKS`` blocks a group,
-  where it measured as fast or faster than the split backward (5-7% at 32k tokens and 90% sparsity, 3-5% at
-  64k; NOTES, round 15).
+  where it measured as fast or faster than the split backward (7-10% at 32k tokens and 90% sparsity, 3-6% at
+  64k and 95%; NOTES, rounds 15-17).
 
 The gathered tiles of each loop (K/V, or Q/dO) load through TMA descriptors on Hopper where that measured
 faster, through pointers elsewhere (``default_config``).
