@@ -202,7 +202,8 @@ def train_all(commands: dict[str, list[str]], logs_dir: Path, gpus: list[str], r
     """Run the training commands (by run name) as subprocesses, each logging to ``logs_dir/<name>.log``, in
     the waves of ``plan_runs`` (at most ``runs_per_gpu`` runs per visible GPU, every run with as many
     co-runners on its GPU; one after another on the CPU), in the order given. Returns each run's wall seconds
-    by name; raises with the end of the log if a run fails."""
+    by name, in the order given (runs of a wave end in any order); raises with the end of the log if a run
+    fails."""
     plan = plan_runs(list(commands), gpus, runs_per_gpu)
     # The same thread count for every run, the last wave's too, so that their data pipelines compare.
     per_wave = max(len(runs) for runs in plan) if plan else 1
@@ -240,7 +241,7 @@ def train_all(commands: dict[str, list[str]], logs_dir: Path, gpus: list[str], r
                     raise RuntimeError(f"training {name} failed (exit {process.returncode}); end of its log:\n{tail}")
                 print(f"[quality] {name} trained in {seconds[name]:.0f} s", flush=True)
             time.sleep(0.2)
-    return seconds
+    return {name: seconds[name] for name in commands}
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
