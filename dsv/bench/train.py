@@ -21,6 +21,7 @@ index that the layer builds, matches the float32 PyTorch reference forward and b
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import gc
@@ -411,6 +412,15 @@ class _Run:
                 self.restore_dsv_state(state)
 
 
+def _sparse_kernels(run_: _Run) -> str:
+    """Which attention kernels the sparse layers' last eager training forward ran, forward and backward, with
+    how many layers took each (e.g. a layout that keeps the fused Hopper backward out says so here)."""
+    paths = collections.Counter((layer.forward_path, layer.backward_path)
+                                for layer in run_.model.controller.layers if layer.runs_sparse())
+    return "; ".join(f"{count} × forward {forward}, backward {backward}"
+                     for (forward, backward), count in paths.most_common())
+
+
 def _gates(run_: _Run, tokens: int, mode: str) -> list[str]:
     """Both correctness gates of one run, in the state that the bench times next; prints and returns their
     lines (`GateFailure` when one does not hold)."""
@@ -459,6 +469,8 @@ def run(args) -> int:
                       "would compute NaN or wrong attention: not timed, no report written", file=sys.stderr)
                 return 1
             row["sparse_blocks"] = sum(layer.runs_sparse() for layer in run_.model.controller.layers)
+            # After the gates' training step, before the timed ones (the profiling steps below may re-dispatch).
+            row["kernels"] = _sparse_kernels(run_)
             if mode == "dsv":
                 # Whole update periods: with a predictor update every k > 1 steps, one step in k carries it.
                 row["ms"], row["peak_gib"], row["peak_requested_gib"] = _timed_steps(run_, args, f"{tokens}-{mode}",
@@ -498,9 +510,10 @@ def run(args) -> int:
             if args.op_profile is not None:
                 write_op_profile(run_.step, device, args.op_profile / f"{tokens}-{mode}.txt")
             measured.append(row)
+            kernels = f" ({row['kernels']})" if row["kernels"] else ""
             print(f"{tokens:>6} {mode:>6}: {row['ms']:.1f} ms/step, "
                   f"{row['peak_gib']:.3f} GiB ({row['peak_requested_gib']:.3f} requested), "
-                  f"{row['sparse_blocks']} sparse blocks. {row['notes']}", flush=True)
+                  f"{row['sparse_blocks']} sparse blocks{kernels}. {row['notes']}", flush=True)
             del run_
             # The layers and their controller reference each other: only the cycle collector frees them, and
             # until it runs the last model's attention weights would count in the next run's peak.
@@ -540,6 +553,10 @@ def run(args) -> int:
                      f"{r['peak_requested_gib']:.3f} | "
                      f"{r['sparse_blocks']} | {r['notes']} |")
     lines += _peaks_against_dense(rows)
+    kernels = [f"- {r['mode']} at {r['tokens']} tokens: {r['kernels']}" for r in rows if r["kernels"]]
+    if kernels:
+        lines += ["", "Sparse layers' attention kernels (recorded by their last training forward before the timed "
+                  "steps):", "", *kernels]
     lines += ["", "Correctness gates:", "", *(f"- {gate}" for gate in gates)]
     report = "\n".join(lines) + "\n"
     print(report)

@@ -37,6 +37,7 @@ from dsv.ops.sparse_attention import (
     hopper_backward_missing,
     hopper_backward_unsupported,
     hopper_forward_missing,
+    hopper_forward_unsupported,
     resolve_backend,
 )
 
@@ -61,8 +62,10 @@ class DSVAttentionCore(nn.Module):
 
     `DSVAttention` adds DSV's own projections; integrations (e.g. diffusers processors) subclass this
     and reuse a model's projections. `last_path` says which implementation ran ("dense:sdpa",
-    "sparse:reference", "sparse:triton"); `backward_path`, which attention backward the last eager training
-    forward gets ("fused Hopper", "split Triton: " and why not the fused kernel, "reference" or "dense").
+    "sparse:reference", "sparse:triton"); `forward_path`, which kernel the last eager forward ran
+    ("Hopper warp-specialized", "Triton: " and why not the Hopper kernel, "reference" or "dense");
+    `backward_path`, which attention backward the last eager training forward gets ("fused Hopper",
+    "split Triton: " and why not the fused kernel, "reference" or "dense").
     """
 
     def __init__(self, dim: int, heads: int, head_dim: int, cfg: AttentionConfig | None = None):
@@ -103,6 +106,7 @@ class DSVAttentionCore(nn.Module):
         self._warned_estimation = False
         self._warned_forward_kernel = False
         self._warned_backward_kernel = False
+        self.forward_path: str | None = None
         self.backward_path: str | None = None
         self._last_backend = "reference"
         self.backend_reason: str | None = None
@@ -203,8 +207,9 @@ class DSVAttentionCore(nn.Module):
             # Why the sparse path is not the Triton kernels (None where it is): the warning of an eager forward,
             # kept for compiled models, which cannot warn.
             "backend_reason": self.backend_reason,
-            # Recorded by eager training forwards (None before one, under torch.compile and under context
-            # parallelism, whose layouts run their own attention).
+            # Recorded by eager forwards (None before one, under torch.compile and under context parallelism,
+            # whose layouts run their own attention); the backward by training forwards only.
+            "forward": self.forward_path,
             "backward": self.backward_path,
             "sparse": self.runs_sparse(),
             "sparsity": values(self.sparsity_ema),
@@ -343,6 +348,7 @@ class DSVAttentionCore(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: SparseIndex | None) -> torch.Tensor:
         """`q, k, v [B, H, S, D]` (grouped order) → `[B, H, S, D]`: dense SDPA when `index` is None,
         else block-sparse over `index`; records the path in `last_path`."""
+        self._note_forward(q, index)
         self._note_backward(q, index)
         if index is None:
             self.last_path = "dense:sdpa"
@@ -565,6 +571,17 @@ class DSVAttentionCore(nn.Module):
             # the forward can hold the step's peak (at 32k tokens on one H200, the last block's MLP). Its copy
             # is waited for now (one ~12 MiB copy per forward at the 2.7B shape).
             release_parked(self.predictor._parked_from)
+
+    def _note_forward(self, q: torch.Tensor, index: SparseIndex | None) -> None:
+        """Records which attention kernel this eager forward runs (`forward_path`), by the launcher's own rule
+        (K_max is a shape: no device sync). A missing Hopper kernel has warned in `resolve_backends`."""
+        if torch.compiler.is_compiling():
+            return
+        if index is None or self._last_backend != "triton":
+            self.forward_path = "dense" if index is None else self._last_backend
+            return
+        why = hopper_forward_unsupported(q, self.cfg.group_size, self.cfg.key_block, index.indices.shape[3])
+        self.forward_path = "Hopper warp-specialized" if why is None else f"Triton: {why}"
 
     def _note_backward(self, q: torch.Tensor, index: SparseIndex | None) -> None:
         """Records which attention backward this forward's gradients will take (`backward_path`) and warns

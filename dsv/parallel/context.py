@@ -271,7 +271,7 @@ class ContextParallel:
         out = self.attend(q, k, v, index, layout, layer.scale, layer.sparse_backend)
         kind = "dense:sdpa" if index is None else f"sparse:{layer.sparse_backend}"
         layer.last_path = f"{kind} {layout.describe()}"
-        layer.backward_path = None  # the layouts' own attention: not recorded (`state_summary`)
+        layer.forward_path = layer.backward_path = None  # the layouts' own attention: not recorded
         out = self.from_heads(out, layout)
         return layer.to_out(out.transpose(1, 2).reshape(batch, local_len, layer.heads * layer.head_dim))
 

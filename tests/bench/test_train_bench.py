@@ -47,6 +47,11 @@ def test_bench_train_reports_all_modes(tmp_path, capsys):
     assert dsv_row[5].strip() == dsv_row[6].strip() == "nan"  # peaks allocated and requested: CUDA only
     assert int(dsv_row[7]) >= 1
     assert "predictor update" in dsv_row[8]
+    # Which kernels the sparse layers ran, counted over them (here the reference on the CPU, both ways).
+    for mode, sparse_blocks in (("window", 5), ("dsv", int(dsv_row[7]))):
+        assert f"- {mode} at 128 tokens: {sparse_blocks} × forward reference, backward reference" in report
+    kernels = report.split("Sparse layers' attention kernels")[1].split("Correctness gates:")[0]
+    assert "window at 128 tokens" in kernels and "dense at 128 tokens" not in kernels
     estimation = float(re.search(r"critical-KV estimation ([0-9.]+) ms/step", dsv_row[8]).group(1))
     assert estimation > 0  # timed in the sparse layers of one step
     # One operator table per run (host time on the CPU); the allocator history exists on CUDA only.

@@ -201,8 +201,8 @@ def test_wan_dsv_state_is_in_state_dict_and_round_trips(tmp_path):
     with torch.no_grad():
         expected, out = wan_forward(model, inputs), wan_forward(fresh, inputs)
     assert [layer.last_path for layer in fresh_controller.layers] == ["sparse:reference"] * 2
-    def saved_state(summary):  # the dispatch *reason* and the last training forward's backward: log, not state
-        return {**summary, "layers": [{k: v for k, v in layer.items() if k not in ("dispatch", "backward")}
+    def saved_state(summary):  # the dispatch *reason* and the last forward's kernels: log, not state
+        return {**summary, "layers": [{k: v for k, v in layer.items() if k not in ("dispatch", "forward", "backward")}
                                       for layer in summary["layers"]]}
 
     assert saved_state(fresh_controller.summary()) == saved_state(controller.summary())  # EMAs, dispatch, keep, stage

@@ -616,6 +616,7 @@ def test_a_training_forward_records_the_fused_backward_on_hopper():
         warnings.simplefilter("error")
         layer(x, grid).sum().backward()
     assert layer.state_summary()["backward"] == "fused Hopper"
+    assert layer.state_summary()["forward"] == "Hopper warp-specialized"
     assert torch.isfinite(x.grad).all()
 
 
@@ -658,6 +659,34 @@ def test_backward_path_recorded_and_its_warning_once(monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     compiling._note_backward(q, index)
     assert compiling.backward_path is None and not compiling._warned_backward_kernel
+
+
+def test_forward_path_recorded_by_the_launchers_rule(monkeypatch):
+    """Every eager forward records which attention kernel it runs, asking the launcher's rule with the index's
+    K_max (a shape); a compiling forward records nothing."""
+    import dsv.modules.attention as attention_module
+    from dsv.ops.index import SparseIndex
+
+    asked = []
+    monkeypatch.setattr(attention_module, "hopper_forward_unsupported",
+                        lambda q, group, block, listed: asked.append((group, block, listed)) or "groups list 3")
+    q = torch.randn(1, HEADS, 64, DIM // HEADS)
+    index = SparseIndex.from_topk(torch.randn(1, HEADS, 8, 8), torch.tensor([3] * HEADS), 8, 8, 64)
+    layer = DSVAttention(DIM, HEADS, cfg=AttentionConfig(mode="dsv", cube=(2, 2, 2)))
+    assert layer.state_summary()["forward"] is None
+    layer._note_forward(q, index)
+    assert layer.state_summary()["forward"] == "reference" and asked == []
+    layer._note_forward(q, None)
+    assert layer.forward_path == "dense"
+    layer._last_backend = "triton"
+    layer._note_forward(q, index)
+    assert layer.forward_path == "Triton: groups list 3" and asked == [(8, 8, 3)]
+    monkeypatch.setattr(attention_module, "hopper_forward_unsupported", lambda *args: None)
+    layer._note_forward(q, index)
+    assert layer.forward_path == "Hopper warp-specialized"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    layer._note_forward(q, None)
+    assert layer.forward_path == "Hopper warp-specialized"  # unchanged
 
 
 def test_forward_kernel_warning_once_and_only_from_eager_forwards(monkeypatch):
