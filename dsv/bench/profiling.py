@@ -39,6 +39,42 @@ def device_busy_us(trace: dict) -> float:
     return covered_ns(spans) / 1e3
 
 
+# Kernel-name fragments (lower case) of each category, checked in this order: DSV's own kernels first, then
+# the dense attention of cuDNN / FlashAttention, then the GEMM libraries (cuBLAS's nvjet and xmma kernels,
+# CUTLASS), then the optimizer's multi-tensor kernels.
+KERNEL_CATEGORIES = (
+    ("sparse attention forward", ("sparse_attn_fwd",)),
+    ("sparse attention backward", ("sparse_attn_bwd",)),
+    ("critical-KV estimation", ("score_topk", "segment_mean")),
+    ("dense attention", ("cudnn", "flash", "fmha", "sdpa")),
+    ("GEMM", ("gemm", "nvjet", "xmma", "cutlass")),
+    ("optimizer", ("multi_tensor_apply",)),
+)
+
+
+def kernel_category(name: str, cat: str) -> str:
+    """The category of one device event (trace name and Kineto category) in `device_time_by_category`."""
+    if cat == "gpu_memcpy":
+        return "copies"
+    if cat == "gpu_memset":
+        return "memsets"
+    lowered = name.lower()
+    return next((label for label, fragments in KERNEL_CATEGORIES if any(f in lowered for f in fragments)),
+                "elementwise, norms and other")
+
+
+def device_time_by_category(trace: dict) -> list[tuple[str, float, int]]:
+    """``[(category, µs, events)]`` of a trace's device work (`kernel_category`), most time first. Durations
+    are summed: kernels that overlap on several streams count each, unlike `device_busy_us`."""
+    totals: dict[str, tuple[float, int]] = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("cat") in DEVICE_WORK and e.get("ph") == "X":
+            label = kernel_category(e.get("name", ""), e["cat"])
+            us, count = totals.get(label, (0.0, 0))
+            totals[label] = (us + e["dur"], count + 1)
+    return sorted(((label, us, count) for label, (us, count) in totals.items()), key=lambda r: (-r[1], r[0]))
+
+
 LAUNCHES = ("cuda_runtime", "cuda_driver")
 """Trace categories of the host's launch calls; each shares a ``correlation`` id with the work it queued."""
 HOST_OPS = ("cpu_op", "user_annotation")
@@ -82,7 +118,8 @@ def write_op_profile(step, device: torch.device, path: Path) -> None:
     """Run `step()` once under torch.profiler and write its operators by self device time (the kernels
     themselves, so a parent op's time is not counted again in its children; total host time off CUDA) to
     `path` as a table. On CUDA the first line says how much of the step's wall time the GPU
-    was busy: the rest is time it waited for the host (launches, Python, synchronisation)."""
+    was busy: the rest is time it waited for the host (launches, Python, synchronisation); then come the idle
+    gaps by host op and the GPU time by kernel category (`device_time_by_category`)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -109,6 +146,9 @@ def write_op_profile(step, device: torch.device, path: Path) -> None:
                 f"GPU idle gaps of 10 µs or more between its first and last work: {gaps_us / 1e3:.1f} ms; host ops "
                 "open at the launch that ended them (inclusive), most idle first:\n"
                 + "".join(f"  {idle / 1e3:8.1f} ms  {count:6d} gaps  {name[:90]}\n"
-                          for name, idle, count in by_op[:25]))
+                          for name, idle, count in by_op[:25])
+                + "GPU time by kernel category (summed durations):\n"
+                + "".join(f"  {us / 1e3:8.1f} ms  {count:6d} events  {label}\n"
+                          for label, us, count in device_time_by_category(trace)))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(head + prof.key_averages().table(sort_by=sort_by, row_limit=50, max_name_column_width=70))

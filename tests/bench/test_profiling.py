@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from dsv.bench.profiling import covered_ns, device_busy_us, idle_by_host_op
+from dsv.bench.profiling import covered_ns, device_busy_us, device_time_by_category, idle_by_host_op, kernel_category
 
 
 def test_covered_time_counts_overlapping_kernels_once():
@@ -30,6 +30,33 @@ def test_device_busy_time_counts_only_device_work_of_a_trace():
     ]}
     assert device_busy_us(trace) == pytest.approx(15.5 + 2.25 + 1.0)
     assert device_busy_us({"traceEvents": []}) == 0.0
+
+
+def test_device_time_by_category_sums_each_kind_of_kernel():
+    # Names as the 64k training step's trace on one H200 shows them (shortened).
+    def kernel(name, dur, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": 0.0, "dur": dur}
+
+    trace = {"traceEvents": [
+        kernel("_sparse_attn_fwd_ws_kernel", 4.0), kernel("_sparse_attn_fwd_kernel", 1.0),
+        kernel("_sparse_attn_bwd_dkdv_kernel", 9.0), kernel("_sparse_attn_bwd_fused_kernel", 5.0),
+        kernel("_score_topk_kernel", 1.5),
+        kernel("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26", 30.0),
+        kernel("nvjet_sm90_tst_192x192_64x4_1x2_h_bz_coopB_bias_TNN", 20.0),
+        kernel("sm80_xmma_gemm_f32f32_f32f32_f32_nt_n_tilesize32x32x8", 2.0),
+        kernel("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata>",
+               1.0),
+        kernel("void at::native::vectorized_layer_norm_kernel<c10::BFloat16, float, true>", 7.0),
+        kernel("Memcpy HtoD (Pinned -> Device)", 0.5, cat="gpu_memcpy"),
+        kernel("Memset (Device)", 0.25, cat="gpu_memset"),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 100.0},  # host: not device time
+    ]}
+    assert device_time_by_category(trace) == [
+        ("dense attention", 30.0, 1), ("GEMM", 22.0, 2), ("sparse attention backward", 14.0, 2),
+        ("elementwise, norms and other", 7.0, 1), ("sparse attention forward", 5.0, 2),
+        ("critical-KV estimation", 1.5, 1), ("optimizer", 1.0, 1), ("copies", 0.5, 1), ("memsets", 0.25, 1)]
+    assert kernel_category("_sparse_attn_bwd_delta_kernel", "kernel") == "sparse attention backward"
+    assert device_time_by_category({"traceEvents": []}) == []
 
 
 def test_idle_gaps_are_charged_to_the_host_ops_open_at_the_next_launch():
