@@ -526,8 +526,12 @@ class Trainer:
             # On a GPU the reference path is the slow fallback: say why (a compiled block cannot warn).
             slow = (f" | slow path: {layer['backend_reason']}" if self.device.type == "cuda"
                     and layer["path"].startswith("sparse:reference") else "")
+            # Which of the Triton backend's kernels ran (eager forwards record it): a layout the fastest
+            # kernels leave out says so here.
+            kernels = (f" | kernels: forward {layer['forward']}, backward {layer['backward']}"
+                       if layer["path"].startswith("sparse:triton") and layer["forward"] is not None else "")
             lines.append(f"    block {i:2d} [{layer['path']:>16}] head sparsity {sparsity}{recall_text}"
-                         f" | {'sparse' if layer['sparse'] else 'dense'}: {layer['dispatch']}{slow}")
+                         f" | {'sparse' if layer['sparse'] else 'dense'}: {layer['dispatch']}{slow}{kernels}")
         return "\n".join(lines)
 
     def run(self) -> dict:

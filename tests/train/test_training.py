@@ -641,3 +641,29 @@ def test_tensorboard_of_a_resumed_run_has_the_uninterrupted_runs_points(tmp_path
 
     straight = points("straight")
     assert [step for step, _ in straight["loss"]] == [4, 8, 12] and straight == points("resumed")
+
+
+def test_block_lines_name_the_slow_path_and_the_kernels_on_a_gpu():
+    """The trainer's per-block lines say which Triton-backend kernels a sparse block ran (a layout that the
+    fastest ones leave out shows there) and, on a GPU only, why a sparse block runs the reference."""
+    from types import SimpleNamespace
+
+    def layer(path, forward=None, backward=None, reason=None):
+        return {"path": path, "sparsity": [0.9, None], "recall": [0.95, None], "sparse": path.startswith("sparse"),
+                "dispatch": "pays", "backend_reason": reason, "forward": forward, "backward": backward}
+
+    summary = {"layers": [
+        layer("sparse:triton", "Hopper warp-specialized", "split Triton: key blocks of 64"),
+        layer("sparse:reference", reason="head dim 320 > 256"),
+        layer("dense:sdpa", "dense", "dense"),
+        layer("sparse:triton"),  # compiled: nothing recorded
+    ]}
+    gpu = Trainer._describe_layers(SimpleNamespace(device=torch.device("cuda")), summary).splitlines()
+    assert gpu[0].endswith("| sparse: pays | kernels: forward Hopper warp-specialized, backward split Triton: "
+                           "key blocks of 64")
+    assert gpu[1].endswith("| sparse: pays | slow path: head dim 320 > 256")
+    assert gpu[2].endswith("| dense: pays") and gpu[3].endswith("| sparse: pays")
+    assert "0.90   -   recall 0.950" in gpu[0]
+    cpu = Trainer._describe_layers(SimpleNamespace(device=torch.device("cpu")), summary).splitlines()
+    assert "slow path" not in cpu[1] and cpu[0].endswith("kernels: forward Hopper warp-specialized, backward "
+                                                         "split Triton: key blocks of 64")
