@@ -40,13 +40,14 @@ def device_busy_us(trace: dict) -> float:
 
 
 # Kernel-name fragments (lower case) of each category, checked in this order: DSV's own kernels first, then
-# the dense attention of cuDNN / FlashAttention, then the GEMM libraries (cuBLAS's nvjet and xmma kernels,
-# CUTLASS), then the optimizer's multi-tensor kernels.
+# the dense attention of cuDNN's SDPA (its fprop/bprop kernels and `cudnn::fusion` helpers; cuDNN's
+# convolution kernels, of the patch embedding, are not attention) or FlashAttention, then the GEMM libraries
+# (cuBLAS's nvjet and xmma kernels, CUTLASS), then the optimizer's multi-tensor kernels.
 KERNEL_CATEGORIES = (
     ("sparse attention forward", ("sparse_attn_fwd",)),
     ("sparse attention backward", ("sparse_attn_bwd",)),
     ("critical-KV estimation", ("score_topk", "segment_mean")),
-    ("dense attention", ("cudnn", "flash", "fmha", "sdpa")),
+    ("dense attention", ("sdpa", "cudnn::fusion", "flash", "fmha")),
     ("GEMM", ("gemm", "nvjet", "xmma", "cutlass")),
     ("optimizer", ("multi_tensor_apply",)),
 )

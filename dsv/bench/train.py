@@ -414,10 +414,12 @@ class _Run:
 
 def _sparse_kernels(run_: _Run) -> str:
     """Which attention kernels the sparse layers' last eager training forward ran, forward and backward, with
-    how many layers took each (e.g. a layout that keeps the fused Hopper backward out says so here)."""
+    how many layers took each (e.g. a layout that keeps the fused Hopper backward out says so here); compiled
+    blocks record none."""
     paths = collections.Counter((layer.forward_path, layer.backward_path)
                                 for layer in run_.model.controller.layers if layer.runs_sparse())
-    return "; ".join(f"{count} × forward {forward}, backward {backward}"
+    return "; ".join(f"{count} × " + ("not recorded (compiled blocks)" if forward is None
+                                      else f"forward {forward}, backward {backward}")
                      for (forward, backward), count in paths.most_common())
 
 

@@ -62,10 +62,10 @@ class DSVAttentionCore(nn.Module):
 
     `DSVAttention` adds DSV's own projections; integrations (e.g. diffusers processors) subclass this
     and reuse a model's projections. `last_path` says which implementation ran ("dense:sdpa",
-    "sparse:reference", "sparse:triton"); `forward_path`, which kernel the last eager forward ran
-    ("Hopper warp-specialized", "Triton: " and why not the Hopper kernel, "reference" or "dense");
-    `backward_path`, which attention backward the last eager training forward gets ("fused Hopper",
-    "split Triton: " and why not the fused kernel, "reference" or "dense").
+    "sparse:reference", "sparse:triton"); of the last eager training forward, `forward_path`, which attention
+    kernel it ran ("Hopper warp-specialized", "Triton: " and why not the Hopper kernel, "reference" or "dense"),
+    and `backward_path`, which attention backward its gradients get ("fused Hopper", "split Triton: " and why
+    not the fused kernel, "reference" or "dense").
     """
 
     def __init__(self, dim: int, heads: int, head_dim: int, cfg: AttentionConfig | None = None):
@@ -207,8 +207,8 @@ class DSVAttentionCore(nn.Module):
             # Why the sparse path is not the Triton kernels (None where it is): the warning of an eager forward,
             # kept for compiled models, which cannot warn.
             "backend_reason": self.backend_reason,
-            # Recorded by eager forwards (None before one, under torch.compile and under context parallelism,
-            # whose layouts run their own attention); the backward by training forwards only.
+            # Recorded by eager training forwards, as a pair (None before one, under torch.compile and under
+            # context parallelism, whose layouts run their own attention).
             "forward": self.forward_path,
             "backward": self.backward_path,
             "sparse": self.runs_sparse(),
@@ -573,9 +573,11 @@ class DSVAttentionCore(nn.Module):
             release_parked(self.predictor._parked_from)
 
     def _note_forward(self, q: torch.Tensor, index: SparseIndex | None) -> None:
-        """Records which attention kernel this eager forward runs (`forward_path`), by the launcher's own rule
-        (K_max is a shape: no device sync). A missing Hopper kernel has warned in `resolve_backends`."""
-        if torch.compiler.is_compiling():
+        """Records which attention kernel this eager training forward runs (`forward_path`), by the launcher's
+        own rule (K_max is a shape: no device sync). Training forwards only, as `_note_backward`, so that the
+        two describe one forward (an evaluation in between changes neither). A missing Hopper kernel has
+        warned in `resolve_backends`."""
+        if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and q.requires_grad):
             return
         if index is None or self._last_backend != "triton":
             self.forward_path = "dense" if index is None else self._last_backend

@@ -56,6 +56,13 @@ def test_device_time_by_category_sums_each_kind_of_kernel():
         ("elementwise, norms and other", 7.0, 1), ("sparse attention forward", 5.0, 2),
         ("critical-KV estimation", 1.5, 1), ("optimizer", 1.0, 1), ("copies", 0.5, 1), ("memsets", 0.25, 1)]
     assert kernel_category("_sparse_attn_bwd_delta_kernel", "kernel") == "sparse attention backward"
+    assert kernel_category("void cudnn::fusion::compute_dot_do_o_specialized<true, 128>", "kernel") == \
+        "dense attention"
+    # cuDNN's convolutions (the patch embedding's) are not attention.
+    assert kernel_category("sm80_xmma_wgrad_implicit_gemm_indexed_bf16bf16_bf16f32_f32_nhwckrsc_nhwc", "kernel") == \
+        "GEMM"
+    assert kernel_category("void cudnn::engines_precompiled::nchwToNhwcKernel<__nv_bfloat16>", "kernel") == \
+        "elementwise, norms and other"
     assert device_time_by_category({"traceEvents": []}) == []
 
 

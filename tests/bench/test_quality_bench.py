@@ -1,5 +1,5 @@
-"""`dsv bench quality` end to end on a tiny CPU setting: three runs, FVD on the real I3D, sparse sampling,
-observations, and one report whose numbers are all present and finite."""
+"""`dsv bench quality` end to end on a tiny CPU setting: four runs (dense, DSV, window and a dense control), FVD
+on the real I3D, sparse sampling, observations, and one report whose numbers are all present and finite."""
 
 import argparse
 import json
@@ -138,6 +138,17 @@ def test_dense_control_is_evaluated_like_the_others(quality_run):
     report = (out / "report.md").read_text()
     assert f"train.out_dir={out / 'runs' / CONTROL}" in report
     assert report.count("| dense control | dense control vs dense |") == 2  # the late means and every evaluation
+
+    # The same results as a bench without the control would hold them: the report never mentions one.
+    def without_control(value):
+        if isinstance(value, dict):
+            return {k: without_control(v) for k, v in value.items() if k not in (CONTROL, "control_gap")}
+        return [without_control(v) for v in value] if isinstance(value, list) else value
+
+    plain = {**without_control(results), "dense_control": False}
+    plain["targets"] = targets(plain)
+    assert [t["met"] for t in plain["targets"]] == [t["met"] for t in results["targets"]]
+    assert "dense control" not in render_report(plain)
 
 
 @needs_i3d

@@ -85,6 +85,8 @@ def test_bench_train_with_compiled_blocks(tmp_path):
     assert "blocks compiled (aot_eager)" in report
     assert "recompute rows kept on the GPU (attention.host_offload)" in report  # debug_cpu: no offload
     assert "critical-KV estimation n/a (compiled blocks)" in report
+    sparse = int(next(line for line in report.splitlines() if line.startswith("| 128 | dsv |")).split("|")[7])
+    assert sparse >= 1 and f"- dsv at 128 tokens: {sparse} × not recorded (compiled blocks)" in report
 
 
 def test_profiling_steps_keep_the_profile_under_test():

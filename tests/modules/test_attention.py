@@ -611,7 +611,7 @@ def test_a_training_forward_records_the_fused_backward_on_hopper():
     x = torch.randn(1, math.prod(grid), dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     with torch.no_grad():
         layer(x, grid)
-    assert layer.last_path == "sparse:triton" and layer.backward_path is None
+    assert layer.last_path == "sparse:triton" and layer.backward_path is None and layer.forward_path is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         layer(x, grid).sum().backward()
@@ -662,18 +662,22 @@ def test_backward_path_recorded_and_its_warning_once(monkeypatch):
 
 
 def test_forward_path_recorded_by_the_launchers_rule(monkeypatch):
-    """Every eager forward records which attention kernel it runs, asking the launcher's rule with the index's
-    K_max (a shape); a compiling forward records nothing."""
+    """An eager training forward records which attention kernel it runs, asking the launcher's rule with the
+    index's K_max (a shape); forwards without a graph (evaluation, sampling) and compiling ones record nothing."""
     import dsv.modules.attention as attention_module
     from dsv.ops.index import SparseIndex
 
     asked = []
     monkeypatch.setattr(attention_module, "hopper_forward_unsupported",
                         lambda q, group, block, listed: asked.append((group, block, listed)) or "groups list 3")
-    q = torch.randn(1, HEADS, 64, DIM // HEADS)
+    q = torch.randn(1, HEADS, 64, DIM // HEADS, requires_grad=True)
     index = SparseIndex.from_topk(torch.randn(1, HEADS, 8, 8), torch.tensor([3] * HEADS), 8, 8, 64)
     layer = DSVAttention(DIM, HEADS, cfg=AttentionConfig(mode="dsv", cube=(2, 2, 2)))
     assert layer.state_summary()["forward"] is None
+    layer._note_forward(q.detach(), index)  # no graph: nothing recorded
+    with torch.no_grad():
+        layer._note_forward(q, index)
+    assert layer.forward_path is None
     layer._note_forward(q, index)
     assert layer.state_summary()["forward"] == "reference" and asked == []
     layer._note_forward(q, None)
