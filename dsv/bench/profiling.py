@@ -115,12 +115,13 @@ def idle_by_host_op(trace: dict, min_gap_us: float = 10.0) -> tuple[float, list[
     return total, ranked
 
 
-def write_op_profile(step, device: torch.device, path: Path) -> None:
+def write_op_profile(step, device: torch.device, path: Path) -> list[tuple[str, float, int]]:
     """Run `step()` once under torch.profiler and write its operators by self device time (the kernels
     themselves, so a parent op's time is not counted again in its children; total host time off CUDA) to
     `path` as a table. On CUDA the first line says how much of the step's wall time the GPU
     was busy: the rest is time it waited for the host (launches, Python, synchronisation); then come the idle
-    gaps by host op and the GPU time by kernel category (`device_time_by_category`)."""
+    gaps by host op and the GPU time by kernel category (`device_time_by_category`), which is also returned
+    (empty off CUDA)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -134,7 +135,7 @@ def write_op_profile(step, device: torch.device, path: Path) -> None:
             torch.cuda.synchronize(device)
         wall_ms = (time.perf_counter() - start) * 1e3
     sort_by = "self_device_time_total" if cuda else "cpu_time_total"
-    head = ""
+    head, categories = "", []
     if cuda:
         with tempfile.TemporaryDirectory() as tmp:
             trace_path = Path(tmp) / "trace.json"
@@ -142,6 +143,7 @@ def write_op_profile(step, device: torch.device, path: Path) -> None:
             trace = json.loads(trace_path.read_text())
         busy_ms = device_busy_us(trace) / 1e3
         gaps_us, by_op = idle_by_host_op(trace)
+        categories = device_time_by_category(trace)
         head = (f"GPU busy {busy_ms:.1f} ms of the step's {wall_ms:.1f} ms wall time under the profiler "
                 f"(idle {wall_ms - busy_ms:.1f} ms, {1 - busy_ms / wall_ms:.1%})\n"
                 f"GPU idle gaps of 10 µs or more between its first and last work: {gaps_us / 1e3:.1f} ms; host ops "
@@ -150,6 +152,7 @@ def write_op_profile(step, device: torch.device, path: Path) -> None:
                           for name, idle, count in by_op[:25])
                 + "GPU time by kernel category (summed durations):\n"
                 + "".join(f"  {us / 1e3:8.1f} ms  {count:6d} events  {label}\n"
-                          for label, us, count in device_time_by_category(trace)))
+                          for label, us, count in categories))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(head + prof.key_averages().table(sort_by=sort_by, row_limit=50, max_name_column_width=70))
+    return categories

@@ -103,7 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the markdown report here")
     parser.add_argument("--op-profile", type=Path, default=None, metavar="FOLDER",
                         help="after timing, profile one more step of each run and write its top operators by "
-                             "device time to FOLDER/<tokens>-<mode>.txt")
+                             "device time to FOLDER/<tokens>-<mode>.txt; on CUDA the report adds its GPU time by "
+                             "kernel category")
     parser.add_argument("--memory-history", type=Path, default=None, metavar="FOLDER",
                         help="record the CUDA allocator's history over each run's timed steps and dump it to "
                              "FOLDER/<tokens>-<mode>.pickle (view at pytorch.org/memory_viz)")
@@ -423,6 +424,24 @@ def _sparse_kernels(run_: _Run) -> str:
                      for (forward, backward), count in paths.most_common())
 
 
+def category_table(rows: list[dict]) -> list[str]:
+    """The report's table of GPU time by kernel category (ms), a column per run that has them (`--op-profile`
+    on CUDA), categories in the order of their largest time; empty when no run has them."""
+    profiled = [r for r in rows if r.get("categories")]
+    if not profiled:
+        return []
+    ms = [{label: us / 1e3 for label, us, _ in r["categories"]} for r in profiled]
+    labels = sorted({label for times in ms for label in times}, key=lambda label: -max(t.get(label, 0.0) for t in ms))
+    lines = ["", "GPU time by kernel category in one more step of each run under the profiler (ms, kernel "
+             "durations summed; `--op-profile` has each run's operators):", "",
+             "| category | " + " | ".join(f"{r['tokens']} {r['mode']}" for r in profiled) + " |",
+             "|---|" + "---|" * len(profiled)]
+    lines += [f"| {label} | " + " | ".join(f"{times[label]:.1f}" if label in times else "—" for times in ms) + " |"
+              for label in labels]
+    lines.append("| **all** | " + " | ".join(f"**{sum(times.values()):.1f}**" for times in ms) + " |")
+    return lines
+
+
 def _gates(run_: _Run, tokens: int, mode: str) -> list[str]:
     """Both correctness gates of one run, in the state that the bench times next; prints and returns their
     lines (`GateFailure` when one does not hold)."""
@@ -510,7 +529,7 @@ def run(args) -> int:
                 row["ms"], row["peak_gib"], row["peak_requested_gib"] = _timed_steps(run_, args, f"{tokens}-{mode}",
                                                                                       device)
             if args.op_profile is not None:
-                write_op_profile(run_.step, device, args.op_profile / f"{tokens}-{mode}.txt")
+                row["categories"] = write_op_profile(run_.step, device, args.op_profile / f"{tokens}-{mode}.txt")
             measured.append(row)
             kernels = f" ({row['kernels']})" if row["kernels"] else ""
             print(f"{tokens:>6} {mode:>6}: {row['ms']:.1f} ms/step, "
@@ -555,6 +574,7 @@ def run(args) -> int:
                      f"{r['peak_requested_gib']:.3f} | "
                      f"{r['sparse_blocks']} | {r['notes']} |")
     lines += _peaks_against_dense(rows)
+    lines += category_table(rows)
     kernels = [f"- {r['mode']} at {r['tokens']} tokens: {r['kernels']}" for r in rows if r["kernels"]]
     if kernels:
         lines += ["", "Sparse layers' attention kernels (recorded by their last training forward before the timed "

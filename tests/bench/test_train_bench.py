@@ -57,7 +57,20 @@ def test_bench_train_reports_all_modes(tmp_path, capsys):
     # One operator table per run (host time on the CPU); the allocator history exists on CUDA only.
     for mode in ("dense", "window", "dsv"):
         assert "Self CPU" in (tmp_path / "ops" / f"128-{mode}.txt").read_text()
+    assert "GPU time by kernel category" not in report  # no kernels on the CPU
     assert not (tmp_path / "mem").exists()
+
+
+def test_category_table_has_a_column_per_profiled_run():
+    rows = [dict(tokens=64, mode="dense", categories=[("dense attention", 7922.0e3, 96), ("GEMM", 1081.8e3, 512)]),
+            dict(tokens=64, mode="window"),  # not profiled (e.g. no --op-profile): no column
+            dict(tokens=64, mode="dsv", categories=[("GEMM", 1099.7e3, 600), ("sparse attention backward", 412.8e3, 56),
+                                                    ("dense attention", 1072.1e3, 12)])]
+    lines = bench_train.category_table(rows)
+    assert lines[3] == "| category | 64 dense | 64 dsv |"
+    assert lines[5:] == ["| dense attention | 7922.0 | 1072.1 |", "| GEMM | 1081.8 | 1099.7 |",
+                         "| sparse attention backward | — | 412.8 |", "| **all** | **9003.8** | **2584.6** |"]
+    assert bench_train.category_table([dict(tokens=64, mode="dense", categories=[])]) == []  # off CUDA
 
 
 def test_peaks_against_dense_are_printed_in_mib():
