@@ -7,14 +7,17 @@ import dataclasses
 import torch
 
 from dsv.modules.dit import VideoDiT
-from dsv.train.checkpoint import load_checkpoint, load_weights_into, resolve_checkpoint
-from dsv.train.config import Config, config_from_dict
+from dsv.train.checkpoint import checkpoint_config, load_checkpoint, load_weights_into, resolve_checkpoint
+from dsv.train.config import Config
 from dsv.train.trainer import build_model, resolve_device
 
 
 def load_model(path: str, device: str = "auto", attention_mode: str | None = None) -> tuple[VideoDiT, Config, int]:
     """Return `(model in eval mode, config, step)`. `attention_mode` swaps the attention mode (e.g. run a
-    DSV-trained model densely); the predictors' weights are then left out when the new mode has none.
+    DSV-trained model densely); the predictors' weights are then left out when the new mode has none. The
+    blocks run eager whatever `model.compile` the run trained with (the returned config says so): profiling
+    and observations read attention through Python hooks, which a compiled block cannot run, and a few
+    sampling steps do not repay a compile.
 
     A sparse `attention_mode` (anything but dense) is refused with a ValueError when no block of the loaded
     model would run sparse (a checkpoint still in stage 1, a dense-trained one, or one whose blocks were all
@@ -22,7 +25,8 @@ def load_model(path: str, device: str = "auto", attention_mode: str | None = Non
     otherwise run densely under a sparse mode's name."""
     ckpt = resolve_checkpoint(path)
     weights, state, manifest = load_checkpoint(ckpt)
-    cfg = config_from_dict(manifest["config"])
+    cfg = checkpoint_config(manifest, ckpt)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, compile=""))
     trained_mode = cfg.attention.mode
     if attention_mode == "dsv" and trained_mode != "dsv":
         others = "oracle, window or dense" if trained_mode == "oracle" else "window or dense"

@@ -86,6 +86,8 @@ class _LatentGrid:
         self.patch, self.frames_axis, self.layout, self.cube = patch, frames_axis, layout, cube
         self.grid: tuple[int, int, int] | None = None
         self.controller: DSVController | None = None  # set by `install_dsv`: its forward_id marks a new step
+        # (name, attention module, its DSV processor), set by `install_dsv`: checked before every forward.
+        self.installed: list[tuple[str, nn.Module, nn.Module]] = []
         # Grids of grad-enabled forwards whose backward has not run yet (in forward order), and the step they
         # belong to; a backward that recomputes drops those recorded before it began, when it ends.
         self._pending: list[tuple[int, int, int]] = []
@@ -93,6 +95,15 @@ class _LatentGrid:
         self._backward_cutoff: int | None = None
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        for name, attn, processor in self.installed:
+            # diffusers' processor switches (fuse_qkv_projections, set_attn_processor, set_default_attn_processor)
+            # replace the DSV processors without a word: the controller would drive layers that no longer run.
+            if attn.processor is not processor:
+                raise RuntimeError(
+                    f"{type(module).__name__}: {name} runs {type(attn.processor).__name__}, not the DSV processor "
+                    "that install_dsv set, so DSV no longer runs there (fuse_qkv_projections, set_attn_processor "
+                    "and set_default_attn_processor replace it). DSV needs the unfused projections: after "
+                    "fuse_qkv_projections(), unfuse_qkv_projections() puts the DSV processors back")
         x = kwargs["hidden_states"] if "hidden_states" in kwargs else (args[0] if args else None)
         if not isinstance(x, torch.Tensor) or x.dim() != 5:
             found = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -378,8 +389,9 @@ def install_dsv(transformer: nn.Module, cfg: AttentionConfig) -> DSVController:
         after the optimizer step; optimise `dsv.model_parameters(transformer)` (predictors step themselves).
 
     The processors are created in float32 on each attention module's device; each predictor casts its
-    input to its own dtype. Do not call `set_attn_processor` afterwards: it would drop the DSV layers
-    that the controller drives.
+    input to its own dtype. diffusers calls that switch processors afterwards (`set_attn_processor`,
+    `fuse_qkv_projections`, ...) would drop the DSV layers that the controller drives: the next forward
+    raises.
     """
     if not isinstance(cfg, AttentionConfig):
         raise TypeError(f"install_dsv: cfg must be a dsv.AttentionConfig, got {type(cfg).__name__}")
@@ -394,11 +406,10 @@ def install_dsv(transformer: nn.Module, cfg: AttentionConfig) -> DSVController:
                 "call unfuse_qkv_projections() first)"
             )
     grid = _LatentGrid(*grid_args, cube=tuple(cfg.cube))
-    layers = []
-    for _, attn in modules:
+    for name, attn in modules:
         processor = processor_cls(attn, cfg, grid).to(attn.to_q.weight.device)
         attn.set_processor(processor)
-        layers.append(processor)
+        grid.installed.append((name, attn, processor))
     controller = DSVController(cfg)
     transformer.add_module(CONTROLLER_NAME, controller)
     controller.attach(transformer)

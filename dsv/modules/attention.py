@@ -112,6 +112,9 @@ class DSVAttentionCore(nn.Module):
         self.backend_reason: str | None = None
         self.dispatch_reason = "not dispatched yet"
         self._learned_id = -1
+        # The controller's forward id of this layer's last eager forward, training or not (`end_step` warns
+        # when a step ran forwards but none that trains).
+        self._seen_id = -1
         # Optional measurement hook `observer(layer, hidden, q, k, grid)` (profiling, analysis); it sees
         # the grouped-order tensors and must not modify them.
         self.observer = None
@@ -285,6 +288,8 @@ class DSVAttentionCore(nn.Module):
             The `SparseIndex` when this layer runs sparse now, else None (dense).
         """
         self.resolve_backends(q, q.shape[2])
+        if self.controller is not None and not torch.compiler.is_compiling():  # an int Dynamo would guard on
+            self._seen_id = self.controller.forward_id
         # Not in an eager checkpointing recompute (inside the backward): it would see the same forward twice. A
         # compiled block cannot ask (the graph task id is no tensor), so there the hook runs as traced.
         if self.observer is not None and (torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1):

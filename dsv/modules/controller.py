@@ -8,6 +8,7 @@ buffers, so all of it is part of the model's `state_dict` and of every checkpoin
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ class DSVController(nn.Module):
         self.forward_id = 0
         self._layers: list = []
         self._stage_host = 1
+        self._warned_untrained_step = False
         self.register_load_state_dict_post_hook(lambda module, _keys: module._after_load())
 
     # ----- wiring -----
@@ -96,6 +98,7 @@ class DSVController(nn.Module):
         events = StepEvents()
         if self.cfg.mode in ("dense", "window"):  # no stages to run
             return events
+        self._warn_if_nothing_trained()
         profiled = self.profile_due()
         if self._stage_host == 1:
             forced = self.cfg.max_stage1_steps and self.step + 1 >= self.cfg.max_stage1_steps
@@ -114,6 +117,19 @@ class DSVController(nn.Module):
                 layer.dispatch()
             events.redispatched = True
         return events
+
+    def _warn_if_nothing_trained(self) -> None:
+        """Warns once when the step ran the model but no training forward (grad enabled, train mode): its
+        predictors learned nothing and no sparsity was measured, so DSV would stay dense for good without a
+        word, e.g. for a model that `from_pretrained` returned in eval mode. Eager forwards only."""
+        if self._warned_untrained_step or not any(layer.predictor is not None for layer in self._layers):
+            return
+        ran = any(layer._seen_id == self.forward_id for layer in self._layers)
+        if ran and not any(layer._learned_id == self.forward_id for layer in self._layers):
+            self._warned_untrained_step = True
+            warnings.warn(f"DSV step {self.step}: the model ran, but no forward of this step trained (the model is "
+                          "in eval mode or ran under torch.no_grad), so the predictors learned nothing and no "
+                          "sparsity was measured; call model.train() before training forwards", stacklevel=2)
 
     def _switch_reason(self) -> str | None:
         """Why stage 1 ends now, or None while it goes on."""

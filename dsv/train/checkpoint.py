@@ -20,6 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from dsv.train.config import config_from_dict
+
 MANIFEST = "manifest.json"
 WEIGHTS = "model.safetensors"
 STATE = "state.pt"
@@ -28,6 +30,16 @@ FORMAT_VERSION = 1
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupt, or does not match the model/config."""
+
+
+def checkpoint_config(manifest: dict, ckpt: str | Path):
+    """The training config stored in a checkpoint's manifest (`dsv.train.config.Config`); a CheckpointError
+    naming the checkpoint where this version cannot read it, so that it does not read as a bad `--set`."""
+    try:
+        return config_from_dict(manifest["config"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {ckpt}: its stored configuration cannot be read by this version of DSV "
+                              f"({type(err).__name__}: {err}); it was saved by another version or edited") from err
 
 
 def lock_run_dir(run_dir: str | Path) -> IO | None:

@@ -26,6 +26,7 @@ from dsv.parallel.fsdp import check_replicas_in_sync, shard_model
 from dsv.train.checkpoint import (
     CheckpointError,
     check_weights_match,
+    checkpoint_config,
     checkpoint_root,
     list_checkpoints,
     load_checkpoint,
@@ -34,13 +35,13 @@ from dsv.train.checkpoint import (
     remove_unfinished_saves,
     save_checkpoint,
 )
-from dsv.train.config import Config, config_from_dict, config_to_dict
+from dsv.train.config import Config, config_to_dict
 from dsv.train.data import build_dataset
 
 # A resumed run must match the checkpoint's configuration except in these fields, which change neither
 # the model nor the sequence of batches and updates (so the continuation stays exact up to the rounding of a
-# compiled graph). `data.path` may name the same videos elsewhere: the data itself is checked against the
-# checkpoint's fingerprint of it (`_check_data`).
+# compiled graph, or of another CPU thread count, which a resume warns about). `data.path` may name the same
+# videos elsewhere: the data itself is checked against the checkpoint's fingerprint of it (`_check_data`).
 RESUMABLE_CHANGES = {"train": {"steps", "log_every", "eval_every", "ckpt_every", "keep_checkpoints", "tensorboard",
                                "threads", "out_dir", "device"},
                      "model": {"compile"},
@@ -249,6 +250,8 @@ class Trainer:
             # Host-side text of each layer's last dispatch decision (its inputs are buffers, in the weights),
             # so a resumed run logs what an uninterrupted one does until the next dispatch.
             "dispatch_reasons": [layer.dispatch_reason for layer in self.controller.layers],
+            # CPU sums split over threads round by the thread count: a resume compares it (`_restore`).
+            "cpu_threads": torch.get_num_threads(),
         }
 
     def save(self) -> Path:
@@ -261,21 +264,32 @@ class Trainer:
                 raise CheckpointError(f"step {self.step}: {err}") from err
         weights, state = self.full_state()
         path = checkpoint_root(self.run_dir) / f"step_{self.step:08d}"
-        error = None
+        error, cause = None, None
         if self.rank == 0:
+            self._sync_logs()
             try:
                 path = save_checkpoint(self.run_dir, self.step, weights, state, config_to_dict(self.cfg),
                                        keep=self.cfg.train.keep_checkpoints)
             except Exception as err:  # told to every rank below, then raised everywhere
-                error = f"{type(err).__name__}: {err}"
+                error, cause = f"{type(err).__name__}: {err}", err
         if self.world > 1:
             # Every rank learns whether rank 0's write succeeded: none goes on, or waits, alone.
             status = [error]
             dist.broadcast_object_list(status, src=0)
             error = status[0]
-        if error is not None:
-            raise CheckpointError(f"saving step {self.step} failed on rank 0: {error} (older checkpoints are intact)")
+        if error is not None:  # with rank 0's own traceback there (an internal error keeps its stack)
+            raise CheckpointError(f"saving step {self.step} failed on rank 0: {error} (older checkpoints are "
+                                  "intact)") from cause
         return path
+
+    def _sync_logs(self) -> None:
+        """The logs up to this step on disk before its checkpoint is: a resume from the checkpoint keeps the
+        records it finds up to its step and rewrites none of them, so after a crash they must be there."""
+        if self.metrics_file is not None:
+            self.metrics_file.flush()
+            os.fsync(self.metrics_file.fileno())
+        if self.writer is not None:
+            self.writer.flush()
 
     def _unpark_predictors(self) -> None:
         # Parked (`attention.host_offload`) predictors hold host tensors; the distributed state-dict helpers
@@ -289,7 +303,7 @@ class Trainer:
         with warnings.catch_warnings():
             if self.rank != 0:  # its fields missing from an old checkpoint are named once, not by every rank
                 warnings.simplefilter("ignore")
-            saved = config_from_dict(manifest["config"])
+            saved = checkpoint_config(manifest, ckpt)
         diff = [f"{section}.{k}: checkpoint {v!r}, run {getattr(getattr(self.cfg, section), k)!r}"
                 for section in vars(saved) for k, v in vars(getattr(saved, section)).items()
                 if getattr(getattr(self.cfg, section), k) != v and k not in RESUMABLE_CHANGES.get(section, ())]
@@ -346,6 +360,12 @@ class Trainer:
         if reasons is not None and len(reasons) == len(self.controller.layers):
             for layer, reason in zip(self.controller.layers, reasons):
                 layer.dispatch_reason = reason
+        threads = state.get("cpu_threads")  # absent from checkpoints saved before it was recorded
+        if self.device.type == "cpu" and threads is not None and threads != torch.get_num_threads():
+            # train.threads may change on resume (RESUMABLE_CHANGES), and threads=0 takes the machine's cores.
+            warnings.warn(f"resuming on {torch.get_num_threads()} CPU threads, saved on {threads}: CPU sums split "
+                          "over threads round by the count, so the run continues, but not bitwise as an "
+                          "uninterrupted one would (set train.threads to the saved count for that)", stacklevel=2)
         self.step = state["step"]
         self.controller.step = self.step
 

@@ -19,16 +19,31 @@ HELDOUT = 4  # data.heldout_clips of tiny_config
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Three 1-step tiny runs: DSV still in stage 1, DSV in stage 2 (switched at its one step), and dense."""
+    """Four 1-step tiny runs: DSV still in stage 1, DSV in stage 2 (switched at its one step), the same with
+    compiled blocks, and dense."""
     root = tmp_path_factory.mktemp("runs")
     schedules = {
         "stage1": ["attention.max_stage1_steps=100"],  # switch_loss_threshold=0: only max_stage1_steps switches
         "stage2": ["attention.max_stage1_steps=1"],
+        "compiled": ["attention.max_stage1_steps=1", "model.compile=eager"],
         "dense": ["attention.mode=dense"],
     }
     for name, extra in schedules.items():
         Trainer(tiny_config(root / name, "train.steps=1", "train.ckpt_every=1", *extra), quiet=True).run()
     return root
+
+
+def test_a_run_with_compiled_blocks_is_analysed_with_eager_ones(runs, tmp_path):
+    """Profiling and observations read attention through Python hooks that a compiled block cannot run: the
+    analysis loads the checkpoint of a compiled run with eager blocks."""
+    from dsv.analysis.checkpointed_model import load_model
+
+    model, cfg, step = load_model(str(runs / "compiled"), "cpu")
+    assert step == 1 and cfg.model.compile == "" and all(block._compiled_call_impl is None for block in model.blocks)
+    profiled = profile_checkpoint(str(runs / "compiled"), str(tmp_path / "profile"), clips=1)
+    assert len(profiled["recall"]) == len(model.blocks)
+    observed = observe_checkpoint(str(runs / "compiled"), str(tmp_path / "observe"), clips=1, rows=16)
+    assert observed["grid"] == [4, 8, 8]
 
 
 def _fail_if_sampling(*args, **kwargs):

@@ -258,6 +258,28 @@ def test_wan_bad_inputs_and_misuse_raise_clear_errors():
     x[0, 0, 0, 0, 0] = float("nan")
     with pytest.raises(FloatingPointError, match="NaN or Inf"):
         wan_forward(model, (x, t, text))
+    # A processor switch after the install (here diffusers' own default processor) is found before a forward.
+    dsv_processor = model.blocks[1].attn1.processor
+    model.blocks[1].attn1.set_processor(WanAttnProcessor())
+    with pytest.raises(RuntimeError, match=r"blocks\.1\.attn1 runs WanAttnProcessor, not the DSV processor"):
+        wan_forward(model, wan_inputs())
+    model.blocks[1].attn1.set_processor(dsv_processor)
+    wan_forward(model, wan_inputs())
+
+
+def test_fused_projections_are_refused_until_unfused():
+    """CogVideoX's fuse_qkv_projections swaps in its fused processor: the next forward raises; unfusing puts
+    the DSV processors back, and the model runs as before."""
+    model = tiny_cogvideox()
+    install_dsv(model, cfg("dense"))
+    inputs = cog_inputs()
+    with torch.no_grad():
+        before = cog_forward(model, inputs)
+        model.fuse_qkv_projections()
+        with pytest.raises(RuntimeError, match="not the DSV processor that install_dsv set"):
+            cog_forward(model, inputs)
+        model.unfuse_qkv_projections()
+        assert torch.equal(cog_forward(model, inputs), before)
 
 
 def _sparse_quarter(model):

@@ -102,3 +102,34 @@ def test_recall_boost_steps_by_the_recall_gap_and_feeds_the_dispatch():
     off = model_with(recall_target=0.0).controller.layers[0]
     off.update_keep_boost(off.keep_boost, torch.tensor([0.1, 0.1]))
     assert off.keep_boost.abs().sum() == 0
+
+
+def test_a_step_whose_forwards_do_not_train_warns_once():
+    """A training loop over a model left in eval mode (as diffusers' from_pretrained returns it) would keep its
+    predictors untrained and DSV dense for good: end_step says so, once; steps without forwards (the tests
+    above) and steps with a training forward say nothing."""
+    import warnings
+
+    import pytest
+
+    model = model_with()
+    ctrl = model.controller
+    x = torch.randn(1, 3, 2, 8, 8)
+    t = torch.rand(1)
+    ctrl.begin_step(0)
+    model(x, t).pow(2).mean().backward()  # in train mode: trains
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ctrl.end_step()
+        ctrl.begin_step(1)
+        ctrl.end_step()  # no forward at all
+    model.eval()
+    ctrl.begin_step(2)
+    model(x, t).pow(2).mean().backward()
+    with pytest.warns(UserWarning, match="no forward of this step trained .* call model.train"):
+        ctrl.end_step()
+    ctrl.begin_step(3)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x, t)
+        ctrl.end_step()  # once

@@ -290,3 +290,23 @@ def test_sample_rejects_bad_arguments(bundled: VideoClipDataset) -> None:
         bundled.sample(0, torch.Generator())
     with pytest.raises(ValueError, match="generator"):
         bundled.sample(2, None)
+
+
+def test_a_bundled_photo_missing_from_a_dependency_warns(monkeypatch):
+    """A dependency's photo absent (some release without it) changes which photos are held out: said aloud,
+    while an optional package's absent photos are only logged."""
+    import warnings
+
+    import dsv.train.data as data_module
+
+    photos = {"skimage": (False, ("data/astronaut.png", "data/no_such_photo.png")),
+              "no_such_package": (True, ("a.png",))}
+    monkeypatch.setattr(data_module, "_BUNDLED_PHOTOS", photos)
+    with pytest.warns(UserWarning, match=r"not found in installed dependencies .*: skimage/no_such_photo\.png; the "
+                                         "split of the remaining photos"):
+        required, optional = data_module._bundled_photos(16)
+    assert list(required) == ["skimage/astronaut.png"] and optional == {}
+    monkeypatch.setattr(data_module, "_BUNDLED_PHOTOS", {"no_such_package": (True, ("a.png",))})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert data_module._bundled_photos(16) == ({}, {})

@@ -208,6 +208,15 @@ def test_checkpoint_errors_are_clear_and_keep_saved_files(tmp_path):
     manifest.write_text(json.dumps({k: v for k, v in json.loads(snapshot[manifest]).items() if k != "config"}))
     with pytest.raises(CheckpointError, match="lacks the run's config"):  # was a KeyError
         Trainer(tiny_config(tmp_path, "train.steps=6"), resume=True, quiet=True)
+    # A stored config this version cannot read names the checkpoint (not a bare error that reads like a bad --set).
+    for broken in ({"attention": {"mode": "future_mode"}}, {"optim": None}):
+        saved = json.loads(snapshot[manifest])
+        for section, fields in broken.items():
+            saved["config"][section] = None if fields is None else {**saved["config"][section], **fields}
+        manifest.write_text(json.dumps(saved))
+        with pytest.raises(CheckpointError, match=f"checkpoint {checkpoints[-1]}: its stored configuration cannot be "
+                                                  "read by this version"):
+            Trainer(tiny_config(tmp_path, "train.steps=6"), resume=True, quiet=True)
     manifest.write_bytes(snapshot[manifest])
     # Nothing the failed attempts touched was lost or changed.
     assert {p: p.read_bytes() for c in list_checkpoints(tmp_path) for p in c.iterdir()} == snapshot
@@ -667,3 +676,37 @@ def test_block_lines_name_the_slow_path_and_the_kernels_on_a_gpu():
     cpu = Trainer._describe_layers(SimpleNamespace(device=torch.device("cpu")), summary).splitlines()
     assert "slow path" not in cpu[1] and cpu[0].endswith("kernels: forward Hopper warp-specialized, backward "
                                                          "split Triton: key blocks of 64")
+
+
+def test_a_failed_save_keeps_its_cause_and_the_logs_up_to_it(tmp_path, monkeypatch):
+    """An error inside the save (here a stand-in for an internal one) stops the run with a CheckpointError
+    that keeps the original exception (its traceback) as its cause; the logs up to the step are on disk."""
+    import dsv.train.trainer as trainer_module
+
+    def broken_save(*args, **kwargs):
+        raise TypeError("cannot pickle 'generator' object")
+
+    monkeypatch.setattr(trainer_module, "save_checkpoint", broken_save)
+    trainer = Trainer(tiny_config(tmp_path, "train.steps=4", "train.ckpt_every=2", "train.log_every=1"), quiet=True)
+    with pytest.raises(CheckpointError, match="saving step 2 failed on rank 0: TypeError: cannot pickle") as caught:
+        trainer.run()
+    assert isinstance(caught.value.__cause__, TypeError)
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if "loss" in r] == [1, 2]
+
+
+def test_a_resume_on_another_cpu_thread_count_warns(tmp_path):
+    """train.threads may change on resume, but CPU sums round by the thread count: the continuation is then not
+    bitwise that of an uninterrupted run, and the resume says so; on the saved count it says nothing."""
+    import warnings
+
+    threads = torch.get_num_threads()
+    try:
+        Trainer(tiny_config(tmp_path, "train.steps=2", "train.ckpt_every=2", "train.threads=1"), quiet=True).run()
+        with pytest.warns(UserWarning, match="resuming on 2 CPU threads, saved on 1: .* not bitwise"):
+            Trainer(tiny_config(tmp_path, "train.steps=3", "train.threads=2"), resume=True, quiet=True).close()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            Trainer(tiny_config(tmp_path, "train.steps=3", "train.threads=1"), resume=True, quiet=True).close()
+    finally:
+        torch.set_num_threads(threads)
