@@ -353,8 +353,7 @@ class DSVAttentionCore(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: SparseIndex | None) -> torch.Tensor:
         """`q, k, v [B, H, S, D]` (grouped order) → `[B, H, S, D]`: dense SDPA when `index` is None,
         else block-sparse over `index`; records the path in `last_path`."""
-        self._note_forward(q, index)
-        self._note_backward(q, index)
+        self._note_kernels(q, index)
         if index is None:
             self.last_path = "dense:sdpa"
             return F.scaled_dot_product_attention(q, k, v, scale=self.scale)
@@ -577,30 +576,21 @@ class DSVAttentionCore(nn.Module):
             # is waited for now (one ~12 MiB copy per forward at the 2.7B shape).
             release_parked(self.predictor._parked_from)
 
-    def _note_forward(self, q: torch.Tensor, index: SparseIndex | None) -> None:
-        """Records which attention kernel this eager training forward runs (`forward_path`), by the launcher's
-        own rule (K_max is a shape: no device sync). Training forwards only, as `_note_backward`, so that the
-        two describe one forward (an evaluation in between changes neither). A missing Hopper kernel has
-        warned in `resolve_backends`."""
+    def _note_kernels(self, q: torch.Tensor, index: SparseIndex | None) -> None:
+        """Records which attention kernel this eager training forward runs (`forward_path`) and which backward
+        its gradients will take (`backward_path`), by the launchers' own rules (they read the index's K_max, a
+        shape: no device sync), and warns once where the fused Hopper backward lacks something for these inputs
+        (a missing Hopper forward has warned in `resolve_backends`). Forwards that build a graph only, so that
+        the two describe one forward (an evaluation in between changes neither); not while compiling."""
         if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and q.requires_grad):
             return
         if index is None or self._last_backend != "triton":
-            self.forward_path = "dense" if index is None else self._last_backend
+            self.forward_path = self.backward_path = "dense" if index is None else self._last_backend
             return
-        why = hopper_forward_unsupported(q, self.cfg.group_size, self.cfg.key_block, index.indices.shape[3])
+        rule = (q, self.cfg.group_size, self.cfg.key_block, index.indices.shape[3])
+        why = hopper_forward_unsupported(*rule)
         self.forward_path = "Hopper warp-specialized" if why is None else f"Triton: {why}"
-
-    def _note_backward(self, q: torch.Tensor, index: SparseIndex | None) -> None:
-        """Records which attention backward this forward's gradients will take (`backward_path`) and warns
-        once where the fused Hopper kernel lacks something for these inputs. Eager forwards that build a graph
-        only (as the warnings in `resolve_backends`); the launch rule reads the index's K_max, a shape, so no
-        device sync."""
-        if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and q.requires_grad):
-            return
-        if index is None or self._last_backend != "triton":
-            self.backward_path = "dense" if index is None else self._last_backend
-            return
-        why = hopper_backward_unsupported(q, self.cfg.group_size, self.cfg.key_block, index.indices.shape[3])
+        why = hopper_backward_unsupported(*rule)
         self.backward_path = "fused Hopper" if why is None else f"split Triton: {why}"
         if not self._warned_backward_kernel:
             self._warned_backward_kernel = True

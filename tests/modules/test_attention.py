@@ -637,27 +637,27 @@ def test_backward_path_recorded_and_its_warning_once(monkeypatch):
     index = SparseIndex.from_topk(torch.randn(1, HEADS, 8, 8), torch.tensor([3] * HEADS), 8, 8, 64)
     layer = DSVAttention(DIM, HEADS, cfg=AttentionConfig(mode="dsv", cube=(2, 2, 2)))
     assert layer.state_summary()["backward"] is None
-    layer._note_backward(q.detach(), index)  # no graph: nothing recorded
+    layer._note_kernels(q.detach(), index)  # no graph: nothing recorded
     assert layer.backward_path is None
-    layer._note_backward(q, index)  # the reference backend: its own backward
+    layer._note_kernels(q, index)  # the reference backend: its own backward
     assert layer.state_summary()["backward"] == "reference"
-    layer._note_backward(q, None)
+    layer._note_kernels(q, None)
     assert layer.backward_path == "dense"
     layer._last_backend = "triton"
     with torch.no_grad():
-        layer._note_backward(q, index)
+        layer._note_kernels(q, index)
     assert layer.backward_path == "dense" and seen == []
     with pytest.warns(UserWarning, match="split Triton passes, not the faster fused Hopper kernel: head dim 96"):
-        layer._note_backward(q, index)
+        layer._note_kernels(q, index)
     assert layer.state_summary()["backward"] == "split Triton: head dim 96; it takes 128"
     assert seen == [3]  # the index's K_max, a shape
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        layer._note_backward(q, index)
+        layer._note_kernels(q, index)
     compiling = DSVAttention(DIM, HEADS, cfg=AttentionConfig(mode="dsv", cube=(2, 2, 2)))
     compiling._last_backend = "triton"
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    compiling._note_backward(q, index)
+    compiling._note_kernels(q, index)
     assert compiling.backward_path is None and not compiling._warned_backward_kernel
 
 
@@ -674,22 +674,22 @@ def test_forward_path_recorded_by_the_launchers_rule(monkeypatch):
     index = SparseIndex.from_topk(torch.randn(1, HEADS, 8, 8), torch.tensor([3] * HEADS), 8, 8, 64)
     layer = DSVAttention(DIM, HEADS, cfg=AttentionConfig(mode="dsv", cube=(2, 2, 2)))
     assert layer.state_summary()["forward"] is None
-    layer._note_forward(q.detach(), index)  # no graph: nothing recorded
+    layer._note_kernels(q.detach(), index)  # no graph: nothing recorded
     with torch.no_grad():
-        layer._note_forward(q, index)
+        layer._note_kernels(q, index)
     assert layer.forward_path is None
-    layer._note_forward(q, index)
+    layer._note_kernels(q, index)
     assert layer.state_summary()["forward"] == "reference" and asked == []
-    layer._note_forward(q, None)
+    layer._note_kernels(q, None)
     assert layer.forward_path == "dense"
     layer._last_backend = "triton"
-    layer._note_forward(q, index)
+    layer._note_kernels(q, index)
     assert layer.forward_path == "Triton: groups list 3" and asked == [(8, 8, 3)]
     monkeypatch.setattr(attention_module, "hopper_forward_unsupported", lambda *args: None)
-    layer._note_forward(q, index)
+    layer._note_kernels(q, index)
     assert layer.forward_path == "Hopper warp-specialized"
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    layer._note_forward(q, None)
+    layer._note_kernels(q, None)
     assert layer.forward_path == "Hopper warp-specialized"  # unchanged
 
 
