@@ -4,7 +4,7 @@
 #   sweep     kernel launch-setting sweep (benchmarks/kernel_sweep.py --quick)
 #   train     `dsv bench train` at 32k and 64k tokens, with operator tables
 #   memory    the allocator's history over one dense and one DSV step at 64k (where DSV's extra GiB come from)
-#   compiled  dense and DSV with every block compiled (model.compile=inductor), with operator tables
+#   compiled  dense, window and DSV with every block compiled (model.compile=inductor), with operator tables
 # usage: benchmarks/gpu_single_check.sh OUTDIR [PART ...]
 # Every part runs even when an earlier one fails; the exit status is nonzero if any part failed.
 set -o pipefail
@@ -27,7 +27,7 @@ for part in $parts; do
              --op-profile "$out/ops" 2>&1 | drop "it/s\]\|s/it\]\|rms_norm" | tail -20 ;;
     memory) python3 -m dsv.cli bench train --tokens 65536 --steps 1 --modes dense dsv \
               --memory-history "$out/memory" 2>&1 | drop "it/s\]\|s/it\]\|rms_norm" | tail -6 ;;
-    compiled) python3 -m dsv.cli bench train --tokens 32768 65536 --steps 2 --modes dense dsv \
+    compiled) python3 -m dsv.cli bench train --tokens 32768 65536 --steps 2 --modes dense window dsv \
                 --set model.compile=inductor --out "$out/train-step-compiled.md" --op-profile "$out/ops-compiled" 2>&1 \
                 | drop "it/s\]\|s/it\]\|rms_norm" | tail -20 ;;
   esac
