@@ -454,7 +454,9 @@ def _summary(r: dict) -> str:
         lines.append(f"On this grid no two tokens are more than {max(r['grid']) - 1} apart, so '> {FAR} away' is "
                      "0 by construction; the paper's 16×16×16 latent is needed for that number to mean anything.")
     lines += ["", "## Heterogeneity (heterogeneity.png)",
-              "Per-block × per-head sparsity at θ on the sampled rows (the same measure as `dsv profile`).", "",
+              "Per-block × per-head sparsity at θ on the sampled rows (the measure of `dsv profile`, here on q and "
+              "k in float32, where `dsv profile` follows the run's bf16 autocast on a GPU: the two tables can "
+              "differ slightly).", "",
               "## Dynamics (dynamics.png)"]
     if r["dynamics"] is None:
         lines.append("No metrics.jsonl found next to the checkpoint: not measured.")
