@@ -126,12 +126,13 @@ def _flex_block_mask(index):
                                     seq_lengths=(index.seq_len, index.seq_len))
 
 
-def _flex_kernel_options(group_size: int, kv_block: int):
-    """FlexAttention's default tiles are 128; sparse blocks under 128 need tiles that divide them."""
-    if min(group_size, kv_block) >= 128:
-        return None
-    m, n = min(group_size, 64), min(kv_block, 64)
-    return {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_M1": min(m, 32), "BLOCK_N1": n, "BLOCK_M2": m, "BLOCK_N2": min(n, 32)}
+def _flex_compile_mode(group_size: int, kv_block: int) -> str | None:
+    """FlexAttention's compile mode for these blocks. Its default Hopper backward tile at head dim 128 is
+    64×128, and torch (2.11 at least) checks the block divisibility against that default before applying
+    `kernel_options`, so blocks under 128 leave its backward no tile at all (NoValidChoicesError; pytorch
+    issue 176025). Under 128 it autotunes instead: its search includes 32- and 64-token tiles, and the
+    peer runs its own best one."""
+    return None if min(group_size, kv_block) >= 128 else "max-autotune-no-cudagraphs"
 
 
 def _fwd_bwd(attention, q, k, v, grad_out):
@@ -199,7 +200,6 @@ def _bench_seq_len(S: int, args, dtype: torch.dtype, flex, device: str = "cuda")
     from dsv.ops.sparse_attention.triton_kernels import sparse_attention_triton
 
     B, H, D, G, kv = args.batch, args.heads, args.head_dim, args.group_size, args.kv_block
-    kernel_options = _flex_kernel_options(G, kv)
     q, k, v = (torch.randn(B, H, S, D, device=device, dtype=dtype).requires_grad_() for _ in range(3))
     grad_out = torch.randn_like(q)
     rows = []
@@ -234,7 +234,7 @@ def _bench_seq_len(S: int, args, dtype: torch.dtype, flex, device: str = "cuda")
         flex_ms = flex_gpu_ms = None
         if not args.skip_flex:
             block_mask = _flex_block_mask(index)
-            flex_attention = functools.partial(flex, block_mask=block_mask, kernel_options=kernel_options)
+            flex_attention = functools.partial(flex, block_mask=block_mask)
             # Before either is timed: two independent implementations of one mask must agree, forward and
             # backward (eager FlexAttention ignores a BlockMask without a mask_mod: dense), at this shape.
             flex_out, dsv_out = flex_attention(q, k, v), attention(q, k, v)
@@ -292,7 +292,8 @@ def run(args) -> int:
         # Compiled afresh per length: past torch.compile's recompile limit FlexAttention would run uncompiled,
         # and eager FlexAttention ignores this block mask (dense attention).
         torch._dynamo.reset()
-        flex = torch.compile(flex_attention, dynamic=False)
+        flex = torch.compile(flex_attention, dynamic=False,
+                             mode=_flex_compile_mode(args.group_size, args.kv_block))
         rows += _bench_seq_len(S, args, dtype, flex)
         torch.cuda.empty_cache()  # the next length's inputs start from a clean pool
     report = _report(rows, args, torch.cuda.get_device_name(), *_dsv_kernels(args, dtype))
@@ -337,7 +338,9 @@ def _report(rows, args, device_name: str, forward_kernel: str, backward_kernel: 
         "estimation and the key-major build. Kept blocks per group are rounded up from the sparsity. A "
         "correctness gate (ragged and block-multiple lengths against float32 references) runs before any "
         "timing, and at every timed shape FlexAttention is compared with DSV (out, dq, dk, dv) before either "
-        "is timed (not with --skip-flex).",
+        "is timed (not with --skip-flex)."
+        + (" FlexAttention is compiled with mode max-autotune-no-cudagraphs: its default backward tiles do not "
+           "divide blocks under 128 tokens." if _flex_compile_mode(args.group_size, args.kv_block) else ""),
         "",
         "| S | method | kept | fwd ms | fwd+bwd ms | TFLOP/s | × dense | × Flex | GPU ms (× Flex) "
         "| est. ms (fused / GPU / ref) | est. share | key-major ms | peak GiB | note |",
