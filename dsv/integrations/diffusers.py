@@ -411,6 +411,10 @@ def install_dsv(transformer: nn.Module, cfg: AttentionConfig) -> DSVController:
         attn.set_processor(processor)
         grid.installed.append((name, attn, processor))
     controller = DSVController(cfg)
+    # What the saved DSV state was measured with, so that `from_pretrained_local` can refuse another layout
+    # (sparsity EMAs and budgets of one cube or θ mean something else under another). Integers: a model cast
+    # with `.to(dtype)` keeps them exact.
+    controller.register_buffer(LAYOUT_BUFFER, _layout_record(cfg))
     transformer.add_module(CONTROLLER_NAME, controller)
     controller.attach(transformer)
     grid.controller = controller
@@ -422,6 +426,36 @@ def install_dsv(transformer: nn.Module, cfg: AttentionConfig) -> DSVController:
 # ----------------------------------------------------------------------------------------------------
 # Loading a local from_pretrained folder
 # ----------------------------------------------------------------------------------------------------
+
+LAYOUT_BUFFER = "layout"
+_LAYOUT_FIELDS = ("cube t", "cube h", "cube w", "key block", "theta (millionths)")
+
+
+def _layout_record(cfg: AttentionConfig) -> torch.Tensor:
+    return torch.tensor([*cfg.cube, cfg.key_block, round(cfg.theta * 1e6)], dtype=torch.int64)
+
+
+def _check_layout(saved: dict[str, torch.Tensor], cfg: AttentionConfig, folder: Path) -> None:
+    """Raise where the DSV state in `saved` was measured with another cube, key block or θ than `cfg`; warn
+    where the folder predates the record (nothing to check against)."""
+    key = f"{CONTROLLER_NAME}.{LAYOUT_BUFFER}"
+    if key not in saved:
+        warnings.warn(f"from_pretrained_local: the DSV state in {folder} does not record its cube, key block and "
+                      "theta (saved before they were recorded), so they are not checked against cfg", stacklevel=3)
+        return
+    expected = _layout_record(cfg)
+    found = saved[key].to(torch.int64)
+    if found.shape != expected.shape or not torch.equal(found, expected):
+        if found.shape != expected.shape:
+            differences = f"a record of shape {tuple(found.shape)}, expected {tuple(expected.shape)}"
+        else:
+            differences = ", ".join(f"{name} {int(a)} (cfg: {int(b)})" for name, a, b
+                                    in zip(_LAYOUT_FIELDS, found, expected) if a != b)
+        raise ValueError(
+            f"from_pretrained_local: the DSV state in {folder} was measured with another layout than cfg: "
+            f"saved {differences}. Its sparsities, budgets and predictors belong to that layout; load it with "
+            "the cube, kv_block and theta it was saved with")
+
 
 _SUPPORTED = {cls.__name__: cls for cls in (WanTransformer3DModel, CogVideoXTransformer3DModel)}
 # state_dict keys that install_dsv adds: the self-attention processors and the controller.
@@ -487,7 +521,8 @@ def from_pretrained_local(
 
     Nothing is downloaded (`local_files_only=True`). A plain pretrained folder gets fresh DSV state
     (stage 1, untrained predictors). A folder saved from a model with DSV installed also holds the DSV
-    state (predictors, EMAs, dispatch, stage); it is restored and must match `cfg` (same mode and rank).
+    state (predictors, EMAs, dispatch, stage); it is restored and must match `cfg`: the same mode and rank,
+    and the cube, key block and θ it was measured with (a ValueError names what differs).
 
     Args:
         path: the folder (holding `config.json` and the weights), or a pipeline folder with `subfolder`.
@@ -516,6 +551,8 @@ def from_pretrained_local(
     dsv_keys = set(transformer.state_dict()) - base_keys
     saved = _tensors_not_in(folder, variant, base_keys)
     if saved:
+        _check_layout(saved, cfg, folder)
+        saved.setdefault(f"{CONTROLLER_NAME}.{LAYOUT_BUFFER}", _layout_record(cfg))  # predates the record
         if set(saved) != dsv_keys:
             def first(keys: set[str]) -> str:
                 keys = sorted(keys)

@@ -1,6 +1,7 @@
 """DSV installed in diffusers' Wan and CogVideoX transformers, against the unpatched models (same weights)."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -417,6 +418,29 @@ def test_from_pretrained_local_restores_saved_dsv_state(tmp_path, safe_serializa
         assert torch.equal(wan_forward(loaded, inputs), wan_forward(model, inputs))
     with pytest.raises(ValueError, match=r"does not match cfg \(mode='dense'.*unexpected: \['blocks\.0\.attn1"):
         from_pretrained_local(tmp_path, cfg("dense"), subfolder="transformer")
+
+
+def test_from_pretrained_local_refuses_state_of_another_cube_or_theta(tmp_path):
+    """The saved DSV state records the cube, key block and θ it was measured with: another cfg is refused with
+    what differs; a folder saved before the record loads with a warning that nothing was checked."""
+    model = tiny_wan()
+    install_dsv(model, cfg("dsv"))
+    model.save_pretrained(tmp_path / "saved")
+    other_cube = r"another layout than cfg: saved cube w 2 \(cfg: 1\), key block 8 \(cfg: 4\)\."
+    with pytest.raises(ValueError, match=other_cube):
+        from_pretrained_local(tmp_path / "saved", dsv.AttentionConfig(mode="dsv", cube=(2, 2, 1), sample_stride=4))
+    with pytest.raises(ValueError, match=r"theta \(millionths\) 900000 \(cfg: 950000\)"):
+        from_pretrained_local(tmp_path / "saved", cfg("dsv", theta=0.95))
+    with pytest.raises(ValueError, match=r"saved key block 8 \(cfg: 16\)\."):
+        from_pretrained_local(tmp_path / "saved", cfg("dsv", kv_block=16))
+    loaded = from_pretrained_local(tmp_path / "saved", cfg("dsv"))
+    assert torch.equal(loaded.dsv_controller.layout, torch.tensor([*CUBE, math.prod(CUBE), 900000]))
+
+    del model.dsv_controller._buffers["layout"]  # as a folder saved before the record was
+    model.save_pretrained(tmp_path / "older")
+    with pytest.warns(UserWarning, match="does not record its cube, key block and theta"):
+        loaded = from_pretrained_local(tmp_path / "older", cfg("dsv"))
+    assert torch.equal(loaded.dsv_controller.layout, torch.tensor([*CUBE, math.prod(CUBE), 900000]))
 
 
 def test_build_wan_for_training_trains_on_real_video():
