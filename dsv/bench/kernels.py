@@ -129,10 +129,10 @@ def _flex_block_mask(index):
 def _flex_compile_mode(group_size: int, kv_block: int) -> str | None:
     """FlexAttention's compile mode for these blocks. Its default Hopper backward tile at head dim 128 is
     64×128, and torch (2.11 at least) checks the block divisibility against that default before applying
-    `kernel_options`, so blocks under 128 leave its backward no tile at all (NoValidChoicesError; pytorch
-    issue 176025). Under 128 it autotunes instead: its search includes 32- and 64-token tiles, and the
-    peer runs its own best one."""
-    return None if min(group_size, kv_block) >= 128 else "max-autotune-no-cudagraphs"
+    `kernel_options`, so blocks that 128 does not divide leave its backward no tile at all
+    (NoValidChoicesError; pytorch issue 176025). There it autotunes instead: its search includes 32- and
+    64-token tiles, and the peer runs its own best one."""
+    return None if group_size % 128 == 0 and kv_block % 128 == 0 else "max-autotune-no-cudagraphs"
 
 
 def _fwd_bwd(attention, q, k, v, grad_out):
@@ -339,8 +339,8 @@ def _report(rows, args, device_name: str, forward_kernel: str, backward_kernel: 
         "correctness gate (ragged and block-multiple lengths against float32 references) runs before any "
         "timing, and at every timed shape FlexAttention is compared with DSV (out, dq, dk, dv) before either "
         "is timed (not with --skip-flex)."
-        + (" FlexAttention is compiled with mode max-autotune-no-cudagraphs: its default backward tiles do not "
-           "divide blocks under 128 tokens." if _flex_compile_mode(args.group_size, args.kv_block) else ""),
+        + (" FlexAttention is compiled with mode max-autotune-no-cudagraphs: its default backward tile (128 "
+           "tokens) does not divide these blocks." if _flex_compile_mode(args.group_size, args.kv_block) else ""),
         "",
         "| S | method | kept | fwd ms | fwd+bwd ms | TFLOP/s | × dense | × Flex | GPU ms (× Flex) "
         "| est. ms (fused / GPU / ref) | est. share | key-major ms | peak GiB | note |",

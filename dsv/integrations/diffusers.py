@@ -49,7 +49,14 @@ from safetensors import safe_open
 
 from dsv.modules.attention import DSVAttentionCore
 from dsv.modules.config import AttentionConfig
-from dsv.modules.controller import DSVController
+from dsv.modules.controller import (
+    CONTROLLER_NAME,
+    LAYOUT_BUFFER,
+    DSVController,
+    check_layout_on_load,
+    layout_difference,
+    layout_record,
+)
 from dsv.ops import PAD, SparseIndex
 from dsv.ops.grouping import cube_permutation_on
 
@@ -62,8 +69,6 @@ __all__ = [
     "install_dsv",
 ]
 
-CONTROLLER_NAME = "dsv_controller"
-"""Attribute (and state_dict prefix) of the controller on a transformer patched by `install_dsv`."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -411,10 +416,10 @@ def install_dsv(transformer: nn.Module, cfg: AttentionConfig) -> DSVController:
         attn.set_processor(processor)
         grid.installed.append((name, attn, processor))
     controller = DSVController(cfg)
-    # What the saved DSV state was measured with, so that `from_pretrained_local` can refuse another layout
-    # (sparsity EMAs and budgets of one cube or θ mean something else under another). Integers: a model cast
-    # with `.to(dtype)` keeps them exact.
-    controller.register_buffer(LAYOUT_BUFFER, _layout_record(cfg))
+    # What the saved DSV state is measured with, so that `from_pretrained_local` can refuse another layout
+    # (sparsity EMAs and budgets of one cube or θ mean something else under another).
+    controller.register_buffer(LAYOUT_BUFFER, layout_record(cfg))
+    controller.register_load_state_dict_pre_hook(check_layout_on_load)  # also for a state loaded by hand
     transformer.add_module(CONTROLLER_NAME, controller)
     controller.attach(transformer)
     grid.controller = controller
@@ -427,14 +432,6 @@ def install_dsv(transformer: nn.Module, cfg: AttentionConfig) -> DSVController:
 # Loading a local from_pretrained folder
 # ----------------------------------------------------------------------------------------------------
 
-LAYOUT_BUFFER = "layout"
-_LAYOUT_FIELDS = ("cube t", "cube h", "cube w", "key block", "theta (millionths)")
-
-
-def _layout_record(cfg: AttentionConfig) -> torch.Tensor:
-    return torch.tensor([*cfg.cube, cfg.key_block, round(cfg.theta * 1e6)], dtype=torch.int64)
-
-
 def _check_layout(saved: dict[str, torch.Tensor], cfg: AttentionConfig, folder: Path) -> None:
     """Raise where the DSV state in `saved` was measured with another cube, key block or θ than `cfg`; warn
     where the folder predates the record (nothing to check against)."""
@@ -443,17 +440,11 @@ def _check_layout(saved: dict[str, torch.Tensor], cfg: AttentionConfig, folder: 
         warnings.warn(f"from_pretrained_local: the DSV state in {folder} does not record its cube, key block and "
                       "theta (saved before they were recorded), so they are not checked against cfg", stacklevel=3)
         return
-    expected = _layout_record(cfg)
-    found = saved[key].to(torch.int64)
-    if found.shape != expected.shape or not torch.equal(found, expected):
-        if found.shape != expected.shape:
-            differences = f"a record of shape {tuple(found.shape)}, expected {tuple(expected.shape)}"
-        else:
-            differences = ", ".join(f"{name} {int(a)} (cfg: {int(b)})" for name, a, b
-                                    in zip(_LAYOUT_FIELDS, found, expected) if a != b)
+    difference = layout_difference(saved[key], layout_record(cfg))
+    if difference is not None:
         raise ValueError(
             f"from_pretrained_local: the DSV state in {folder} was measured with another layout than cfg: "
-            f"saved {differences}. Its sparsities, budgets and predictors belong to that layout; load it with "
+            f"saved {difference}. Its sparsities, budgets and predictors belong to that layout; load it with "
             "the cube, kv_block and theta it was saved with")
 
 
@@ -552,7 +543,7 @@ def from_pretrained_local(
     saved = _tensors_not_in(folder, variant, base_keys)
     if saved:
         _check_layout(saved, cfg, folder)
-        saved.setdefault(f"{CONTROLLER_NAME}.{LAYOUT_BUFFER}", _layout_record(cfg))  # predates the record
+        saved.setdefault(f"{CONTROLLER_NAME}.{LAYOUT_BUFFER}", layout_record(cfg))  # predates the record
         if set(saved) != dsv_keys:
             def first(keys: set[str]) -> str:
                 keys = sorted(keys)

@@ -17,6 +17,56 @@ from torch import nn
 from dsv.modules.config import AttentionConfig
 from dsv.modules.predictor import release_parked
 
+CONTROLLER_NAME = "dsv_controller"
+"""Attribute (and state_dict prefix) of the controller on a transformer patched by
+`dsv.integrations.diffusers.install_dsv`."""
+LAYOUT_BUFFER = "layout"
+"""A controller buffer that `dsv.integrations.diffusers.install_dsv` adds: what the model's DSV state is measured
+with (`layout_record`), so that the state is not loaded into a model of another cube, key block or θ."""
+
+
+def layout_record(cfg: AttentionConfig) -> torch.Tensor:
+    """`[cube t, cube h, cube w, key block, round(θ · 1e6)]` as int64: a model cast with `.to(dtype)` keeps it
+    exact."""
+    return torch.tensor([*cfg.cube, cfg.key_block, round(cfg.theta * 1e6)], dtype=torch.int64)
+
+
+def layout_difference(saved: torch.Tensor, current: torch.Tensor) -> str | None:
+    """What differs between two `layout_record`s, by the config's names ("cube=(2, 2, 2) (cfg: (2, 2, 1)), ..."),
+    or None where they agree."""
+    saved, current = saved.to(torch.int64).flatten(), current.to(torch.int64).flatten()
+    if saved.shape != current.shape:
+        return f"a layout record of {saved.numel()} values (this version writes {current.numel()})"
+    if torch.equal(saved, current):
+        return None
+    a, b = saved.tolist(), current.tolist()
+    differences = []
+    if a[:3] != b[:3]:
+        differences.append(f"cube={tuple(a[:3])} (cfg: {tuple(b[:3])})")
+    if a[3] != b[3]:
+        differences.append(f"key block={a[3]} tokens (cfg: {b[3]}; kv_block=0 makes it the cube's volume)")
+    if a[4] != b[4]:
+        differences.append(f"theta={a[4] / 1e6:g} (cfg: {b[4] / 1e6:g})")
+    return ", ".join(differences)
+
+
+def check_layout_on_load(controller: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """`load_state_dict` pre-hook of a controller with a `layout` buffer: a state of another layout is refused
+    (its sparsities, budgets and predictors belong to that layout); one saved before the record loads with a
+    warning and keeps the model's record."""
+    key = prefix + LAYOUT_BUFFER
+    current = getattr(controller, LAYOUT_BUFFER)
+    if key not in state_dict:
+        warnings.warn(f"load_state_dict: the DSV state does not record its cube, key block and theta ({key}; saved "
+                      "before they were recorded), so they are not checked against the model's", stacklevel=2)
+        state_dict[key] = current.clone()
+        return
+    difference = layout_difference(state_dict[key], current)
+    if difference is not None:
+        raise ValueError(f"load_state_dict: the DSV state was measured with another layout than this model's: saved "
+                         f"{difference}. Load it into a model built with the cube, kv_block and theta it was saved "
+                         "with")
+
 
 @dataclass
 class StepEvents:

@@ -20,6 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from dsv.modules.config import AttentionConfig
+from dsv.modules.controller import CONTROLLER_NAME, LAYOUT_BUFFER, layout_record
 from dsv.train.config import config_from_dict
 
 MANIFEST = "manifest.json"
@@ -236,18 +238,23 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, di
             raise CheckpointError(f"{file} is missing")
         if _sha256(file) != expected:
             raise CheckpointError(f"{file} is corrupt or truncated (SHA-256 differs from {MANIFEST})")
-    weights = with_added_buffers(load_file(ckpt / WEIGHTS))
+    weights = with_added_buffers(load_file(ckpt / WEIGHTS), checkpoint_config(manifest, ckpt).attention)
     state = torch.load(ckpt / STATE, map_location="cpu", weights_only=False)
     return weights, state, manifest
 
 
-def with_added_buffers(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Checkpoints saved before a DSV layer gained a buffer, completed with the value that reproduces them:
-    `keep_boost` (the recall floor's widening, added later) is zero beside each `keep_fraction`."""
+def with_added_buffers(weights: dict[str, torch.Tensor], attention: AttentionConfig) -> dict[str, torch.Tensor]:
+    """Checkpoints saved before DSV gained a buffer, completed with the value that reproduces them:
+    `keep_boost` (the recall floor's widening, added later) is zero beside each `keep_fraction`; a diffusers
+    model's controller `layout` (added later) is that of `attention`, the config the run was trained with."""
     for name in [k for k in weights if k.endswith(".keep_fraction")]:
         boost = name[: -len("keep_fraction")] + "keep_boost"
         if boost not in weights:
             weights[boost] = torch.zeros_like(weights[name])
+    for name in [k for k in weights if k == f"{CONTROLLER_NAME}.stage" or k.endswith(f".{CONTROLLER_NAME}.stage")]:
+        layout = name[: -len("stage")] + LAYOUT_BUFFER
+        if layout not in weights:
+            weights[layout] = layout_record(attention)
     return weights
 
 

@@ -33,12 +33,14 @@ def test_report_rows_have_every_column_and_the_gpu_time_ratio():
 
 
 def test_flex_autotunes_where_its_default_backward_tiles_do_not_divide_the_blocks():
-    """Under 128-token blocks FlexAttention's default Hopper backward tile (64×128) leaves it no choice at
-    all, so it is compiled with autotuning, and the report says so; at 128 it keeps its defaults."""
+    """Where 128 does not divide the blocks, FlexAttention's default Hopper backward tile (64×128) leaves it
+    no choice at all, so it is compiled with autotuning, and the report says so; at multiples of 128 it keeps
+    its defaults."""
     from dsv.bench.kernels import _flex_compile_mode
 
-    assert _flex_compile_mode(128, 128) is None
-    assert _flex_compile_mode(64, 64) == _flex_compile_mode(64, 128) == "max-autotune-no-cudagraphs"
+    assert _flex_compile_mode(128, 128) is None and _flex_compile_mode(256, 128) is None
+    for group, block in ((64, 64), (64, 128), (128, 192)):
+        assert _flex_compile_mode(group, block) == "max-autotune-no-cudagraphs", (group, block)
     for block, noted in ((128, False), (64, True)):
         args = argparse.Namespace(batch=1, heads=24, head_dim=128, dtype="bf16", group_size=block, kv_block=block,
                                   rank=16)

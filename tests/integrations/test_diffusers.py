@@ -422,16 +422,17 @@ def test_from_pretrained_local_restores_saved_dsv_state(tmp_path, safe_serializa
 
 def test_from_pretrained_local_refuses_state_of_another_cube_or_theta(tmp_path):
     """The saved DSV state records the cube, key block and θ it was measured with: another cfg is refused with
-    what differs; a folder saved before the record loads with a warning that nothing was checked."""
+    what differs, by the config's names; a folder saved before the record loads with a warning that nothing
+    was checked."""
     model = tiny_wan()
     install_dsv(model, cfg("dsv"))
     model.save_pretrained(tmp_path / "saved")
-    other_cube = r"another layout than cfg: saved cube w 2 \(cfg: 1\), key block 8 \(cfg: 4\)\."
+    other_cube = r"another layout than cfg: saved cube=\(2, 2, 2\) \(cfg: \(2, 2, 1\)\), key block=8 tokens \(cfg: 4;"
     with pytest.raises(ValueError, match=other_cube):
         from_pretrained_local(tmp_path / "saved", dsv.AttentionConfig(mode="dsv", cube=(2, 2, 1), sample_stride=4))
-    with pytest.raises(ValueError, match=r"theta \(millionths\) 900000 \(cfg: 950000\)"):
+    with pytest.raises(ValueError, match=r"saved theta=0.9 \(cfg: 0.95\)\."):
         from_pretrained_local(tmp_path / "saved", cfg("dsv", theta=0.95))
-    with pytest.raises(ValueError, match=r"saved key block 8 \(cfg: 16\)\."):
+    with pytest.raises(ValueError, match=r"saved key block=8 tokens \(cfg: 16;"):
         from_pretrained_local(tmp_path / "saved", cfg("dsv", kv_block=16))
     loaded = from_pretrained_local(tmp_path / "saved", cfg("dsv"))
     assert torch.equal(loaded.dsv_controller.layout, torch.tensor([*CUBE, math.prod(CUBE), 900000]))
@@ -441,6 +442,22 @@ def test_from_pretrained_local_refuses_state_of_another_cube_or_theta(tmp_path):
     with pytest.warns(UserWarning, match="does not record its cube, key block and theta"):
         loaded = from_pretrained_local(tmp_path / "older", cfg("dsv"))
     assert torch.equal(loaded.dsv_controller.layout, torch.tensor([*CUBE, math.prod(CUBE), 900000]))
+
+
+def test_a_state_dict_loaded_by_hand_is_checked_for_its_layout():
+    """`load_state_dict` on a model with DSV installed refuses a state of another layout, and loads one saved
+    before the record with a warning, keeping the model's record."""
+    source = tiny_wan()
+    install_dsv(source, cfg("dsv", theta=0.95))
+    state = source.state_dict()
+    target = tiny_wan()
+    install_dsv(target, cfg("dsv"))
+    with pytest.raises(ValueError, match=r"another layout than this model's: saved theta=0.95 \(cfg: 0.9\)"):
+        target.load_state_dict(state)
+    older = {key: value for key, value in state.items() if key != "dsv_controller.layout"}
+    with pytest.warns(UserWarning, match=r"does not record its cube, key block and theta \(dsv_controller.layout"):
+        target.load_state_dict(older)
+    assert torch.equal(target.dsv_controller.layout, torch.tensor([*CUBE, math.prod(CUBE), 900000]))
 
 
 def test_build_wan_for_training_trains_on_real_video():

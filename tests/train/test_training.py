@@ -180,6 +180,24 @@ def test_checkpoints_from_before_the_recall_floor_resume(tmp_path):
     assert torch.isfinite(torch.tensor(trainer.run()["loss"]))
 
 
+def test_checkpoints_from_before_the_layout_record_are_completed_from_their_config():
+    """A diffusers model's controller `layout` (added later) is filled in from the run's attention config, where
+    a checkpoint lacks it; a checkpoint that has it, or a model without that controller, is left as it is."""
+    from dsv.modules.config import AttentionConfig
+    from dsv.modules.controller import layout_record
+    from dsv.train.checkpoint import with_added_buffers
+
+    attention = AttentionConfig(cube=(2, 4, 4), theta=0.85)
+    stage = torch.tensor(2)
+    older = with_added_buffers({"transformer.dsv_controller.stage": stage}, attention)
+    assert torch.equal(older["transformer.dsv_controller.layout"], torch.tensor([2, 4, 4, 32, 850000]))
+    assert torch.equal(older["transformer.dsv_controller.layout"], layout_record(attention))
+    recorded = torch.tensor([1, 2, 2, 4, 900000])
+    newer = with_added_buffers({"dsv_controller.stage": stage, "dsv_controller.layout": recorded}, attention)
+    assert newer["dsv_controller.layout"] is recorded
+    assert set(with_added_buffers({"controller.stage": stage}, attention)) == {"controller.stage"}
+
+
 def test_checkpoint_errors_are_clear_and_keep_saved_files(tmp_path):
     cfg = tiny_config(tmp_path, "train.steps=4", "train.ckpt_every=2", "train.keep_checkpoints=3")
     Trainer(cfg, quiet=True).run()
