@@ -57,9 +57,13 @@ def check_layout_on_load(controller: nn.Module, state_dict: dict, prefix: str, *
     key = prefix + LAYOUT_BUFFER
     current = getattr(controller, LAYOUT_BUFFER)
     if key not in state_dict:
-        warnings.warn(f"load_state_dict: the DSV state does not record its cube, key block and theta ({key}; saved "
-                      "before they were recorded), so they are not checked against the model's", stacklevel=2)
-        state_dict[key] = current.clone()
+        # A state without any DSV controller state (e.g. a model's pretrained weights, loaded non-strictly)
+        # has nothing to check; one with the controller's stage but no record was saved before the record.
+        if prefix + "stage" in state_dict:
+            warnings.warn(f"load_state_dict: the DSV state does not record its cube, key block and theta ({key}; "
+                          "saved before they were recorded), so they are not checked against the model's",
+                          stacklevel=2)
+            state_dict[key] = current.clone()
         return
     difference = layout_difference(state_dict[key], current)
     if difference is not None:

@@ -2,6 +2,7 @@
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -458,6 +459,11 @@ def test_a_state_dict_loaded_by_hand_is_checked_for_its_layout():
     with pytest.warns(UserWarning, match=r"does not record its cube, key block and theta \(dsv_controller.layout"):
         target.load_state_dict(older)
     assert torch.equal(target.dsv_controller.layout, torch.tensor([*CUBE, math.prod(CUBE), 900000]))
+    # The pretrained weights alone (no DSV state), loaded non-strictly: nothing to check, no warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = target.load_state_dict(tiny_wan().state_dict(), strict=False)
+    assert "dsv_controller.layout" in result.missing_keys
 
 
 def test_build_wan_for_training_trains_on_real_video():
