@@ -93,8 +93,8 @@ class _LatentGrid:
         self.controller: DSVController | None = None  # set by `install_dsv`: its forward_id marks a new step
         # (name, attention module, its DSV processor), set by `install_dsv`: checked before every forward.
         self.installed: list[tuple[str, nn.Module, nn.Module]] = []
-        # Grids of grad-enabled forwards whose backward has not run yet (in forward order), and the step they
-        # belong to; a backward that recomputes drops those recorded before it began, when it ends.
+        # Distinct grids of grad-enabled forwards whose backward has not run yet (in forward order), and the step
+        # they belong to; a backward that recomputes drops those recorded before it began, when it ends.
         self._pending: list[tuple[int, int, int]] = []
         self._pending_step: int | None = None
         self._backward_cutoff: int | None = None
@@ -133,7 +133,11 @@ class _LatentGrid:
             forward_id = self.controller.forward_id if self.controller is not None else None
             if self._pending_step != forward_id:  # a new step: the previous one's backward is done
                 self._pending, self._pending_step = [], forward_id
-            self._pending.append(grid)
+            # Once per distinct grid: a backward retires every grid recorded before it began, so repeats add
+            # nothing, and without them the list stays as short as the shapes seen (a loop of grad-enabled
+            # forwards without `begin_step` or a backward would otherwise grow it for good).
+            if grid not in self._pending:
+                self._pending.append(grid)
 
     def forward_done(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
         self.grid = None  # a processor called after this is a checkpointing recompute, or a misuse

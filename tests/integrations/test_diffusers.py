@@ -352,6 +352,19 @@ def test_gradient_accumulation_over_shapes_of_one_token_count_under_checkpointin
         torch.testing.assert_close(results[1][name], results[0][name], **TOL32, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_grad_enabled_forwards_without_steps_keep_one_pending_grid_per_shape():
+    """Forwards with gradients but no `begin_step` and no backward (e.g. a sampling loop outside no_grad)
+    record each grid once, not once per forward."""
+    model = tiny_wan().double()
+    install_dsv(model, cfg("dense"))
+    model.train()
+    grid_hook = next(hook for hook in model._forward_pre_hooks.values() if hasattr(hook, "recompute_grid"))
+    for seed in range(3):
+        for t, h, w in ((4, 8, 8), (4, 8, 16)):
+            wan_forward(model, _latent(t, h, w, seed))
+    assert grid_hook._pending == [(4, 4, 4), (4, 4, 8)]
+
+
 def test_reentrant_checkpointing_finds_the_grid_of_its_forward():
     """Reentrant checkpointing runs the first forward without gradients; the transformer's hook records the
     grid anyway (its own forward has them), so the recompute finds it."""
