@@ -53,8 +53,8 @@ from dsv.modules.controller import (
     CONTROLLER_NAME,
     LAYOUT_BUFFER,
     DSVController,
+    check_layout,
     check_layout_on_load,
-    layout_difference,
     layout_record,
 )
 from dsv.ops import PAD, SparseIndex
@@ -436,22 +436,6 @@ def install_dsv(transformer: nn.Module, cfg: AttentionConfig) -> DSVController:
 # Loading a local from_pretrained folder
 # ----------------------------------------------------------------------------------------------------
 
-def _check_layout(saved: dict[str, torch.Tensor], cfg: AttentionConfig, folder: Path) -> None:
-    """Raise where the DSV state in `saved` was measured with another cube, key block or θ than `cfg`; warn
-    where the folder predates the record (nothing to check against)."""
-    key = f"{CONTROLLER_NAME}.{LAYOUT_BUFFER}"
-    if key not in saved:
-        warnings.warn(f"from_pretrained_local: the DSV state in {folder} does not record its cube, key block and "
-                      "theta (saved before they were recorded), so they are not checked against cfg", stacklevel=3)
-        return
-    difference = layout_difference(saved[key], layout_record(cfg))
-    if difference is not None:
-        raise ValueError(
-            f"from_pretrained_local: the DSV state in {folder} was measured with another layout than cfg: "
-            f"saved {difference}. Its sparsities, budgets and predictors belong to that layout; load it with "
-            "the cube, kv_block and theta it was saved with")
-
-
 _SUPPORTED = {cls.__name__: cls for cls in (WanTransformer3DModel, CogVideoXTransformer3DModel)}
 # state_dict keys that install_dsv adds: the self-attention processors and the controller.
 _DSV_KEY_PATTERNS = (r"(^|\.)attn1\.processor\.", rf"^{CONTROLLER_NAME}\.")
@@ -546,8 +530,8 @@ def from_pretrained_local(
     dsv_keys = set(transformer.state_dict()) - base_keys
     saved = _tensors_not_in(folder, variant, base_keys)
     if saved:
-        _check_layout(saved, cfg, folder)
-        saved.setdefault(f"{CONTROLLER_NAME}.{LAYOUT_BUFFER}", layout_record(cfg))  # predates the record
+        check_layout(saved, f"{CONTROLLER_NAME}.{LAYOUT_BUFFER}", layout_record(cfg),
+                     f"from_pretrained_local: the DSV state in {folder}", "cfg")
         if set(saved) != dsv_keys:
             def first(keys: set[str]) -> str:
                 keys = sorted(keys)

@@ -50,26 +50,28 @@ def layout_difference(saved: torch.Tensor, current: torch.Tensor) -> str | None:
     return ", ".join(differences)
 
 
-def check_layout_on_load(controller: nn.Module, state_dict: dict, prefix: str, *args) -> None:
-    """`load_state_dict` pre-hook of a controller with a `layout` buffer: a state of another layout is refused
-    (its sparsities, budgets and predictors belong to that layout); one saved before the record loads with a
-    warning and keeps the model's record."""
-    key = prefix + LAYOUT_BUFFER
-    current = getattr(controller, LAYOUT_BUFFER)
+def check_layout(state_dict: dict, key: str, current: torch.Tensor, source: str, against: str) -> None:
+    """Refuse a DSV state (`state_dict`, its record under `key`) measured with another layout than `current`:
+    its sparsities, budgets and predictors belong to that layout. A state saved before the record warns and
+    gets `current`. `source` and `against` name the two sides in the messages."""
     if key not in state_dict:
-        # A state without any DSV controller state (e.g. a model's pretrained weights, loaded non-strictly)
-        # has nothing to check; one with the controller's stage but no record was saved before the record.
-        if prefix + "stage" in state_dict:
-            warnings.warn(f"load_state_dict: the DSV state does not record its cube, key block and theta ({key}; "
-                          "saved before they were recorded), so they are not checked against the model's",
-                          stacklevel=2)
-            state_dict[key] = current.clone()
+        warnings.warn(f"{source} does not record its cube, key block and theta ({key}; saved before they were "
+                      f"recorded), so they are not checked against {against}", stacklevel=3)
+        state_dict[key] = current.clone()
         return
     difference = layout_difference(state_dict[key], current)
     if difference is not None:
-        raise ValueError(f"load_state_dict: the DSV state was measured with another layout than this model's: saved "
-                         f"{difference}. Load it into a model built with the cube, kv_block and theta it was saved "
-                         "with")
+        raise ValueError(f"{source} was measured with another layout than {against}: saved {difference}. Load it "
+                         "with the cube, kv_block and theta it was saved with")
+
+
+def check_layout_on_load(controller: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """`load_state_dict` pre-hook of a controller with a `layout` buffer (`check_layout`). A state without any
+    DSV controller state (e.g. a model's pretrained weights, loaded non-strictly) has nothing to check."""
+    key = prefix + LAYOUT_BUFFER
+    if key in state_dict or prefix + "stage" in state_dict:
+        check_layout(state_dict, key, getattr(controller, LAYOUT_BUFFER), "load_state_dict: the DSV state",
+                     "this model's")
 
 
 @dataclass
