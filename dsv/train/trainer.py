@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import time
@@ -51,6 +52,12 @@ RESUMABLE_CHANGES = {"train": {"steps", "log_every", "eval_every", "ckpt_every",
 def _without_digest(source: dict) -> dict:
     """One source of a data fingerprint (`VideoClipDataset.fingerprint`) without its pixel digest."""
     return {k: v for k, v in source.items() if k != "sha256"}
+
+
+SAVE_WAIT_TIMEOUT = datetime.timedelta(hours=2)
+"""How long the other ranks wait for rank 0 to write a checkpoint. They wait in a gloo group of their own: in the
+default group a large save on a slow file system could outlast its timeout (NCCL's is 10 minutes) and kill the run
+in the middle of a good save."""
 
 
 def init_distributed(device_name: str) -> tuple[int, int, torch.device]:
@@ -112,6 +119,9 @@ class Trainer:
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         self.rank, self.world, self.device = init_distributed(cfg.train.device)
+        # Collective: every rank makes its trainer at the same point (see `SAVE_WAIT_TIMEOUT`).
+        self._save_group = (dist.new_group(backend="gloo", timeout=SAVE_WAIT_TIMEOUT) if self.world > 1
+                            else None)
         self.quiet = quiet or self.rank != 0  # rank 0 alone logs and writes
         # Rank 0 writes the folder, so it alone locks it, before looking at what the folder holds.
         self._run_lock = lock_run_dir(self.run_dir) if self.rank == 0 else None
@@ -119,6 +129,7 @@ class Trainer:
             self._setup(cfg, resume)
         except BaseException:
             self._release_run_lock()  # a refused or failed start leaves the folder free for the next attempt
+            self._release_save_group()
             raise
 
     def _setup(self, cfg: Config, resume: bool) -> None:
@@ -275,7 +286,7 @@ class Trainer:
         if self.world > 1:
             # Every rank learns whether rank 0's write succeeded: none goes on, or waits, alone.
             status = [error]
-            dist.broadcast_object_list(status, src=0)
+            dist.broadcast_object_list(status, src=0, group=self._save_group)
             error = status[0]
         if error is not None:  # with rank 0's own traceback there (an internal error keeps its stack)
             raise CheckpointError(f"saving step {self.step} failed on rank 0: {error} (older checkpoints are "
@@ -628,6 +639,12 @@ class Trainer:
         if self.writer is not None:
             self.writer.close()
         self._release_run_lock()
+        self._release_save_group()
+
+    def _release_save_group(self) -> None:
+        if self._save_group is not None:
+            dist.destroy_process_group(self._save_group)
+            self._save_group = None
 
     def _release_run_lock(self) -> None:
         if self._run_lock is not None:

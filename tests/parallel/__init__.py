@@ -25,13 +25,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(worker, rank, world_size, port, args, out_dir):
+def _entry(worker, rank, world_size, port, args, out_dir, collective_timeout_s):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     # One thread per rank: the ranks share two cores, and oversubscription makes every step slower.
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=collective_timeout_s)
     )
     try:
         result = worker(rank, world_size, *args)
@@ -43,15 +43,17 @@ def _entry(worker, rank, world_size, port, args, out_dir):
         dist.destroy_process_group()
 
 
-def run_distributed(worker, world_size: int, *args, out_dir: Path, timeout_s: float = 60.0) -> list:
+def run_distributed(worker, world_size: int, *args, out_dir: Path, timeout_s: float = 60.0,
+                    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S) -> list:
     """Run ``worker(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result.
 
-    ``worker`` must be a module-level function (it is pickled into spawned processes).
+    ``worker`` must be a module-level function (it is pickled into spawned processes). ``collective_timeout_s``
+    is the default process group's timeout.
     """
     context = multiprocessing.get_context("spawn")
     port = free_port()
     processes = [
-        context.Process(target=_entry, args=(worker, rank, world_size, port, args, str(out_dir)))
+        context.Process(target=_entry, args=(worker, rank, world_size, port, args, str(out_dir), collective_timeout_s))
         for rank in range(world_size)
     ]
     for process in processes:

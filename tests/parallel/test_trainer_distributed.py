@@ -2,6 +2,7 @@
 checkpoints from rank 0, and resuming continues the run exactly."""
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,36 @@ def test_context_parallel_training_equals_one_process(tmp_path):
     # K/V); over 4 AdamW steps that stays within ~1e-5 of the loss, far inside 1e-4.
     for (_, a), (_, b) in zip(parallel, one):
         assert abs(a - b) <= 1e-4 * abs(b), (parallel, one)
+
+
+# Rank 0's save takes longer than the default group's timeout in this test (`WAIT_TEST_TIMEOUT_S`): a rank that
+# waited for it there would raise.
+WAIT_TEST_TIMEOUT_S = 6
+SLOW_SAVE_S = 10
+
+
+def _train_with_a_slow_save(rank: int, world: int, root: str) -> list[str]:
+    import dsv.train.trainer as trainer_module
+    from dsv.train.checkpoint import list_checkpoints
+    from dsv.train.config import apply_overrides
+    from dsv.train.recipes import get_recipe
+
+    save = trainer_module.save_checkpoint
+
+    def slow_save(*args, **kwargs):
+        time.sleep(SLOW_SAVE_S)
+        return save(*args, **kwargs)
+
+    trainer_module.save_checkpoint = slow_save  # only rank 0 calls it
+    cfg = apply_overrides(get_recipe("debug_cpu"), TINY + [
+        "train.threads=1", "train.steps=1", "train.ckpt_every=1", f"train.out_dir={root}"])
+    trainer_module.Trainer(cfg, quiet=True).run()
+    return [path.name for path in list_checkpoints(root)]
+
+
+def test_ranks_wait_for_a_save_longer_than_the_process_group_timeout(tmp_path):
+    """The other ranks wait for rank 0's checkpoint in a group with a long timeout of its own: a save that takes
+    longer than the default group's timeout (NCCL's 10 minutes on a slow file system) does not kill the run."""
+    ranks = run_distributed(_train_with_a_slow_save, 2, str(tmp_path / "run"), out_dir=tmp_path, timeout_s=120,
+                            collective_timeout_s=WAIT_TEST_TIMEOUT_S)
+    assert ranks[0] == ranks[1] == ["step_00000001"]
