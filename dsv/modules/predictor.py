@@ -89,6 +89,18 @@ def predictor_loss_from_factors(
     return cosine_weight * (1.0 - cosine).mean() + mse_weight * mse.mean()
 
 
+def _keep_fused(optimizer: torch.optim.Optimizer) -> None:
+    """After `load_state_dict`: the fused AdamW step again, with its step counts as float32 tensors beside their
+    parameters. A state saved by a foreach AdamW (earlier versions) carries `fused=None` in its groups, which
+    loading restores, and host step counts, which the fused kernel refuses."""
+    for group in optimizer.param_groups:
+        group["fused"], group["foreach"] = True, None
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].to(device=param.device, dtype=torch.float32)
+
+
 class LowRankPredictor(nn.Module):
     """Two low-rank projections per layer: hidden `[B, S, C]` → `q_lr, k_lr` of `[B, H, S, rank]`."""
 
@@ -131,6 +143,7 @@ class LowRankPredictor(nn.Module):
     def _hook_optimizer(self) -> None:
         self.optimizer.register_state_dict_pre_hook(self._unpark_hook)
         self.optimizer.register_load_state_dict_pre_hook(self._unpark_hook)
+        self.optimizer.register_load_state_dict_post_hook(_keep_fused)
 
     # ----- parking: the state in pinned host memory between uses -----
     def _state_tensors(self) -> list[torch.Tensor]:

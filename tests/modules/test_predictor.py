@@ -1,5 +1,7 @@
 """The low-rank predictor learns to rank keys like the true QKᵀ on a toy problem."""
 
+import copy
+
 import pytest
 import torch
 
@@ -192,3 +194,27 @@ def test_a_predictor_update_that_overflows_reports_nan_at_once():
     failed = predictor.step(lambda: sum((p ** 2).sum() for p in predictor.parameters()), "cpu")
     handle.remove()
     assert torch.isnan(failed) and not torch.isfinite(weight).all()
+
+
+def test_an_optimizer_state_of_the_earlier_foreach_adamw_loads_into_the_fused_one():
+    """Checkpoints of earlier versions hold a foreach AdamW's state (`fused=None`, host step counts): loaded, the
+    predictor keeps stepping fused, as the unfused optimizer would (float32 rounding apart)."""
+    def loss(predictor):
+        return lambda: sum((p ** 2).sum() for p in predictor.parameters())
+
+    earlier = LowRankPredictor(dim=8, heads=2, rank=2)
+    earlier.optimizer = torch.optim.AdamW(earlier.parameters(), lr=1e-2, weight_decay=0.0)  # the earlier default
+    earlier.step(loss(earlier), "cpu")
+    loaded = LowRankPredictor(dim=8, heads=2, rank=2, lr=1e-2)
+    loaded.load_state_dict(earlier.state_dict())
+    # A copy, as from a checkpoint file: loading keeps the given tensors, which `earlier` goes on updating.
+    loaded.optimizer.load_state_dict(copy.deepcopy(earlier.optimizer.state_dict()))
+    assert all(group["fused"] for group in loaded.optimizer.param_groups)
+    for _ in range(2):
+        earlier.step(loss(earlier), "cpu")
+        loaded.step(loss(loaded), "cpu")
+    # Two float32 AdamW steps of the same values in another kernel: within a few ulps of weights of order 1.
+    for a, b in zip(earlier.parameters(), loaded.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert all(state["step"].dtype == torch.float32 and float(state["step"]) == 3
+               for state in loaded.optimizer.state.values())
