@@ -57,7 +57,8 @@ def _without_digest(source: dict) -> dict:
 SAVE_WAIT_TIMEOUT = datetime.timedelta(hours=2)
 """How long the other ranks wait for rank 0 to write a checkpoint. They wait in a gloo group of their own: in the
 default group a large save on a slow file system could outlast its timeout (NCCL's is 10 minutes) and kill the run
-in the middle of a good save."""
+in the middle of a good save. A multi-node run thus needs gloo to reach every node (`GLOO_SOCKET_IFNAME` where the
+host name resolves to a loopback address)."""
 
 
 def init_distributed(device_name: str) -> tuple[int, int, torch.device]:
@@ -123,9 +124,10 @@ class Trainer:
         self._save_group = (dist.new_group(backend="gloo", timeout=SAVE_WAIT_TIMEOUT) if self.world > 1
                             else None)
         self.quiet = quiet or self.rank != 0  # rank 0 alone logs and writes
-        # Rank 0 writes the folder, so it alone locks it, before looking at what the folder holds.
-        self._run_lock = lock_run_dir(self.run_dir) if self.rank == 0 else None
+        self._run_lock = None
         try:
+            # Rank 0 writes the folder, so it alone locks it, before looking at what the folder holds.
+            self._run_lock = lock_run_dir(self.run_dir) if self.rank == 0 else None
             self._setup(cfg, resume)
         except BaseException:
             self._release_run_lock()  # a refused or failed start leaves the folder free for the next attempt
