@@ -8,22 +8,7 @@ import sys
 
 import torch
 
-from dsv.train.checkpoint import CheckpointError
-
-
-def _checkpoint_step(run_dir: str) -> int | None:
-    """The step of the checkpoint that `--resume` would continue from `run_dir` (its manifest alone, not the
-    weights), or None when there is none or it is unreadable (the trainer then says why)."""
-    from dsv.train.checkpoint import MANIFEST, list_checkpoints
-
-    existing = list_checkpoints(run_dir)
-    if not existing:
-        return None
-    try:
-        step = json.loads((existing[-1] / MANIFEST).read_text())["step"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return step if isinstance(step, int) else None
+from dsv.train.checkpoint import CheckpointError, checkpoint_step
 
 
 def _train(args) -> int:
@@ -33,7 +18,7 @@ def _train(args) -> int:
 
     cfg = apply_overrides(get_recipe(args.recipe), args.set or [])
     # Checked before the trainer starts: resuming drops the log records after the checkpoint's step.
-    start = _checkpoint_step(cfg.train.out_dir) if args.resume else 0
+    start = checkpoint_step(cfg.train.out_dir) if args.resume else 0
     if start is not None and cfg.train.steps <= start:
         where = f"the checkpoint in {cfg.train.out_dir} is at step {start}" if args.resume else "a new run"
         raise ValueError(f"train.steps={cfg.train.steps} leaves nothing to train ({where}); set train.steps above "
@@ -41,7 +26,9 @@ def _train(args) -> int:
     trainer = Trainer(cfg, resume=args.resume)
     result = trainer.run()
     if trainer.rank == 0:
-        print(f"done: step {trainer.step}, final loss {result.get('loss', float('nan')):.4f}, "
+        ended = (f"stopped at step {trainer.step} of {cfg.train.steps} (train.max_minutes); continue with --resume"
+                 if result["stopped_at_time_limit"] else f"done: step {trainer.step}")
+        print(f"{ended}, final loss {result.get('loss', float('nan')):.4f}, "
               f"held-out loss {result.get('heldout_loss', float('nan')):.4f}, switch step {result['switch_step']}, "
               f"sparse blocks {result['sparse_blocks_list']}")
     if torch.distributed.is_initialized():  # started by the trainer under torchrun
@@ -101,6 +88,17 @@ positive_int = _int_at_least(1)
 """argparse type: an int >= 1."""
 non_negative_int = _int_at_least(0)
 """argparse type: an int >= 0."""
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite float > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,6 +28,12 @@ Everything goes under ``--out``: at its top only ``report.md``, ``results.json``
 sparsity, samples, observations, speed), so the whole result is one small set of files; ``runs/`` (the
 runs with logs and checkpoints: ``dense``, ``dsv``, ``window`` for the first seed, ``<mode>-seed<seed>`` for
 the others), ``observe/`` and ``profile/`` hold the rest.
+
+Training longer than one sitting allows (a job's time limit) goes in legs: ``--train-minutes`` stops every run
+by that many minutes after the command started (each saves a checkpoint after its step in progress:
+``train.max_minutes``), and the command then exits with status 3 (``EXIT_UNFINISHED``) without evaluating;
+the same command with ``--resume`` continues the runs exactly, keeps the finished ones, and evaluates once
+all are done. ``runs/training_legs.json`` keeps what each leg trained and for how long.
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dsv.cli import positive_int
+from dsv.cli import positive_float, positive_int
 
 MODES = ("dense", "dsv", "window")
 CONTROL = "dense-control"  # the second dense run of --dense-control
@@ -66,6 +72,8 @@ RECALL_TARGET = 0.9  # target: the predictor keeps >= 90% of the critical mass t
 TRAIN_STEP_JSON = "benchmarks/results/2026-11-29-h200-train-step.json"
 FIGURES = ("losses.png", "sparsity.png", "samples.png", "observations.png", "speed.png")
 GRANULARITY_KEEP = (0.1, 0.25, 0.5)  # kept fractions at which token-level and key-cube selection are compared
+EXIT_UNFINISHED = 3  # the training stopped (--train-minutes, train.max_minutes) before every run was done
+LEGS_FILE = "training_legs.json"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,6 +99,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="train every mode once per seed (train.seed: initial weights, data order and noise) "
                              "and judge the loss target on the mean over seeds; distinct non-negative integers "
                              "(default: the recipe's train.seed alone)")
+    parser.add_argument("--train-minutes", type=positive_float,
+                        help="stop the training this many minutes after the command starts: each run saves a "
+                             "checkpoint and stops (runs of later waves get what is left), and the command exits "
+                             f"with status {EXIT_UNFINISHED} without evaluating; --resume continues")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the runs already under --out (stopped by --train-minutes or interrupted) from "
+                             "their last checkpoints, keep the finished ones, start the missing ones; refused where a "
+                             "run was made with another configuration")
     parser.add_argument("--dense-control", action="store_true",
                         help="train a second dense run per seed (the same command, its own folder) and show its "
                              "gap to dense beside DSV's: the run-to-run noise floor of the comparison")
@@ -197,19 +213,25 @@ def _where(place: dict, cpu: str = "CPU") -> str:
     return device + (f" with {', '.join(place['co_runners'])}" if place["co_runners"] else " alone")
 
 
-def train_all(commands: dict[str, list[str]], logs_dir: Path, gpus: list[str], runs_per_gpu: int = 1
-              ) -> dict[str, float]:
-    """Run the training commands (by run name) as subprocesses, each logging to ``logs_dir/<name>.log``, in
-    the waves of ``plan_runs`` (at most ``runs_per_gpu`` runs per visible GPU, every run with as many
-    co-runners on its GPU; one after another on the CPU), in the order given. Returns each run's wall seconds
-    by name, in the order given (runs of a wave end in any order); raises with the end of the log if a run
-    fails."""
+def train_all(commands: dict[str, list[str]], logs_dir: Path, gpus: list[str], runs_per_gpu: int = 1,
+              deadline: float | None = None, appending: frozenset[str] = frozenset()) -> dict[str, float]:
+    """Run the training commands (by run name) as subprocesses, each logging to ``logs_dir/<name>.log``
+    (appended to for the names in ``appending``: runs that continue), in the waves of ``plan_runs`` (at most
+    ``runs_per_gpu`` runs per visible GPU, every run with as many co-runners on its GPU; one after another on the
+    CPU), in the order given. With a ``deadline`` (a ``time.perf_counter()`` value) each run gets the minutes left
+    as ``train.max_minutes``, and no wave starts after it. Returns the wall seconds of each run that ran, by
+    name, in the order given (runs of a wave end in any order); raises with the end of the log if a run fails."""
     plan = plan_runs(list(commands), gpus, runs_per_gpu)
     # The same thread count for every run, the last wave's too, so that their data pipelines compare.
     per_wave = max(len(runs) for runs in plan) if plan else 1
     placement = run_placement(plan)
     seconds: dict[str, float] = {}
     for runs in plan:
+        left_minutes = None if deadline is None else (deadline - time.perf_counter()) / 60
+        if left_minutes is not None and left_minutes <= 0:
+            print(f"[quality] --train-minutes spent: {', '.join(name for name, _ in runs)} and later waves not started",
+                  flush=True)
+            break
         running = {}
         for name, gpu in runs:
             env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -219,11 +241,13 @@ def train_all(commands: dict[str, list[str]], logs_dir: Path, gpus: list[str], r
                 env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // per_wave))
             if len(gpus) >= 2:
                 env["CUDA_VISIBLE_DEVICES"] = gpu
-            log = open(logs_dir / f"{name}.log", "w")
+            log = open(logs_dir / f"{name}.log", "a" if name in appending else "w")
             others = placement[name]["co_runners"]
             print(f"[quality] training {name}" + (f" on GPU {gpu}" if len(gpus) >= 2 else "")
                   + (f" with {', '.join(others)}" if others else ""), flush=True)
-            running[name] = (subprocess.Popen(commands[name], stdout=log, stderr=subprocess.STDOUT, env=env), log,
+            limit = [] if left_minutes is None else ["--set", f"train.max_minutes={left_minutes:.4f}"]
+            command = commands[name] + limit
+            running[name] = (subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env), log,
                              time.perf_counter())
         while running:  # poll, so that each run's time ends when it does, not when the wave does
             for name, (process, log, start) in list(running.items()):
@@ -241,7 +265,48 @@ def train_all(commands: dict[str, list[str]], logs_dir: Path, gpus: list[str], r
                     raise RuntimeError(f"training {name} failed (exit {process.returncode}); end of its log:\n{tail}")
                 print(f"[quality] {name} trained in {seconds[name]:.0f} s", flush=True)
             time.sleep(0.2)
-    return {name: seconds[name] for name in commands}
+    return {name: seconds[name] for name in commands if name in seconds}
+
+
+def run_states(recipe: str, commands: dict[str, list[str]], runs_dir: Path) -> dict[str, str]:
+    """What each run of ``commands`` (by name) needs: ``"new"`` (no checkpoint in its folder), ``"resume"``
+    (a checkpoint before its ``train.steps``) or ``"done"``. Raises, before anything trains, where ``runs_dir``
+    holds runs this command does not train or a run's checkpoint was made with another configuration than its
+    command's (beyond the fields a resume may change)."""
+    from dsv.train.checkpoint import checkpoint_config, latest_manifest
+    from dsv.train.config import apply_overrides
+    from dsv.train.recipes import get_recipe
+    from dsv.train.trainer import check_resumable_config
+
+    others = sorted(p.name for p in runs_dir.iterdir() if p.is_dir() and p.name not in commands) \
+        if runs_dir.is_dir() else []
+    if others:
+        raise ValueError(f"--resume: {runs_dir} holds runs this command does not train ({', '.join(others)}); resume "
+                         "with the --train-seeds and --dense-control that started them (nothing was changed)")
+    states = {}
+    for name, command in commands.items():
+        cfg = apply_overrides(get_recipe(recipe), [command[i + 1] for i, arg in enumerate(command) if arg == "--set"])
+        found = latest_manifest(runs_dir / name)
+        if found is None:
+            states[name] = "new"
+            continue
+        ckpt, manifest = found
+        check_resumable_config(checkpoint_config(manifest, ckpt), cfg, ckpt)
+        step = manifest["step"]
+        if step > cfg.train.steps:
+            raise ValueError(f"--resume: run {name} is at step {step}, beyond this command's train.steps="
+                             f"{cfg.train.steps} (nothing was changed)")
+        states[name] = "done" if step == cfg.train.steps else "resume"
+    return states
+
+
+def legs_differ(legs: list[dict], names: list[str]) -> str | None:
+    """None when the training took one leg or every leg trained all of ``names`` (as the first did, so their
+    speeds still compare); otherwise what each leg trained, in words."""
+    if all(set(names) <= set(leg["seconds"]) for leg in legs):
+        return None
+    return "; ".join(f"leg {i + 1} trained {', '.join(n for n in names if n in leg['seconds']) or 'nothing'}"
+                     for i, leg in enumerate(legs))
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -729,22 +794,31 @@ def training_speed_lines(results: dict) -> list[str]:
     """The report's lines on where the runs trained (``train_placement``) and on their speeds: wall time per run
     (``train_seconds``) and steps/s after DSV's switch (``stage2_steps_per_s``, the first seed's runs), each
     said to be not comparable, with no numbers side by side, when its runs shared their GPUs with unequal
-    numbers of other runs (``unequal_sharing``)."""
+    numbers of other runs (``unequal_sharing``) or, trained in legs, not every leg trained all of them
+    (``legs_differ``)."""
     placement = results["train_placement"]
     lines = ["Training placement (each run's device and the runs that shared it): "
              + "; ".join(f"{name} {_where(place)}" for name, place in placement.items()) + "."]
     seconds, speed = results["train_seconds"], results["stage2_steps_per_s"]
-    unequal_seconds, unequal_speed = unequal_sharing(placement, list(seconds)), unequal_sharing(placement, list(speed))
+    legs = results.get("training_legs", [])  # absent from results written before training went in legs
+    if len(legs) > 1:
+        lines.append(f"Trained in {len(legs)} legs (each stopped by its time limit and continued exactly with "
+                     "--resume); the placement above is the first leg's, wall times are summed over the legs.")
+
+    def why_not_comparable(names: list[str]) -> str | None:
+        sharing, differ = unequal_sharing(placement, names), legs_differ(legs, names)
+        return (f"they shared their GPUs with unequal numbers of other runs ({sharing})" if sharing else
+                f"the legs trained different runs ({differ})" if differ else None)
+
+    unequal_seconds, unequal_speed = why_not_comparable(list(seconds)), why_not_comparable(list(speed))
     if unequal_seconds:
-        lines.append("Training wall time per run: **not comparable between runs**, they shared their GPUs with "
-                     f"unequal numbers of other runs ({unequal_seconds}); per run: "
+        lines.append(f"Training wall time per run: **not comparable between runs**, {unequal_seconds}; per run: "
                      + ", ".join(f"{m} {s:.0f} s" for m, s in seconds.items()) + ".")
     else:
         lines.append("Training wall time per run (process start to exit, data loading included): "
                      + ", ".join(f"{m} {s:.0f} s" for m, s in seconds.items()) + ".")
     if unequal_speed:
-        lines.append("Training speed after DSV's switch: **withheld**, not comparable between modes: the runs shared "
-                     f"their GPUs with unequal numbers of other runs ({unequal_speed}).")
+        lines.append(f"Training speed after DSV's switch: **withheld**, not comparable between modes: {unequal_speed}.")
     else:
         lines.append("Training speed after DSV's switch (speed.png): "
                      + ", ".join(f"{m} {v:.2f}" for m, v in speed.items()) + " steps/s.")
@@ -894,6 +968,10 @@ def _command_line(args) -> str:
         parts += ["--train-seeds", *map(str, args.train_seeds)]
     if args.dense_control:
         parts.append("--dense-control")
+    if args.train_minutes is not None:
+        parts += ["--train-minutes", f"{args.train_minutes:g}"]
+    if args.resume:
+        parts.append("--resume")
     return shlex.join(parts)
 
 
@@ -932,6 +1010,7 @@ def run(args) -> int:
     from dsv.analysis.observations import observe_checkpoint
     from dsv.analysis.profile import profile_checkpoint
     from dsv.eval import extract_features, load_i3d
+    from dsv.train.checkpoint import checkpoint_step
     from dsv.train.config import apply_overrides
     from dsv.train.data import build_dataset
     from dsv.train.recipes import get_recipe
@@ -939,8 +1018,9 @@ def run(args) -> int:
 
     out = args.out
     runs_dir = out / "runs"
-    if runs_dir.exists() and any(runs_dir.iterdir()):
-        raise FileExistsError(f"{runs_dir} already holds runs; choose a new --out (nothing was overwritten)")
+    if not args.resume and runs_dir.exists() and any(runs_dir.iterdir()):
+        raise FileExistsError(f"{runs_dir} already holds runs; choose a new --out, or continue them with --resume "
+                              "(nothing was overwritten)")
     cfg = apply_overrides(get_recipe(args.recipe), args.set)  # validates the overrides before any run starts
     seeds = resolve_train_seeds(args.train_seeds, cfg.train.seed)
     # The evaluation's config is the first seed's runs' (the initial-weights check builds models from it).
@@ -956,7 +1036,27 @@ def run(args) -> int:
     start = phase = time.perf_counter()
     gpus = visible_gpus()
     commands = training_commands(args.recipe, args.set, runs_dir, seeds, args.dense_control)
-    train_seconds = train_all(commands, runs_dir, gpus, args.runs_per_gpu)
+    states = run_states(args.recipe, commands, runs_dir) if args.resume else dict.fromkeys(commands, "new")
+    legs_file = runs_dir / LEGS_FILE
+    legs = json.loads(legs_file.read_text())["legs"] if args.resume and legs_file.is_file() else []
+    resumed = frozenset(name for name, state in states.items() if state == "resume")
+    if args.resume:
+        print("[quality] --resume: " + ", ".join(f"{name} {state}" for name, state in states.items()), flush=True)
+    leg_seconds = train_all({name: command + (["--resume"] if name in resumed else [])
+                             for name, command in commands.items() if states[name] != "done"},
+                            runs_dir, gpus, args.runs_per_gpu,
+                            deadline=None if args.train_minutes is None else start + 60 * args.train_minutes,
+                            appending=resumed)
+    legs.append({"seconds": leg_seconds, "resumed": sorted(resumed)})
+    legs_file.write_text(json.dumps({"legs": legs}, indent=1))
+    unfinished = {name: checkpoint_step(runs_dir / name) for name in commands}
+    unfinished = {name: step for name, step in unfinished.items() if step != cfg.train.steps}
+    if unfinished:
+        print(f"[quality] not evaluated: runs stopped before step {cfg.train.steps} (" + ", ".join(
+            f"{name} at {'no checkpoint' if step is None else f'step {step}'}" for name, step in unfinished.items())
+            + "); the same command with --resume continues them", flush=True)
+        return EXIT_UNFINISHED
+    train_seconds = {name: sum(leg["seconds"].get(name, 0.0) for leg in legs) for name in commands}
     # Where each run trained (train_all's plan): the report compares speeds only of runs that shared alike.
     placement = run_placement(plan_runs(list(commands), gpus, args.runs_per_gpu))
     # Keyed by the seed as text, as results.json writes it, so that the results read back compare equal.
@@ -1057,8 +1157,9 @@ def run(args) -> int:
         # The interpreter by name in the report: the path that ran it is this machine's.
         "command": _command_line(args),
         "train_commands": {mode: shlex.join(["python", *c[1:]]) for mode, c in commands.items()},
-        "train_seconds": train_seconds, "train_placement": placement,
-        "train_speeds_comparable": unequal_sharing(placement, list(train_seconds)) is None,
+        "train_seconds": train_seconds, "train_placement": placement, "training_legs": legs,
+        "train_speeds_comparable": (unequal_sharing(placement, list(train_seconds)) is None
+                                    and legs_differ(legs, list(train_seconds)) is None),
         "same_initial_weights": same_initial_weights(cfg),
         "heldout": table, "curves": curves, "seeds": seeds, "heldout_by_seed": heldout_by_seed,
         "switch_step_by_seed": switch_by_seed, "mean_sparse_blocks_in_stage2_by_seed": sparse_by_seed,

@@ -201,6 +201,27 @@ def remove_unfinished_saves(run_dir: str | Path) -> list[str]:
     return removed
 
 
+def latest_manifest(run_dir: str | Path) -> tuple[Path, dict] | None:
+    """The last complete checkpoint of `run_dir` and its manifest (not the weights), or None when there is none
+    or its manifest is unreadable (loading it then says why)."""
+    existing = list_checkpoints(run_dir)
+    if not existing:
+        return None
+    try:
+        manifest = json.loads((existing[-1] / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return (existing[-1], manifest) if isinstance(manifest, dict) else None
+
+
+def checkpoint_step(run_dir: str | Path) -> int | None:
+    """The step of the checkpoint that `--resume` would continue `run_dir` from, or None when there is none or
+    it is unreadable."""
+    found = latest_manifest(run_dir)
+    step = found[1].get("step") if found else None
+    return step if isinstance(step, int) else None
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint folder, or a run folder (its `latest` checkpoint)."""
     path = Path(path)

@@ -50,6 +50,9 @@ class TrainConfig:
     keep_checkpoints: int = 2
     tensorboard: bool = True
     threads: int = 0  # torch CPU threads; 0 leaves the default
+    # Wall-clock budget of this process in minutes (0: none). When it runs out the run saves a checkpoint after
+    # the step in progress and stops; `--resume` continues it exactly (a job's time limit, a shared machine).
+    max_minutes: float = 0.0
 
     def __post_init__(self) -> None:
         check_config_fields(self, "train")
@@ -63,6 +66,8 @@ class TrainConfig:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if self.threads < 0:
             raise ValueError(f"train.threads must be >= 0 (0 leaves torch's default), got {self.threads}")
+        if not self.max_minutes >= 0 or self.max_minutes == float("inf"):  # NaN fails the first test
+            raise ValueError(f"train.max_minutes must be a finite number >= 0 (0: no limit), got {self.max_minutes}")
         if not str(self.out_dir).strip():
             raise ValueError("train.out_dir must name a folder (empty would write into the current one)")
 

@@ -44,9 +44,22 @@ from dsv.train.data import build_dataset
 # compiled graph, or of another CPU thread count, which a resume warns about). `data.path` may name the same
 # videos elsewhere: the data itself is checked against the checkpoint's fingerprint of it (`_check_data`).
 RESUMABLE_CHANGES = {"train": {"steps", "log_every", "eval_every", "ckpt_every", "keep_checkpoints", "tensorboard",
-                               "threads", "out_dir", "device"},
+                               "threads", "out_dir", "device", "max_minutes"},
                      "model": {"compile"},
                      "data": {"path"}}
+
+
+def check_resumable_config(saved: Config, cfg: Config, ckpt: str | Path) -> None:
+    """Raise a CheckpointError naming every field in which `cfg` differs from the `saved` config of checkpoint
+    `ckpt` beyond `RESUMABLE_CHANGES`."""
+    diff = [f"{section}.{k}: checkpoint {v!r}, run {getattr(getattr(cfg, section), k)!r}"
+            for section in vars(saved) for k, v in vars(getattr(saved, section)).items()
+            if getattr(getattr(cfg, section), k) != v and k not in RESUMABLE_CHANGES.get(section, ())]
+    if diff:
+        allowed = " and ".join(f"{section}.{{{', '.join(sorted(fields))}}}"
+                               for section, fields in RESUMABLE_CHANGES.items())
+        raise CheckpointError(f"checkpoint {ckpt} was made with another configuration (only {allowed} may change on "
+                              "resume): " + "; ".join(diff))
 
 
 def _without_digest(source: dict) -> dict:
@@ -111,6 +124,7 @@ def heldout_targets(n: int, shape: tuple[int, ...], seed: int) -> tuple[torch.Te
 
 class Trainer:
     def __init__(self, cfg: Config, resume: bool = False, quiet: bool = False):
+        self._started = time.monotonic()  # train.max_minutes counts from here: the setup is part of a job's time
         self.cfg = cfg
         if cfg.model.num_classes:
             # The model would see only its null class: the datasets carry no labels to condition on.
@@ -317,14 +331,7 @@ class Trainer:
             if self.rank != 0:  # its fields missing from an old checkpoint are named once, not by every rank
                 warnings.simplefilter("ignore")
             saved = checkpoint_config(manifest, ckpt)
-        diff = [f"{section}.{k}: checkpoint {v!r}, run {getattr(getattr(self.cfg, section), k)!r}"
-                for section in vars(saved) for k, v in vars(getattr(saved, section)).items()
-                if getattr(getattr(self.cfg, section), k) != v and k not in RESUMABLE_CHANGES.get(section, ())]
-        if diff:
-            allowed = " and ".join(f"{section}.{{{', '.join(sorted(fields))}}}"
-                                   for section, fields in RESUMABLE_CHANGES.items())
-            raise CheckpointError(f"checkpoint {ckpt} was made with another configuration (only {allowed} may "
-                                  "change on resume): " + "; ".join(diff))
+        check_resumable_config(saved, self.cfg, ckpt)
         # Before anything indexes the per-rank state by this rank (a rank the checkpoint lacks would raise an
         # IndexError on that rank while rank 0 reports the real cause).
         if state["world_size"] != self.world:
@@ -624,16 +631,37 @@ class Trainer:
                 self._print(f"step {self.step:5d} | held-out loss {held:.4f} | per-block state:\n"
                             + self._describe_layers(self.controller.summary()))
                 last["heldout_loss"] = held
-            if self.step % cfg.ckpt_every == 0 or self.step == cfg.steps:
-                path = self.save()
-                checked = (f" ({self.replicas_checked} replicated DSV tensors identical on {self.world} ranks)"
-                           if self.world > 1 else "")
-                self._print(f"step {self.step:5d} | checkpoint {path}{checked}")
+            saved = self.step % cfg.ckpt_every == 0 or self.step == cfg.steps
+            if saved:
+                self._save_and_tell()
+            if self.step < cfg.steps and self._out_of_time():
+                if not saved:
+                    self._save_and_tell()
+                self._print(f"step {self.step:5d} | stopped: train.max_minutes={cfg.max_minutes:g} reached; the same "
+                            "command with --resume continues the run exactly")
+                break
         bar.close()
         self.close()
+        last["stopped_at_time_limit"] = self.step < cfg.steps
         last["switch_step"] = int(self.controller.switch_step)
         last["sparse_blocks_list"] = self.controller.sparse_layers()
         return last
+
+    def _save_and_tell(self) -> None:
+        path = self.save()
+        checked = (f" ({self.replicas_checked} replicated DSV tensors identical on {self.world} ranks)"
+                   if self.world > 1 else "")
+        self._print(f"step {self.step:5d} | checkpoint {path}{checked}")
+
+    def _out_of_time(self) -> bool:
+        """Whether `train.max_minutes` has run out. Rank 0's clock decides for every rank (a CPU broadcast in the
+        save group, no GPU sync), so that all ranks stop after the same step."""
+        if not self.cfg.train.max_minutes:
+            return False
+        over = torch.tensor([time.monotonic() - self._started >= 60 * self.cfg.train.max_minutes], dtype=torch.uint8)
+        if self.world > 1:
+            dist.broadcast(over, src=0, group=self._save_group)
+        return bool(over)
 
     def close(self) -> None:
         if self.metrics_file is not None:

@@ -11,6 +11,7 @@ import pytest
 
 from dsv.bench.quality import (
     CONTROL,
+    EXIT_UNFINISHED,
     late_run_means,
     loss_target,
     plan_runs,
@@ -24,6 +25,7 @@ from dsv.bench.quality import (
     training_speed_lines,
 )
 from dsv.cli import main
+from dsv.train.checkpoint import checkpoint_step
 from tests.eval.test_fvd import needs_i3d
 
 # 10 frames (the I3D needs >= 9) of 16×16 pixels, 1×4×4 patches → a 10×4×4 grid of 160 tokens; DSV switches
@@ -52,14 +54,24 @@ def finite_numbers(value, path="results"):
         yield path, value
 
 
+BENCH_ARGS = ["--sample-steps", "2", "--bootstrap", "3", "--timing-repeats", "1", "--observe-clips", "1",
+              "--dense-control"]
+
+
 @pytest.fixture(scope="module")
 def quality_run(tmp_path_factory):
     """One tiny `dsv bench quality` with a dense control, shared by the tests that read its output (each
-    full run trains four models and runs the I3D on the CPU)."""
+    full run trains four models and runs the I3D on the CPU). It trains in two legs: the first with a time
+    limit that has run out after each run's first step, so that the bench stops unevaluated; the second, with
+    --resume, continues the four runs and evaluates."""
     out = tmp_path_factory.mktemp("bench") / "quality"
     overrides = [item for o in TINY for item in ("--set", o)]
-    assert main(["bench", "quality", "--recipe", "debug_cpu", *overrides, "--out", str(out), "--sample-steps", "2",
-                 "--bootstrap", "3", "--timing-repeats", "1", "--observe-clips", "1", "--dense-control"]) == 0
+    first_leg = ["bench", "quality", "--recipe", "debug_cpu", *overrides, "--out", str(out), *BENCH_ARGS]
+    assert main([*first_leg, "--set", "train.max_minutes=1e-6"]) == EXIT_UNFINISHED
+    assert {run.name: checkpoint_step(run) for run in (out / "runs").iterdir() if run.is_dir()} == \
+        {name: 1 for name in ("dense", "dsv", "window", CONTROL)}
+    assert not (out / "training.json").exists() and not (out / "report.md").exists()
+    assert main([*first_leg, "--resume"]) == 0
     return out
 
 
@@ -108,11 +120,19 @@ def test_quality_bench_writes_a_complete_report(quality_run):
     placement = results["train_placement"]
     assert list(placement) == ["dense", "dsv", "window", CONTROL]
     assert len({len(p["co_runners"]) for p in placement.values()}) == 1 and results["train_speeds_comparable"]
+    # Two legs that each trained every run: the runs' logs hold both legs, and the speeds still compare.
+    assert [sorted(leg["seconds"]) for leg in results["training_legs"]] == [sorted(placement)] * 2
+    assert [leg["resumed"] for leg in results["training_legs"]] == [[], sorted(placement)]
+    assert all(results["train_seconds"][name] == pytest.approx(sum(leg["seconds"][name]
+               for leg in results["training_legs"])) for name in placement)
+    log = (out / "runs" / "dsv.log").read_text()
+    assert "stopped at step 1 of 6 (train.max_minutes)" in log and "done: step 6" in log
 
     report = (out / "report.md").read_text()
     assert "dsv bench quality --recipe debug_cpu" in report and "attention.mode=window" in report
     assert "Training placement (each run's device and the runs that shared it): dense " in report
     assert "Training speed after DSV's switch (speed.png): dense " in report and "withheld" not in report
+    assert "Trained in 2 legs (each stopped by its time limit and continued exactly with --resume)" in report
     assert report.count("| met |") + report.count("| **missed** |") == 4
     assert "No DSV verdict" not in report
 
@@ -121,7 +141,7 @@ def test_quality_bench_writes_a_complete_report(quality_run):
 def test_dense_control_is_evaluated_like_the_others(quality_run):
     out = quality_run
     results = json.loads((out / "results.json").read_text())
-    assert results["dense_control"] is True and results["command"].endswith("--dense-control")
+    assert results["dense_control"] is True and results["command"].endswith("--dense-control --resume")
     assert list(results["train_commands"]) == ["dense", "dsv", "window", CONTROL]
     assert list(results["train_seconds"]) == ["dense", "dsv", "window", CONTROL]
     control_command = results["train_commands"][CONTROL]
@@ -149,6 +169,42 @@ def test_dense_control_is_evaluated_like_the_others(quality_run):
     plain["targets"] = targets(plain)
     assert [t["met"] for t in plain["targets"]] == [t["met"] for t in results["targets"]]
     assert "dense control" not in render_report(plain)
+
+
+@needs_i3d
+def test_a_resume_with_other_runs_or_another_configuration_is_refused_before_training(quality_run, capsys):
+    out = quality_run
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    overrides = [item for o in TINY for item in ("--set", o)]
+    resume = ["bench", "quality", "--recipe", "debug_cpu", *overrides, "--out", str(out), "--resume", *BENCH_ARGS]
+    # Without --resume a folder with runs is refused, and the message says how to continue them.
+    assert main([arg for arg in resume if arg != "--resume"]) == 2
+    assert "already holds runs; choose a new --out, or continue them with --resume" in capsys.readouterr().err
+    assert main([*resume, "--set", "optim.lr=1e-3"]) == 2
+    err = capsys.readouterr().err
+    assert "was made with another configuration" in err and "optim.lr: checkpoint 0.002, run 0.001" in err
+    assert main([arg for arg in resume if arg != "--dense-control"]) == 2
+    assert f"holds runs this command does not train ({CONTROL})" in capsys.readouterr().err
+    assert main([*resume, "--set", "train.steps=4"]) == 2
+    assert "run dense is at step 6, beyond this command's train.steps=4" in capsys.readouterr().err
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_a_training_deadline_limits_each_run_and_starts_no_wave_after_it(tmp_path):
+    # Each stub prints the arguments it was given; one run at a time (no GPU), so each is a wave of its own.
+    stub = [sys.executable, "-c", "import sys; print(sys.argv[1:])"]
+    commands = {mode: stub for mode in ("dense", "dsv", "window")}
+    seconds = train_all(commands, tmp_path, gpus=[], deadline=time.perf_counter() + 600)
+    assert list(seconds) == ["dense", "dsv", "window"]
+    for name in commands:
+        given = (tmp_path / f"{name}.log").read_text()
+        minutes = float(given.split("train.max_minutes=")[1].split("'")[0])
+        assert given.startswith("['--set', 'train.max_minutes=") and 9.5 < minutes <= 10
+    # A deadline already past starts nothing; a run that continues appends to its log.
+    assert train_all(commands, tmp_path, gpus=[], deadline=time.perf_counter()) == {}
+    train_all({"dense": stub}, tmp_path, gpus=[], appending=frozenset({"dense"}))
+    assert (tmp_path / "dense.log").read_text().splitlines()[1:] == ["[]"]  # the first run's line kept
+    assert len((tmp_path / "dsv.log").read_text().splitlines()) == 1
 
 
 @needs_i3d

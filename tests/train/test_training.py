@@ -503,6 +503,37 @@ def test_resume_with_no_steps_left_is_refused_before_it_touches_the_run(tmp_path
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002"]
 
 
+def test_a_run_out_of_time_saves_stops_and_resumes_into_the_uninterrupted_run(tmp_path, capsys):
+    """train.max_minutes: a leg whose budget has run out trains the step in progress, saves it (off the
+    checkpoint schedule), says so and exits 0; legs resumed under the same limit each add a step, and the last
+    leg, unlimited, ends where the uninterrupted run does: the same weights and the same records."""
+    schedule = ["train.steps=8", "train.log_every=4", "train.ckpt_every=8", "attention.max_stage1_steps=4"]
+    Trainer(tiny_config(tmp_path / "straight", *schedule), quiet=True).run()
+    run = tmp_path / "legs"
+    # 1e-6 minutes has run out by the end of the first step.
+    args = [item for o in TINY + schedule + [f"train.out_dir={run}", "train.max_minutes=1e-6"] for item in ("--set", o)]
+    assert main(["train", "--recipe", "debug_cpu", *args]) == 0
+    out = capsys.readouterr().out
+    assert "stopped at step 1 of 8 (train.max_minutes); continue with --resume" in out and "done" not in out
+    assert [p.name for p in list_checkpoints(run)] == ["step_00000001"]
+    assert main(["train", "--recipe", "debug_cpu", "--resume", *args]) == 0
+    assert "stopped at step 2 of 8" in capsys.readouterr().out
+    result = Trainer(tiny_config(run, *schedule), resume=True, quiet=True).run()
+    assert not result["stopped_at_time_limit"]
+    straight_w, straight_s = final_state(tmp_path / "straight", *schedule)
+    legs_w, legs_s = final_state(run, *schedule)
+    assert straight_s["step"] == legs_s["step"] == 8
+    for name, value in straight_w.items():
+        assert bitwise_equal(value, legs_w[name]), name
+
+    def without_speed(folder):
+        return [{k: v for k, v in r.items() if k != "steps_per_s"} for r in read_metrics(folder)]
+
+    assert without_speed(run) == without_speed(tmp_path / "straight")
+    with pytest.raises(ValueError, match="train.max_minutes must be a finite number >= 0"):
+        tiny_config(tmp_path, "train.max_minutes=-1")
+
+
 def test_a_second_process_training_into_the_same_folder_is_refused(tmp_path):
     """Two trainers writing one run folder would interleave checkpoints and logs: the second stops before it
     writes anything, whether it starts a run or resumes one; the folder is free again once the first ends."""
