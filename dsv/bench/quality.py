@@ -300,6 +300,13 @@ def run_states(recipe: str, commands: dict[str, list[str]], runs_dir: Path) -> d
     return states
 
 
+def with_leg(legs: list[dict], seconds: dict[str, float], resumed: frozenset[str]) -> list[dict]:
+    """``legs`` and the leg that trained the runs of ``seconds`` (by name; ``resumed``: those that continued). A
+    command that trained nothing (it evaluated finished runs) adds no leg: it would read as a leg that left
+    the runs out, and their speeds would be withheld as not comparable."""
+    return [*legs, {"seconds": seconds, "resumed": sorted(resumed)}] if seconds else list(legs)
+
+
 def legs_differ(legs: list[dict], names: list[str]) -> str | None:
     """None when the training took one leg or every leg trained all of ``names`` (as the first did, so their
     speeds still compare); otherwise what each leg trained, in words."""
@@ -1047,7 +1054,7 @@ def run(args) -> int:
                             runs_dir, gpus, args.runs_per_gpu,
                             deadline=None if args.train_minutes is None else start + 60 * args.train_minutes,
                             appending=resumed)
-    legs.append({"seconds": leg_seconds, "resumed": sorted(resumed)})
+    legs = with_leg(legs, leg_seconds, resumed)
     legs_file.write_text(json.dumps({"legs": legs}, indent=1))
     unfinished = {name: checkpoint_step(runs_dir / name) for name in commands}
     unfinished = {name: step for name, step in unfinished.items() if step != cfg.train.steps}

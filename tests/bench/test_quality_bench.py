@@ -13,6 +13,7 @@ from dsv.bench.quality import (
     CONTROL,
     EXIT_UNFINISHED,
     late_run_means,
+    legs_differ,
     loss_target,
     plan_runs,
     render_report,
@@ -23,6 +24,7 @@ from dsv.bench.quality import (
     train_all,
     training_commands,
     training_speed_lines,
+    with_leg,
 )
 from dsv.cli import main
 from dsv.train.checkpoint import checkpoint_step
@@ -205,6 +207,18 @@ def test_a_training_deadline_limits_each_run_and_starts_no_wave_after_it(tmp_pat
     train_all({"dense": stub}, tmp_path, gpus=[], appending=frozenset({"dense"}))
     assert (tmp_path / "dense.log").read_text().splitlines()[1:] == ["[]"]  # the first run's line kept
     assert len((tmp_path / "dsv.log").read_text().splitlines()) == 1
+
+
+def test_a_command_that_trains_nothing_adds_no_leg():
+    names = ["dense", "dsv", "window"]
+    legs = with_leg([], dict.fromkeys(names, 300.0), frozenset())
+    legs = with_leg(legs, {"dsv": 20.0}, frozenset({"dsv"}))
+    assert legs == [{"seconds": dict.fromkeys(names, 300.0), "resumed": []},
+                    {"seconds": {"dsv": 20.0}, "resumed": ["dsv"]}]
+    assert legs_differ(legs, names) == "leg 1 trained dense, dsv, window; leg 2 trained dsv"
+    # Evaluating the finished runs afterwards: the same legs, and one leg alone compares.
+    assert with_leg(legs, {}, frozenset()) == legs
+    assert legs_differ(with_leg(legs[:1], {}, frozenset()), names) is None
 
 
 @needs_i3d
