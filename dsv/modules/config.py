@@ -104,6 +104,11 @@ class AttentionConfig:
     # A sparse-enough block runs sparse only where the measured kernel speed beats dense at its shape
     # (`dsv.modules.dispatch`); False dispatches on sparsity alone (kernel checks on short sequences).
     speed_dispatch: bool = True
+    # Hysteresis of that decision: a dense block goes sparse only where sparse is predicted to save at least this
+    # fraction of its time; a sparse block goes back to dense only where sparse is predicted slower than dense.
+    # Near the break-even the gain is a few percent of one block's attention, and without the band blocks
+    # switched back and forth every few profiles (13 times in stage 2 of an 8192-token quality run).
+    dispatch_margin: float = 0.1
 
     # Keep DSV's per-layer training state in pinned host memory between its uses (CUDA): each predictor's
     # weights and AdamW moments from its update to its next use, and the pooled low-rank rows that a
@@ -124,6 +129,9 @@ class AttentionConfig:
             raise ValueError(f"attention.cube must be three positive ints (t, h, w), got {self.cube}")
         if self.kv_block < 0:
             raise ValueError(f"attention.kv_block must be >= 0 (0 = cube volume), got {self.kv_block}")
+        if not 0.0 <= self.dispatch_margin < 1.0:
+            raise ValueError(f"attention.dispatch_margin must be a fraction of dense's time in [0, 1), got "
+                             f"{self.dispatch_margin}")
         if not 0.0 < self.theta < 1.0:
             raise ValueError(f"attention.theta must be in (0, 1), got {self.theta}")
         if not 0.0 <= self.recall_target <= 1.0:

@@ -75,3 +75,35 @@ def test_a_layer_with_small_cubes_stays_dense_where_their_kernels_lose():
     layer.sparsity_ema.copy_(torch.tensor([0.92, 0.9, 0.9, 0.88]))  # 10% kept
     layer.dispatch()
     assert layer.use_sparse
+
+
+def test_blocks_near_the_break_even_keep_their_path():
+    """attention.dispatch_margin: a dense block goes sparse only for a predicted saving of at least the margin,
+    a sparse one goes back to dense only where sparse is predicted slower: the band keeps blocks near the
+    break-even from switching every profile, as 64-token blocks at 8192 tokens and ~0.6 sparsity did."""
+    from dsv.modules.dispatch import H200_TRITON_64
+
+    # The quality_gpu DiT's layers (6 heads x 64) at 8192 tokens, batch 8; a low threshold, so that the speed
+    # model decides (with the recall floor's boost, blocks at sparsity ~0.6 kept 0.6-0.7 of their keys).
+    layer = DSVAttention(384, 6, cfg=AttentionConfig(cube=(4, 4, 4), sparse_threshold=0.2))
+    layer._last_backend, layer._last_shape = "triton", (8, 8192)
+    shape = (8, 6, 8192, 64)
+
+    def dispatch_at(keep: float) -> float:
+        layer.sparsity_ema.fill_(1 - keep)
+        layer.dispatch()
+        return H200_TRITON_64.sparse_ms(keep, *shape) / H200_TRITON_64.dense_ms(*shape)
+
+    assert 0.9 < dispatch_at(0.62) < 1.0  # sparse predicted 0-10% faster: a dense block stays dense
+    assert not layer.use_sparse and "to go sparse: <" in layer.dispatch_reason
+    assert dispatch_at(0.45) < 0.9  # a saving beyond the margin
+    assert layer.use_sparse
+    assert 0.9 < dispatch_at(0.62) < 1.0  # back in the band: a sparse block stays sparse
+    assert layer.use_sparse and "to go sparse" not in layer.dispatch_reason
+    assert dispatch_at(0.75) > 1.0  # slower than dense: back to dense
+    assert not layer.use_sparse
+    no_band = DSVAttention(384, 6, cfg=AttentionConfig(cube=(4, 4, 4), sparse_threshold=0.2, dispatch_margin=0.0))
+    no_band._last_backend, no_band._last_shape = "triton", (8, 8192)
+    no_band.sparsity_ema.fill_(1 - 0.62)
+    no_band.dispatch()
+    assert no_band.use_sparse
