@@ -95,6 +95,27 @@ def test_a_non_finite_gradient_stops_the_step_before_any_weight_changes(tmp_path
     assert all(p.grad is None for p in model_params)  # a caller that retries does not add to NaN gradients
 
 
+def test_a_run_that_raises_releases_its_folder_for_the_next_trainer(tmp_path, monkeypatch):
+    """An exception inside the training loop (here the third step's) still closes the run: its lock and logs
+    are released, so that the same process (a notebook) can resume the folder from its last checkpoint."""
+    cfg = tiny_config(tmp_path, "train.steps=6", "train.ckpt_every=2", "attention.max_stage1_steps=100")
+    trainer = Trainer(cfg, quiet=True)
+    step = trainer.train_step
+
+    def failing_step():
+        if trainer.step == 2:
+            raise RuntimeError("a failure in the third step")
+        return step()
+
+    monkeypatch.setattr(trainer, "train_step", failing_step)
+    with pytest.raises(RuntimeError, match="third step"):
+        trainer.run()
+    assert trainer.metrics_file.closed
+    resumed = Trainer(cfg, resume=True, quiet=True)  # refused while the failed trainer held the lock
+    assert resumed.step == 2
+    assert resumed.run()["stopped_at_time_limit"] is False and resumed.step == 6
+
+
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal bits, where NaN (a never-measured EMA) equals NaN."""
     return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
