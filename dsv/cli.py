@@ -10,6 +10,10 @@ import torch
 
 from dsv.train.checkpoint import CheckpointError, checkpoint_step
 
+EXIT_UNFINISHED = 3
+"""Exit status of `dsv train` stopped by `train.max_minutes` (and of `dsv bench quality` whose runs did not all
+finish): a job script can tell it from a finished run and requeue with `--resume`."""
+
 
 def _train(args) -> int:
     from dsv.train.config import apply_overrides
@@ -33,7 +37,7 @@ def _train(args) -> int:
               f"sparse blocks {result['sparse_blocks_list']}")
     if torch.distributed.is_initialized():  # started by the trainer under torchrun
         torch.distributed.destroy_process_group()
-    return 0
+    return EXIT_UNFINISHED if result["stopped_at_time_limit"] else 0
 
 
 def _sample(args) -> int:

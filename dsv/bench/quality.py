@@ -29,11 +29,13 @@ sparsity, samples, observations, speed), so the whole result is one small set of
 runs with logs and checkpoints: ``dense``, ``dsv``, ``window`` for the first seed, ``<mode>-seed<seed>`` for
 the others), ``observe/`` and ``profile/`` hold the rest.
 
-Training longer than one sitting allows (a job's time limit) goes in legs: ``--train-minutes`` stops every run
-by that many minutes after the command started (each saves a checkpoint after its step in progress:
-``train.max_minutes``), and the command then exits with status 3 (``EXIT_UNFINISHED``) without evaluating;
-the same command with ``--resume`` continues the runs exactly, keeps the finished ones, and evaluates once
-all are done. ``runs/training_legs.json`` keeps what each leg trained and for how long.
+Training longer than one sitting allows (a job's time limit) goes in legs: with ``--train-minutes`` each run
+gets the minutes left of that budget as ``train.max_minutes`` (counted from its trainer's start: its imports,
+the step in progress and the checkpoint it then saves come on top), and the command exits with status 3
+(``EXIT_UNFINISHED``) without evaluating; the same command with ``--resume`` continues the runs exactly, keeps
+the finished ones, and evaluates once all are done. ``runs/training_legs.json`` records each leg's runs
+before they start and each run's wall time as it ends, so that a leg cut short leaves those times unknown
+rather than missing from a sum.
 """
 
 from __future__ import annotations
@@ -52,12 +54,13 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from dsv.cli import positive_float, positive_int
+from dsv.cli import EXIT_UNFINISHED, positive_float, positive_int
 
 MODES = ("dense", "dsv", "window")
 CONTROL = "dense-control"  # the second dense run of --dense-control
@@ -72,7 +75,6 @@ RECALL_TARGET = 0.9  # target: the predictor keeps >= 90% of the critical mass t
 TRAIN_STEP_JSON = "benchmarks/results/2026-11-29-h200-train-step.json"
 FIGURES = ("losses.png", "sparsity.png", "samples.png", "observations.png", "speed.png")
 GRANULARITY_KEEP = (0.1, 0.25, 0.5)  # kept fractions at which token-level and key-cube selection are compared
-EXIT_UNFINISHED = 3  # the training stopped (--train-minutes, train.max_minutes) before every run was done
 LEGS_FILE = "training_legs.json"
 
 
@@ -100,9 +102,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and judge the loss target on the mean over seeds; distinct non-negative integers "
                              "(default: the recipe's train.seed alone)")
     parser.add_argument("--train-minutes", type=positive_float,
-                        help="stop the training this many minutes after the command starts: each run saves a "
-                             "checkpoint and stops (runs of later waves get what is left), and the command exits "
-                             f"with status {EXIT_UNFINISHED} without evaluating; --resume continues")
+                        help="a training budget from the command's start: each run gets the minutes left as "
+                             "train.max_minutes (its own startup and final save come on top), saves and stops; no "
+                             f"wave starts after it; the command then exits with status {EXIT_UNFINISHED} "
+                             "without evaluating, and --resume continues")
     parser.add_argument("--resume", action="store_true",
                         help="continue the runs already under --out (stopped by --train-minutes or interrupted) from "
                              "their last checkpoints, keep the finished ones, start the missing ones; refused where a "
@@ -214,13 +217,16 @@ def _where(place: dict, cpu: str = "CPU") -> str:
 
 
 def train_all(commands: dict[str, list[str]], logs_dir: Path, gpus: list[str], runs_per_gpu: int = 1,
-              deadline: float | None = None, appending: frozenset[str] = frozenset()) -> dict[str, float]:
+              deadline: float | None = None, append_logs: bool = False,
+              on_end: Callable[[str, float], None] | None = None) -> dict[str, float]:
     """Run the training commands (by run name) as subprocesses, each logging to ``logs_dir/<name>.log``
-    (appended to for the names in ``appending``: runs that continue), in the waves of ``plan_runs`` (at most
+    (appended to with ``append_logs``: a later leg of the same runs), in the waves of ``plan_runs`` (at most
     ``runs_per_gpu`` runs per visible GPU, every run with as many co-runners on its GPU; one after another on the
     CPU), in the order given. With a ``deadline`` (a ``time.perf_counter()`` value) each run gets the minutes left
-    as ``train.max_minutes``, and no wave starts after it. Returns the wall seconds of each run that ran, by
-    name, in the order given (runs of a wave end in any order); raises with the end of the log if a run fails."""
+    as ``train.max_minutes``, and no wave starts after it. A run ends well when it exits 0 or ``EXIT_UNFINISHED``
+    (stopped by its time limit); ``on_end(name, seconds)`` is then called. Returns the wall seconds of each run
+    that ran, by name, in the order given (runs of a wave end in any order); raises with the end of the log if
+    a run fails."""
     plan = plan_runs(list(commands), gpus, runs_per_gpu)
     # The same thread count for every run, the last wave's too, so that their data pipelines compare.
     per_wave = max(len(runs) for runs in plan) if plan else 1
@@ -241,11 +247,12 @@ def train_all(commands: dict[str, list[str]], logs_dir: Path, gpus: list[str], r
                 env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // per_wave))
             if len(gpus) >= 2:
                 env["CUDA_VISIBLE_DEVICES"] = gpu
-            log = open(logs_dir / f"{name}.log", "a" if name in appending else "w")
+            log = open(logs_dir / f"{name}.log", "a" if append_logs else "w")
             others = placement[name]["co_runners"]
             print(f"[quality] training {name}" + (f" on GPU {gpu}" if len(gpus) >= 2 else "")
                   + (f" with {', '.join(others)}" if others else ""), flush=True)
-            limit = [] if left_minutes is None else ["--set", f"train.max_minutes={left_minutes:.4f}"]
+            # repr: any positive budget stays positive (a rounded 0 would read as no limit).
+            limit = [] if left_minutes is None else ["--set", f"train.max_minutes={left_minutes!r}"]
             command = commands[name] + limit
             running[name] = (subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env), log,
                              time.perf_counter())
@@ -256,14 +263,17 @@ def train_all(commands: dict[str, list[str]], logs_dir: Path, gpus: list[str], r
                 log.close()
                 del running[name]
                 seconds[name] = time.perf_counter() - start
-                if process.returncode != 0:
+                if process.returncode not in (0, EXIT_UNFINISHED):
                     for other, other_log, _ in running.values():
                         other.kill()
                         other.wait()
                         other_log.close()
                     tail = "\n".join((logs_dir / f"{name}.log").read_text().splitlines()[-30:])
                     raise RuntimeError(f"training {name} failed (exit {process.returncode}); end of its log:\n{tail}")
-                print(f"[quality] {name} trained in {seconds[name]:.0f} s", flush=True)
+                print(f"[quality] {name} trained in {seconds[name]:.0f} s"
+                      + (" (stopped by its time limit)" if process.returncode == EXIT_UNFINISHED else ""), flush=True)
+                if on_end is not None:
+                    on_end(name, seconds[name])
             time.sleep(0.2)
     return {name: seconds[name] for name in commands if name in seconds}
 
@@ -273,7 +283,7 @@ def run_states(recipe: str, commands: dict[str, list[str]], runs_dir: Path) -> d
     (a checkpoint before its ``train.steps``) or ``"done"``. Raises, before anything trains, where ``runs_dir``
     holds runs this command does not train or a run's checkpoint was made with another configuration than its
     command's (beyond the fields a resume may change)."""
-    from dsv.train.checkpoint import checkpoint_config, latest_manifest
+    from dsv.train.checkpoint import CheckpointError, checkpoint_config, latest_manifest, list_checkpoints
     from dsv.train.config import apply_overrides
     from dsv.train.recipes import get_recipe
     from dsv.train.trainer import check_resumable_config
@@ -288,6 +298,9 @@ def run_states(recipe: str, commands: dict[str, list[str]], runs_dir: Path) -> d
         cfg = apply_overrides(get_recipe(recipe), [command[i + 1] for i, arg in enumerate(command) if arg == "--set"])
         found = latest_manifest(runs_dir / name)
         if found is None:
+            if list_checkpoints(runs_dir / name):  # started anew, the trainer would refuse it mid-wave
+                raise CheckpointError(f"--resume: the last checkpoint of run {name} in {runs_dir / name} has an "
+                                      "unreadable manifest (nothing was changed)")
             states[name] = "new"
             continue
         ckpt, manifest = found
@@ -300,20 +313,36 @@ def run_states(recipe: str, commands: dict[str, list[str]], runs_dir: Path) -> d
     return states
 
 
-def with_leg(legs: list[dict], seconds: dict[str, float], resumed: frozenset[str]) -> list[dict]:
-    """``legs`` and the leg that trained the runs of ``seconds`` (by name; ``resumed``: those that continued). A
-    command that trained nothing (it evaluated finished runs) adds no leg: it would read as a leg that left
-    the runs out, and their speeds would be withheld as not comparable."""
-    return [*legs, {"seconds": seconds, "resumed": sorted(resumed)}] if seconds else list(legs)
+def with_leg(legs: list[dict], leg: dict) -> list[dict]:
+    """``legs`` and ``leg`` (``{"trained": names, "resumed": names, "seconds": {}}``). A command that trains
+    nothing (it evaluates finished runs) adds no leg: it would read as a leg that left the runs out, and their
+    speeds would be withheld as not comparable."""
+    return [*legs, leg] if leg["trained"] else list(legs)
+
+
+def _trained(leg: dict) -> list[str]:
+    return leg.get("trained", list(leg["seconds"]))  # legs recorded before "trained" list their timed runs
 
 
 def legs_differ(legs: list[dict], names: list[str]) -> str | None:
     """None when the training took one leg or every leg trained all of ``names`` (as the first did, so their
     speeds still compare); otherwise what each leg trained, in words."""
-    if all(set(names) <= set(leg["seconds"]) for leg in legs):
+    if all(set(names) <= set(_trained(leg)) for leg in legs):
         return None
-    return "; ".join(f"leg {i + 1} trained {', '.join(n for n in names if n in leg['seconds']) or 'nothing'}"
+    return "; ".join(f"leg {i + 1} trained {', '.join(n for n in names if n in _trained(leg)) or 'nothing'}"
                      for i, leg in enumerate(legs))
+
+
+def summed_seconds(legs: list[dict], names: list[str]) -> dict[str, float | None]:
+    """Each run's wall seconds over the legs that trained it; None where one of them did not record its time
+    (a command cut short before the run ended) or no recorded leg trained it."""
+    def total(name: str) -> float | None:
+        legs_of_run = [leg for leg in legs if name in _trained(leg)]
+        if not legs_of_run or any(name not in leg["seconds"] for leg in legs_of_run):
+            return None
+        return sum(leg["seconds"][name] for leg in legs_of_run)
+
+    return {name: total(name) for name in names}
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -809,8 +838,9 @@ def training_speed_lines(results: dict) -> list[str]:
     seconds, speed = results["train_seconds"], results["stage2_steps_per_s"]
     legs = results.get("training_legs", [])  # absent from results written before training went in legs
     if len(legs) > 1:
-        lines.append(f"Trained in {len(legs)} legs (each stopped by its time limit and continued exactly with "
-                     "--resume); the placement above is the first leg's, wall times are summed over the legs.")
+        lines.append(f"Trained in {len(legs)} legs (each ended by its time limit or cut short, and continued "
+                     "exactly with --resume); the placement above is this command's plan for all runs, wall times "
+                     "are summed over the legs.")
 
     def why_not_comparable(names: list[str]) -> str | None:
         sharing, differ = unequal_sharing(placement, names), legs_differ(legs, names)
@@ -818,7 +848,11 @@ def training_speed_lines(results: dict) -> list[str]:
                 f"the legs trained different runs ({differ})" if differ else None)
 
     unequal_seconds, unequal_speed = why_not_comparable(list(seconds)), why_not_comparable(list(speed))
-    if unequal_seconds:
+    unknown = [name for name, value in seconds.items() if value is None]
+    if unknown:
+        lines.append(f"Training wall time per run: **unknown** for {', '.join(unknown)} (a leg that trained "
+                     "them was cut short before it recorded their times).")
+    elif unequal_seconds:
         lines.append(f"Training wall time per run: **not comparable between runs**, {unequal_seconds}; per run: "
                      + ", ".join(f"{m} {s:.0f} s" for m, s in seconds.items()) + ".")
     else:
@@ -1049,13 +1083,21 @@ def run(args) -> int:
     resumed = frozenset(name for name, state in states.items() if state == "resume")
     if args.resume:
         print("[quality] --resume: " + ", ".join(f"{name} {state}" for name, state in states.items()), flush=True)
-    leg_seconds = train_all({name: command + (["--resume"] if name in resumed else [])
-                             for name, command in commands.items() if states[name] != "done"},
-                            runs_dir, gpus, args.runs_per_gpu,
-                            deadline=None if args.train_minutes is None else start + 60 * args.train_minutes,
-                            appending=resumed)
-    legs = with_leg(legs, leg_seconds, resumed)
-    legs_file.write_text(json.dumps({"legs": legs}, indent=1))
+    to_train = {name: command + (["--resume"] if name in resumed else [])
+                for name, command in commands.items() if states[name] != "done"}
+    leg = {"trained": list(to_train), "resumed": sorted(resumed), "seconds": {}}
+    legs = with_leg(legs, leg)
+
+    def record(name: str | None = None, seconds: float = 0.0) -> None:
+        # Rewritten as each run ends: a command cut short keeps the times of the runs that ended.
+        if name is not None:
+            leg["seconds"][name] = seconds
+        legs_file.write_text(json.dumps({"legs": legs}, indent=1))
+
+    record()
+    train_all(to_train, runs_dir, gpus, args.runs_per_gpu,
+              deadline=None if args.train_minutes is None else start + 60 * args.train_minutes,
+              append_logs=args.resume, on_end=record)
     unfinished = {name: checkpoint_step(runs_dir / name) for name in commands}
     unfinished = {name: step for name, step in unfinished.items() if step != cfg.train.steps}
     if unfinished:
@@ -1063,7 +1105,7 @@ def run(args) -> int:
             f"{name} at {'no checkpoint' if step is None else f'step {step}'}" for name, step in unfinished.items())
             + "); the same command with --resume continues them", flush=True)
         return EXIT_UNFINISHED
-    train_seconds = {name: sum(leg["seconds"].get(name, 0.0) for leg in legs) for name in commands}
+    train_seconds = summed_seconds(legs, list(commands))
     # Where each run trained (train_all's plan): the report compares speeds only of runs that shared alike.
     placement = run_placement(plan_runs(list(commands), gpus, args.runs_per_gpu))
     # Keyed by the seed as text, as results.json writes it, so that the results read back compare equal.

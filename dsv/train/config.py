@@ -165,10 +165,16 @@ def config_to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
+# Fields whose default changes what a run does, by section: the value that reproduces a run saved before the
+# field existed. A stored config without one of them takes this value, not today's default, so that a resume
+# stays exact (or is refused where the run's own config differs) instead of changing behaviour mid-run.
+VALUES_BEFORE_FIELDS = {"attention": {"dispatch_margin": 0.0}}
+
+
 def config_from_dict(data: dict) -> Config:
     """Inverse of `config_to_dict`; unknown sections or fields raise (a config from another version). Fields
-    it lacks (saved before they existed) take today's defaults, with a warning naming them: the run that saved
-    it behaved as before they existed, which a default need not reproduce."""
+    it lacks (saved before they existed) take the value that reproduces the run that saved it where today's
+    default would not (`VALUES_BEFORE_FIELDS`), today's defaults otherwise, with a warning naming them."""
     sections = {f.name: f for f in dataclasses.fields(Config)}
     unknown = set(data) - set(sections)
     if unknown:
@@ -181,9 +187,14 @@ def config_from_dict(data: dict) -> Config:
         extra = set(values) - names
         if extra:
             raise ValueError(f"config section {name!r} has unknown fields {sorted(extra)}")
-        missing += [f"{name}.{field}" for field in sorted(names - set(values))]
-        built[name] = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+        absent = sorted(names - set(values))
+        missing += [f"{name}.{field}" for field in absent]
+        before = {field: value for field, value in VALUES_BEFORE_FIELDS.get(name, {}).items() if field in absent}
+        built[name] = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}, **before)
     if missing:
-        warnings.warn(f"the stored config lacks {', '.join(missing)} (saved by an older version): today's defaults "
-                      "apply to them", stacklevel=2)
+        reproduced = [f"{name}.{field}={value!r}" for name, fields in VALUES_BEFORE_FIELDS.items()
+                      for field, value in fields.items() if f"{name}.{field}" in missing]
+        warnings.warn(f"the stored config lacks {', '.join(missing)} (saved by an older version): "
+                      + (f"{', '.join(reproduced)} as before the field existed, " if reproduced else "")
+                      + "today's defaults for the others", stacklevel=2)
     return Config(**built)

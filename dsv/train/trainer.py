@@ -580,75 +580,88 @@ class Trainer:
                     f"params={sum(p.numel() for p in self.model.parameters()) / 1e6:.2f}M, "
                     f"data={len(self.data.sources())} real sources "
                     f"({', '.join(s.name.split('/')[-1] for s in self.data.sources())}), run_dir={self.run_dir}")
-        timed_steps, t_start = 0, time.perf_counter()
-        last = {}
         bar = tqdm(total=cfg.steps, initial=self.step, disable=self.quiet, dynamic_ncols=True, leave=False,
                    mininterval=2.0)
         # Released however the loop ends: after an exception the run folder's lock and the save group would stay
         # held until the process exits, and a notebook could not start or resume a run in that folder.
         try:
-            while self.step < cfg.steps:
-                out = self.train_step()
-                bar.update(1)
-                self._window_loss = self._window_loss + out["loss"]  # stays on the device until logged
-                self._window_steps += 1
-                timed_steps += 1
-                events = out["events"]
-                if events.switched:
-                    summary = self.controller.summary()
-                    self._print(f"step {self.step}: stage 2 ({events.switch_reason}); "
-                                f"sparse blocks: {self.controller.sparse_layers()}\n" + self._describe_layers(summary))
-                on_schedule = self.step % cfg.log_every == 0
-                if on_schedule or self.step == cfg.steps:
-                    summary = self.controller.summary()
-                    elapsed = time.perf_counter() - t_start
-                    record = {
-                        "step": self.step,
-                        "loss": self._mean_over_ranks(self._window_loss) / self._window_steps,
-                        "lr": self.scheduler.get_last_lr()[0],
-                        "grad_norm": float(out["grad_norm"].full_tensor() if isinstance(out["grad_norm"], DTensor)
-                                           else out["grad_norm"]),
-                        "stage": summary["stage"],
-                        "predictor_loss": summary["predictor_loss"],
-                        "sparse_blocks": len(self.controller.sparse_layers()),
-                        "steps_per_s": timed_steps / elapsed,
-                    }
-                    for i, layer in enumerate(summary["layers"]):
-                        for key in ("sparsity", "recall"):
-                            values = [v for v in layer[key] if v is not None]
-                            if values:
-                                record[f"{key}/block{i}"] = sum(values) / len(values)
-                    record["layers"] = summary["layers"]
-                    self._log(record)
-                    pl = summary["predictor_loss"]
-                    self._print(f"step {self.step:5d} | loss {record['loss']:.4f} | stage {summary['stage']} | "
-                                f"predictor loss {'-' if pl is None else f'{pl:.4f}'} | sparse blocks "
-                                f"{self.controller.sparse_layers()} | {record['steps_per_s']:.1f} it/s")
-                    if on_schedule:  # a record only because the run ends here leaves its window open for a resume
-                        self._window_loss, self._window_steps = 0.0, 0
-                    timed_steps, t_start = 0, time.perf_counter()
-                    last = record
-                if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
-                    held = self.heldout_loss()
-                    self._log({"step": self.step, "heldout_loss": held})
-                    self._print(f"step {self.step:5d} | held-out loss {held:.4f} | per-block state:\n"
-                                + self._describe_layers(self.controller.summary()))
-                    last["heldout_loss"] = held
-                saved = self.step % cfg.ckpt_every == 0 or self.step == cfg.steps
-                if saved:
-                    self._save_and_tell()
-                if self.step < cfg.steps and self._out_of_time():
-                    if not saved:
-                        self._save_and_tell()
-                    self._print(f"step {self.step:5d} | stopped: train.max_minutes={cfg.max_minutes:g} reached; "
-                                "the same command with --resume continues the run exactly")
-                    break
-        finally:
-            bar.close()
-            self.close()
+            last = self._train_until_done_or_out_of_time(bar)
+        except BaseException:
+            try:
+                bar.close()
+                self.close()
+            except Exception as err:  # the loop's own error is the one to see
+                warnings.warn(f"closing the run after its failure failed too: {type(err).__name__}: {err}",
+                              stacklevel=2)
+            raise
+        bar.close()
+        self.close()
         last["stopped_at_time_limit"] = self.step < cfg.steps
         last["switch_step"] = int(self.controller.switch_step)
         last["sparse_blocks_list"] = self.controller.sparse_layers()
+        return last
+
+    def _train_until_done_or_out_of_time(self, bar) -> dict:
+        """The training loop of `run`; returns the last logged record (with the last held-out loss)."""
+        cfg = self.cfg.train
+        timed_steps, t_start = 0, time.perf_counter()
+        last = {}
+        while self.step < cfg.steps:
+            out = self.train_step()
+            bar.update(1)
+            self._window_loss = self._window_loss + out["loss"]  # stays on the device until logged
+            self._window_steps += 1
+            timed_steps += 1
+            events = out["events"]
+            if events.switched:
+                summary = self.controller.summary()
+                self._print(f"step {self.step}: stage 2 ({events.switch_reason}); "
+                            f"sparse blocks: {self.controller.sparse_layers()}\n" + self._describe_layers(summary))
+            on_schedule = self.step % cfg.log_every == 0
+            if on_schedule or self.step == cfg.steps:
+                summary = self.controller.summary()
+                elapsed = time.perf_counter() - t_start
+                record = {
+                    "step": self.step,
+                    "loss": self._mean_over_ranks(self._window_loss) / self._window_steps,
+                    "lr": self.scheduler.get_last_lr()[0],
+                    "grad_norm": float(out["grad_norm"].full_tensor() if isinstance(out["grad_norm"], DTensor)
+                                       else out["grad_norm"]),
+                    "stage": summary["stage"],
+                    "predictor_loss": summary["predictor_loss"],
+                    "sparse_blocks": len(self.controller.sparse_layers()),
+                    "steps_per_s": timed_steps / elapsed,
+                }
+                for i, layer in enumerate(summary["layers"]):
+                    for key in ("sparsity", "recall"):
+                        values = [v for v in layer[key] if v is not None]
+                        if values:
+                            record[f"{key}/block{i}"] = sum(values) / len(values)
+                record["layers"] = summary["layers"]
+                self._log(record)
+                pl = summary["predictor_loss"]
+                self._print(f"step {self.step:5d} | loss {record['loss']:.4f} | stage {summary['stage']} | "
+                            f"predictor loss {'-' if pl is None else f'{pl:.4f}'} | sparse blocks "
+                            f"{self.controller.sparse_layers()} | {record['steps_per_s']:.1f} it/s")
+                if on_schedule:  # a record only because the run ends here leaves its window open for a resume
+                    self._window_loss, self._window_steps = 0.0, 0
+                timed_steps, t_start = 0, time.perf_counter()
+                last = record
+            if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
+                held = self.heldout_loss()
+                self._log({"step": self.step, "heldout_loss": held})
+                self._print(f"step {self.step:5d} | held-out loss {held:.4f} | per-block state:\n"
+                            + self._describe_layers(self.controller.summary()))
+                last["heldout_loss"] = held
+            saved = self.step % cfg.ckpt_every == 0 or self.step == cfg.steps
+            if saved:
+                self._save_and_tell()
+            if self.step < cfg.steps and self._out_of_time():
+                if not saved:
+                    self._save_and_tell()
+                self._print(f"step {self.step:5d} | stopped: train.max_minutes={cfg.max_minutes:g} reached; "
+                            "the same command with --resume continues the run exactly")
+                break
         return last
 
     def _save_and_tell(self) -> None:

@@ -20,6 +20,7 @@ from dsv.bench.quality import (
     resolve_train_seeds,
     run_placement,
     seed_late_means,
+    summed_seconds,
     targets,
     train_all,
     training_commands,
@@ -124,6 +125,7 @@ def test_quality_bench_writes_a_complete_report(quality_run):
     assert len({len(p["co_runners"]) for p in placement.values()}) == 1 and results["train_speeds_comparable"]
     # Two legs that each trained every run: the runs' logs hold both legs, and the speeds still compare.
     assert [sorted(leg["seconds"]) for leg in results["training_legs"]] == [sorted(placement)] * 2
+    assert [leg["trained"] for leg in results["training_legs"]] == [list(placement)] * 2
     assert [leg["resumed"] for leg in results["training_legs"]] == [[], sorted(placement)]
     assert all(results["train_seconds"][name] == pytest.approx(sum(leg["seconds"][name]
                for leg in results["training_legs"])) for name in placement)
@@ -134,7 +136,7 @@ def test_quality_bench_writes_a_complete_report(quality_run):
     assert "dsv bench quality --recipe debug_cpu" in report and "attention.mode=window" in report
     assert "Training placement (each run's device and the runs that shared it): dense " in report
     assert "Training speed after DSV's switch (speed.png): dense " in report and "withheld" not in report
-    assert "Trained in 2 legs (each stopped by its time limit and continued exactly with --resume)" in report
+    assert "Trained in 2 legs (each ended by its time limit or cut short, and continued exactly" in report
     assert report.count("| met |") + report.count("| **missed** |") == 4
     assert "No DSV verdict" not in report
 
@@ -196,29 +198,47 @@ def test_a_training_deadline_limits_each_run_and_starts_no_wave_after_it(tmp_pat
     # Each stub prints the arguments it was given; one run at a time (no GPU), so each is a wave of its own.
     stub = [sys.executable, "-c", "import sys; print(sys.argv[1:])"]
     commands = {mode: stub for mode in ("dense", "dsv", "window")}
-    seconds = train_all(commands, tmp_path, gpus=[], deadline=time.perf_counter() + 600)
-    assert list(seconds) == ["dense", "dsv", "window"]
+    ended = []
+    seconds = train_all(commands, tmp_path, gpus=[], deadline=time.perf_counter() + 600,
+                        on_end=lambda name, s: ended.append(name))
+    assert list(seconds) == ["dense", "dsv", "window"] and ended == list(seconds)
     for name in commands:
         given = (tmp_path / f"{name}.log").read_text()
         minutes = float(given.split("train.max_minutes=")[1].split("'")[0])
         assert given.startswith("['--set', 'train.max_minutes=") and 9.5 < minutes <= 10
-    # A deadline already past starts nothing; a run that continues appends to its log.
+    # A deadline already past starts nothing; a later leg appends to the logs.
     assert train_all(commands, tmp_path, gpus=[], deadline=time.perf_counter()) == {}
-    train_all({"dense": stub}, tmp_path, gpus=[], appending=frozenset({"dense"}))
-    assert (tmp_path / "dense.log").read_text().splitlines()[1:] == ["[]"]  # the first run's line kept
+    train_all({"dense": stub}, tmp_path, gpus=[], append_logs=True)
+    assert (tmp_path / "dense.log").read_text().splitlines()[1:] == ["[]"]  # the first leg's line kept
     assert len((tmp_path / "dsv.log").read_text().splitlines()) == 1
+    # A deadline that passes during the plan: the wave that starts before it runs (with what is left, written
+    # in full: a budget rounded to 0 would read as no limit), the next does not start; a stopped run (exit 3)
+    # ends well.
+    sleeper = [sys.executable, "-c", "import sys, time; print(sys.argv[1:]); time.sleep(1); sys.exit(3)"]
+    seconds = train_all({name: sleeper for name in commands}, tmp_path, gpus=[],
+                        deadline=time.perf_counter() + 1.5)
+    assert list(seconds) == ["dense", "dsv"]
+    minutes = float((tmp_path / "dsv.log").read_text().split("train.max_minutes=")[1].split("'")[0])
+    assert 0 < minutes < 1.5 / 60
 
 
-def test_a_command_that_trains_nothing_adds_no_leg():
+def test_legs_sum_the_times_they_recorded_and_a_command_that_trains_nothing_adds_none():
     names = ["dense", "dsv", "window"]
-    legs = with_leg([], dict.fromkeys(names, 300.0), frozenset())
-    legs = with_leg(legs, {"dsv": 20.0}, frozenset({"dsv"}))
-    assert legs == [{"seconds": dict.fromkeys(names, 300.0), "resumed": []},
-                    {"seconds": {"dsv": 20.0}, "resumed": ["dsv"]}]
+    first = {"trained": names, "resumed": [], "seconds": dict.fromkeys(names, 300.0)}
+    second = {"trained": ["dsv"], "resumed": ["dsv"], "seconds": {"dsv": 20.0}}
+    legs = with_leg(with_leg([], first), second)
+    assert legs == [first, second] and summed_seconds(legs, names) == {"dense": 300.0, "dsv": 320.0, "window": 300.0}
     assert legs_differ(legs, names) == "leg 1 trained dense, dsv, window; leg 2 trained dsv"
     # Evaluating the finished runs afterwards: the same legs, and one leg alone compares.
-    assert with_leg(legs, {}, frozenset()) == legs
-    assert legs_differ(with_leg(legs[:1], {}, frozenset()), names) is None
+    assert with_leg(legs, {"trained": [], "resumed": [], "seconds": {}}) == legs
+    assert legs_differ(legs[:1], names) is None
+    # A leg cut short before dsv ended: its time is unknown, not the other legs' sum.
+    cut = {"trained": ["dsv", "window"], "resumed": ["dsv", "window"], "seconds": {"window": 5.0}}
+    assert summed_seconds([first, cut], names) == {"dense": 300.0, "dsv": None, "window": 305.0}
+    lines = training_speed_lines({"train_placement": run_placement(plan_runs(names, ["0"], 3)),
+                                  "train_seconds": summed_seconds([first, cut], names),
+                                  "stage2_steps_per_s": dict.fromkeys(names, 2.0), "training_legs": [first, cut]})
+    assert "Trained in 2 legs" in lines[1] and "**unknown** for dsv" in lines[2]
 
 
 @needs_i3d

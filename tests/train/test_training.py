@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv.cli import main
+from dsv.cli import EXIT_UNFINISHED, main
 from dsv.train.checkpoint import CheckpointError, list_checkpoints
 from dsv.train.config import apply_overrides
 from dsv.train.recipes import get_recipe
@@ -381,6 +381,12 @@ def test_a_stored_config_without_newer_fields_loads_with_a_warning():
     with pytest.warns(UserWarning, match=r"lacks attention.recall_target, train.threads"):
         loaded = config_from_dict(data)
     assert loaded.attention.recall_target == 0.0 and loaded.train.threads == 0
+    # A field whose default changed behaviour takes the value the saving run behaved with: a resume of a run
+    # from before the dispatch margin is then refused unless the margin is set back, not silently changed.
+    del data["attention"]["dispatch_margin"]
+    with pytest.warns(UserWarning, match=r"attention.dispatch_margin=0.0 as before the field existed"):
+        loaded = config_from_dict(data)
+    assert loaded.attention.dispatch_margin == 0.0 and get_recipe("debug_cpu").attention.dispatch_margin == 0.1
 
 
 def test_cli_sample_and_profile_write_their_files(tmp_path, capsys):
@@ -533,12 +539,14 @@ def test_a_run_out_of_time_saves_stops_and_resumes_into_the_uninterrupted_run(tm
     run = tmp_path / "legs"
     # 1e-6 minutes has run out by the end of the first step.
     args = [item for o in TINY + schedule + [f"train.out_dir={run}", "train.max_minutes=1e-6"] for item in ("--set", o)]
-    assert main(["train", "--recipe", "debug_cpu", *args]) == 0
+    assert main(["train", "--recipe", "debug_cpu", *args]) == EXIT_UNFINISHED  # a job script can requeue on it
     out = capsys.readouterr().out
     assert "stopped at step 1 of 8 (train.max_minutes); continue with --resume" in out and "done" not in out
     assert [p.name for p in list_checkpoints(run)] == ["step_00000001"]
-    assert main(["train", "--recipe", "debug_cpu", "--resume", *args]) == 0
-    assert "stopped at step 2 of 8" in capsys.readouterr().out
+    # A stop on a scheduled checkpoint step saves it once.
+    assert main(["train", "--recipe", "debug_cpu", "--resume", *args, "--set", "train.ckpt_every=1"]) == EXIT_UNFINISHED
+    out = capsys.readouterr().out
+    assert "stopped at step 2 of 8" in out and out.count("| checkpoint ") == 1
     result = Trainer(tiny_config(run, *schedule), resume=True, quiet=True).run()
     assert not result["stopped_at_time_limit"]
     straight_w, straight_s = final_state(tmp_path / "straight", *schedule)
