@@ -266,6 +266,14 @@ class LowRankPredictor(nn.Module):
         self.unpark()  # `.to()`, `.cuda()`, `.float()` act on the state where it belongs
         self._allocated_on, self._prefetched = None, set()  # the tensors they make: whichever stream is current
         moved = super()._apply(fn, recurse)
+        # The optimizer is the predictor's own: its moments follow their parameters (a `.double()` after a step
+        # left float32 moments that the fused kernel refuses), its step counts stay float32 beside them.
+        for param in self.parameters():
+            state = self.optimizer.state.get(param, {})
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    state[key] = (fn(value) if value.dim() > 0
+                                  else value.to(device=param.device, dtype=torch.float32))
         release_parked()  # memory of the state it leaves behind, held since the last park or prefetch
         return moved
 

@@ -218,3 +218,26 @@ def test_an_optimizer_state_of_the_earlier_foreach_adamw_loads_into_the_fused_on
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert all(state["step"].dtype == torch.float32 and float(state["step"]) == 3
                for state in loaded.optimizer.state.values())
+
+
+def test_the_optimizer_state_follows_a_dtype_change_after_a_step():
+    """`.double()` after a step converts the AdamW moments with the weights (left float32, the fused step raised
+    a dtype error): the next step equals that of a float64 copy given the same state."""
+    def loss(predictor):
+        return lambda: sum((p ** 2).sum() for p in predictor.parameters())
+
+    predictor = LowRankPredictor(dim=8, heads=2, rank=2, lr=1e-2)
+    predictor.step(loss(predictor), "cpu")
+    copy_64 = LowRankPredictor(dim=8, heads=2, rank=2, lr=1e-2).double()
+    copy_64.load_state_dict(predictor.state_dict())
+    state = copy.deepcopy(predictor.optimizer.state_dict())
+    for entry in state["state"].values():
+        entry["exp_avg"], entry["exp_avg_sq"] = entry["exp_avg"].double(), entry["exp_avg_sq"].double()
+    copy_64.optimizer.load_state_dict(state)
+    predictor.double()
+    assert all(v.dtype == (torch.float64 if v.dim() else torch.float32)
+               for entry in predictor.optimizer.state.values() for v in entry.values())
+    predictor.step(loss(predictor), "cpu")
+    copy_64.step(loss(copy_64), "cpu")
+    for a, b in zip(predictor.parameters(), copy_64.parameters()):
+        assert a.dtype == torch.float64 and torch.equal(a, b)
