@@ -234,16 +234,21 @@ class DSVAttentionCore(nn.Module):
         half = (torch.float16, torch.bfloat16)
         # The tensors themselves, not just their dtypes: a value cast to half and back has lost its low bits.
         buffers = {name: b for name, b in self._buffers.items() if b is not None}
-        predictor_data = [p.data for p in self.predictor.parameters()] if self.predictor is not None else []
+        predictor = list(self.predictor.parameters()) if self.predictor is not None else []
+        predictor_data = [p.data for p in predictor]
+        # Their AdamW moments too, which the predictor's own `_apply` casts with them.
+        moments = [{key: value.data for key, value in self.predictor.optimizer.state.get(p, {}).items()
+                    if isinstance(value, torch.Tensor) and value.dim() > 0} for p in predictor]
         super()._apply(fn, recurse)
         for name, old in buffers.items():
             new = self._buffers[name]
             if new is not None and new.dtype in half and old.dtype not in half:
                 self._buffers[name] = old.to(new.device)
-        if self.predictor is not None:
-            for param, old in zip(self.predictor.parameters(), predictor_data):
-                if param.dtype in half and old.dtype not in half:
-                    param.data = old.to(param.device)
+        for param, old, old_moments in zip(predictor, predictor_data, moments):
+            if param.dtype in half and old.dtype not in half:
+                param.data = old.to(param.device)
+                state = self.predictor.optimizer.state.get(param, {})
+                state.update({key: value.to(param.device) for key, value in old_moments.items()})
         return self
 
     # ----- per-forward steps -----

@@ -300,6 +300,7 @@ def test_dsv_state_keeps_float32_when_the_model_is_cast_to_half_precision():
     for name, value in (*layer.predictor.named_parameters(), ("sparsity_ema", layer.sparsity_ema)):
         assert torch.equal(value, state[name]), name
     assert all(p.dtype == torch.float32 for p in layer.predictor.parameters())
+    assert all(v.dtype == torch.float32 for entry in layer.predictor.optimizer.state.values() for v in entry.values())
     assert all(b.dtype == torch.float32 for b in (layer.sparsity_ema, layer.recall_ema, layer.loss_ema,
                                                    layer.keep_fraction, layer.keep_boost))
     assert layer.use_sparse.dtype == torch.bool
@@ -309,6 +310,11 @@ def test_dsv_state_keeps_float32_when_the_model_is_cast_to_half_precision():
     assert not torch.equal(weights, layer.predictor.q_proj.weight)
     model.double()
     assert layer.predictor.q_proj.weight.dtype == layer.sparsity_ema.dtype == torch.float64
+    weights = layer.predictor.q_proj.weight.detach().clone()
+    model.controller.end_step()
+    model.controller.begin_step(2)
+    model(x.double()).sum().backward()  # the moments went to float64 with the weights: the predictor steps on
+    assert not torch.equal(weights, layer.predictor.q_proj.weight)
 
 
 def test_a_loaded_stage2_state_gets_the_stage2_predictor_learning_rate():
