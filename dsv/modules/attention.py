@@ -176,13 +176,13 @@ class DSVAttentionCore(nn.Module):
             batch, seq_len = self._last_shape
             mean_keep = float(keep.mean())
             shape = (batch, self.heads, seq_len, self.head_dim)
-            sparse_ms, dense_ms = model.sparse_ms(mean_keep, *shape), model.dense_ms(*shape)
             # `dispatch_margin`: a dense block must gain to go sparse, a sparse one stays until it would lose.
-            bar = dense_ms * (1.0 if self._use_sparse_host else 1.0 - self.cfg.dispatch_margin)
-            sparse = sparse_ms < bar
-            self.dispatch_reason += (f"; {self._last_backend} speed model ({blocks}): sparse {sparse_ms:.2f} ms vs "
-                                     f"dense {dense_ms:.2f} ms" + (f" (to go sparse: < {bar:.2f} ms)"
-                                                                   if bar < dense_ms else ""))
+            margin = 0.0 if self._use_sparse_host else self.cfg.dispatch_margin
+            sparse = model.pays(mean_keep, *shape, margin=margin)
+            dense_ms = model.dense_ms(*shape)
+            self.dispatch_reason += (f"; {self._last_backend} speed model ({blocks}): sparse "
+                                     f"{model.sparse_ms(mean_keep, *shape):.2f} ms vs dense {dense_ms:.2f} ms"
+                                     + (f" (to go sparse: < {(1.0 - margin) * dense_ms:.2f} ms)" if margin else ""))
         self.use_sparse.fill_(sparse)
         self._refresh_host_state()
 

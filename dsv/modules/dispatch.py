@@ -25,9 +25,10 @@ class SparseSpeedModel:
     def sparse_ms(self, keep: float, batch: int, heads: int, seq_len: int, head_dim: int) -> float:
         return self.fixed_ms + self.relative_cost * keep * self.dense_ms(batch, heads, seq_len, head_dim)
 
-    def pays(self, keep: float, batch: int, heads: int, seq_len: int, head_dim: int) -> bool:
+    def pays(self, keep: float, batch: int, heads: int, seq_len: int, head_dim: int, margin: float = 0.0) -> bool:
+        """Whether sparse attention at kept fraction `keep` saves more than `margin` of dense's time."""
         dense = self.dense_ms(batch, heads, seq_len, head_dim)
-        return self.sparse_ms(keep, batch, heads, seq_len, head_dim) < dense
+        return self.sparse_ms(keep, batch, heads, seq_len, head_dim) < (1.0 - margin) * dense
 
 
 # Fitted to benchmarks/results/2026-11-29-h200-kernels.md (one H200, bf16, D=128, 128-token blocks):
