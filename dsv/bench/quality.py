@@ -15,8 +15,9 @@ in its own ``dsv train`` process (with several GPUs visible, one run per GPU at 
 - the DSV run's predictor recall (profiler EMA) in its sparse blocks, and ``dsv observe``/``dsv profile`` on
   its checkpoint.
 
-FVD, sampling, observations and profile use the models of the first training seed only (the evaluation
-takes as long as with one seed).
+The FVD uses every seed's models and, like the loss, is judged on the mean over seeds (training differs more
+from seed to seed than the bootstrap of one seed's samples shows). Sampling speed, the sample grid,
+observations and profile use the models of the first training seed only.
 
 With ``--dense-control`` a second dense run per seed (``dense-control``, ``dense-control-seed<seed>``), the
 same command as the dense one, is evaluated like the others: its gap to dense is the run-to-run noise of the
@@ -481,22 +482,43 @@ def timed_samples(model, cfg, num: int, steps: int, seed: int, repeats: int) -> 
     return passes[0][0].clamp(-1, 1), [seconds for _, seconds in passes]
 
 
-def fvd_with_bootstrap(real: np.ndarray, generated: dict[str, np.ndarray], draws: int, seed: int = 0) -> dict:
-    """FVD of each generated feature set against ``real`` features, with a paired bootstrap: each draw
-    resamples the real clips, and one set of sample indices shared by every generated set (their samples come
-    from the same noise, index by index). Returns per set the point value, the draws' std and 5-95% range,
-    and for each set the draws' ratio to the ``dense`` set when there is one."""
+def fvd_with_bootstrap(real: np.ndarray, generated_by_seed: dict[str, dict[str, np.ndarray]], draws: int,
+                       seed: int = 0) -> tuple[dict, dict]:
+    """FVD of each generated feature set of each training seed against ``real`` features, with a paired
+    bootstrap: each draw resamples the real clips, and one set of sample indices shared by every generated set
+    of every seed (all samples come from the same noise, index by index). Returns ``(by seed, over seeds)``:
+    per seed and set the point value, the draws' std and 5-95% range and, beside a ``dense`` set, the draws'
+    ratio to it; over seeds the same for the mean over seeds of each set that every seed has (the mean of
+    each draw, so the spread is the mean's). With one seed both hold the same numbers."""
     from dsv.eval import frechet_distance
 
+    counts = {name: len(feats) for sets in generated_by_seed.values() for name, feats in sets.items()}
+    if len(set(counts.values())) != 1:
+        raise ValueError(f"generated_by_seed: every set needs as many videos (the paired bootstrap shares their "
+                         f"indices); got {counts}")
+    n_gen = next(iter(counts.values()))
     rng = np.random.default_rng(seed)
-    point = {name: frechet_distance(real, feats) for name, feats in generated.items()}
-    boot = {name: [] for name in generated}
-    n_gen = len(next(iter(generated.values())))
+    point = {s: {name: frechet_distance(real, feats) for name, feats in sets.items()}
+             for s, sets in generated_by_seed.items()}
+    boot = {s: {name: [] for name in sets} for s, sets in generated_by_seed.items()}
     for _ in range(draws):
         r = rng.integers(0, len(real), len(real))
         g = rng.integers(0, n_gen, n_gen)
-        for name, feats in generated.items():
-            boot[name].append(frechet_distance(real[r], feats[g]))
+        for s, sets in generated_by_seed.items():
+            for name, feats in sets.items():
+                boot[s][name].append(frechet_distance(real[r], feats[g]))
+    by_seed = {s: _fvd_entries(point[s], boot[s]) for s in generated_by_seed}
+    first = next(iter(generated_by_seed.values()))
+    common = [name for name in first if all(name in sets for sets in generated_by_seed.values())]
+    mean_point = {name: statistics.fmean(point[s][name] for s in point) for name in common}
+    mean_boot = {name: [statistics.fmean(values) for values in zip(*(boot[s][name] for s in boot))]
+                 for name in common}
+    return by_seed, _fvd_entries(mean_point, mean_boot)
+
+
+def _fvd_entries(point: dict[str, float], boot: dict[str, list[float]]) -> dict:
+    """Per set: the point FVD, the bootstrap draws' std and 5-95% range, and beside a ``dense`` set the draws'
+    ratio to it (5-95% and the share within ``FVD_TOLERANCE``)."""
     result = {}
     for name, values in boot.items():
         entry = {"fvd": point[name]}
@@ -752,17 +774,20 @@ def targets(results: dict) -> list[dict]:
     fvd = results["fvd"]
     facts = results["dsv"]
     fvd_gap = fvd["dsv"]["fvd"] / fvd["dense"]["fvd"] - 1
-    spread = (f"paired bootstrap ({results['bootstrap']} draws) of DSV/dense: "
+    fvd_measured = f"DSV {fvd['dsv']['fvd']:.1f}, dense {fvd['dense']['fvd']:.1f}: {fvd_gap:+.1%}"
+    if several:
+        by_seed = results["fvd_by_seed"]
+        fvd_measured = (f"means over {len(by_seed)} seeds: {fvd_measured}; per seed: " + ", ".join(
+            f"seed {seed} {f['dsv']['fvd'] / f['dense']['fvd'] - 1:+.1%}" for seed, f in by_seed.items()))
+    spread = (f"paired bootstrap ({results['bootstrap']} draws) of DSV/dense"
+              f"{' on the means over seeds' if several else ''}: "
               f"{fvd['dsv'].get('ratio_to_dense_p05', float('nan')):.3f}–"
               f"{fvd['dsv'].get('ratio_to_dense_p95', float('nan')):.3f} (5–95%); "
               f"within tolerance in {100 * fvd['dsv'].get('share_within_tolerance', float('nan')):.0f}% of draws")
-    # The held-out loss uses every seed's runs, the FVD the first seed's alone.
+    # The held-out loss and the FVD use every seed's runs; the DSV facts come from the first seed's run alone.
     dense_only = seeds_without_sparse_block(results)
-    first = str(results["seeds"][0])
-    fvd_dense_only = [first] if first in dense_only else []
-    # The DSV facts come from the first seed's run alone.
     first_seed = f" (seed {results['seed']})" if several else ""
-    stage2 = "" if fvd_dense_only else (
+    stage2 = "" if str(results["seeds"][0]) in dense_only else (
         f"DSV{first_seed} in stage 2 from step {facts['switch_step']} with on average "
         f"{facts['mean_sparse_blocks_in_stage2']:.1f} of {len(facts['final_sparsity'])} blocks sparse")
 
@@ -797,14 +822,14 @@ def targets(results: dict) -> list[dict]:
     return [
         loss,
         {"target": f"DSV FVD within {FVD_TOLERANCE:.0%} of dense",
-         "measured": f"DSV {fvd['dsv']['fvd']:.1f}, dense {fvd['dense']['fvd']:.1f}: {fvd_gap:+.1%}",
-         "met": None if fvd_dense_only else abs(fvd_gap) <= FVD_TOLERANCE,
+         "measured": fvd_measured,
+         "met": None if dense_only else abs(fvd_gap) <= FVD_TOLERANCE,
          "context": "; ".join(part for part in (f"{results['videos']} videos per set", spread,
-                                                not_judged(fvd_dense_only), stage2, fvd_control) if part)},
+                                                not_judged(dense_only), stage2, fvd_control) if part)},
         {"target": "window worse than both (held-out loss and FVD)",
          "measured": f"loss {window:.4f} (mean of {_late_steps(late)}{', then over seeds' if several else ''}), "
-                     f"FVD {fvd['window']['fvd']:.1f}",
-         # Its loss uses every seed's DSV run: judged only where the loss target is.
+                     f"FVD {fvd['window']['fvd']:.1f}{' (mean over seeds)' if several else ''}",
+         # Its loss and FVD use every seed's DSV run: judged only where those targets are.
          "met": None if dense_only else (window > max(dense, dsv)
                                          and fvd["window"]["fvd"] > max(fvd["dense"]["fvd"], fvd["dsv"]["fvd"])),
          "context": "; ".join(part for part in (
@@ -881,8 +906,8 @@ def render_report(results: dict) -> str:
         seeds_text = (f"training seeds {', '.join(map(str, seeds))}: every mode trained once per seed, the same "
                       f"data order for every mode of a seed; initial DiT weights the same in all three modes "
                       f"(seed {results['seed']}): {'yes' if results['same_initial_weights'] else 'no'}. The "
-                      f"held-out loss uses every seed; FVD, sampling, observations and profile use the models of "
-                      f"seed {results['seed']}.")
+                      f"held-out loss and the FVD use every seed; sampling speed, the sample grid, observations "
+                      f"and profile use the models of seed {results['seed']}.")
     else:
         seeds_text = (f"seed {results['seed']}, the same data order for every run; initial DiT weights the same "
                       f"in all three runs: {'yes' if results['same_initial_weights'] else 'no'}.")
@@ -933,11 +958,18 @@ def render_report(results: dict) -> str:
     lines += ["", *training_speed_lines(results), "", "## FVD (samples.png)", "",
               (f"Kinetics-400 I3D logits, {results['videos']} samples per run ({results['sample_steps']} Euler steps, "
                f"the same noise for every run) against {results['videos']} held-out real clips; bootstrap: "
-               f"{results['bootstrap']} paired draws. FVD of few videos is biased upwards and noisy: compare the "
-               "rows with each other, not with published values."), "",
-              "| set | FVD | bootstrap std | 5–95% |", "|---|---|---|---|"]
+               f"{results['bootstrap']} paired draws"
+               + (" (each draw resamples every seed's sets alike; the spread is that of the mean over seeds)"
+                  if len(seeds) > 1 else "")
+               + ". FVD of few videos is biased upwards and noisy: compare the rows with each other, not with "
+               "published values."), ""]
+    by_seed = results["fvd_by_seed"]
+    seed_heads = "".join(f" seed {seed} |" for seed in by_seed) if len(seeds) > 1 else ""
+    lines += [f"| set |{seed_heads} FVD{' (mean over seeds)' if seed_heads else ''} | bootstrap std | 5–95% |",
+              "|---|" + "---|" * (len(by_seed) if seed_heads else 0) + "---|---|---|"]
     for name, entry in results["fvd"].items():
-        lines.append(f"| {name} | {entry['fvd']:.1f} | {_fmt(entry.get('std'), 1)} | "
+        per_seed = "".join(f" {f[name]['fvd']:.1f} |" for f in by_seed.values()) if seed_heads else ""
+        lines.append(f"| {name} |{per_seed} {entry['fvd']:.1f} | {_fmt(entry.get('std'), 1)} | "
                      f"{_fmt(entry.get('p05'), 1)}–{_fmt(entry.get('p95'), 1)} |")
     lines += ["", "I3D on bundled clips (top 3 Kinetics-400 classes with probabilities; the network is the real one "
               "if it sees the cyclist as cycling and agrees across windows of a clip):", ""]
@@ -1023,22 +1055,24 @@ def _version(package: str) -> str:
         return "absent"
 
 
-def sample_runs(runs_dir: Path, num: int, args, device: torch.device) -> tuple[dict, dict]:
-    """Samples of every run of the first seed (the dense control's too, if trained) from the same noise, the
-    DSV run also with the same weights densely; returns ``(samples by name, DSV-vs-dense sampling facts)``."""
+def sample_runs(run_dirs: dict[str, Path], num: int, args, device: torch.device,
+                timed: bool) -> tuple[dict, dict]:
+    """Samples of every run of one seed (``run_dirs``: folder by mode, the dense control's too if trained)
+    from the same noise, the DSV run also with the same weights densely; returns ``(samples by name,
+    DSV-vs-dense sampling facts)``. Only a ``timed`` seed's DSV sampling is timed ``--timing-repeats`` times."""
     from dsv.analysis.checkpointed_model import load_model
     from dsv.analysis.sample import attention_paths, similarity
 
     samples, sampling = {}, {}
-    for mode in run_modes(args.dense_control):
-        model, cfg, _ = load_model(str(runs_dir / mode), str(device))
+    for mode, run_dir in run_dirs.items():
+        model, cfg, _ = load_model(str(run_dir), str(device))
         # Only DSV's sparse-vs-dense sampling is compared in time; the other runs are sampled once.
-        repeats = args.timing_repeats if mode == "dsv" else 1
+        repeats = args.timing_repeats if mode == "dsv" and timed else 1
         samples[mode], passes = timed_samples(model, cfg, num, args.sample_steps, args.seed, repeats)
         if mode == "dsv":
-            dense_view, _, _ = load_model(str(runs_dir / mode), str(device), attention_mode="dense")
+            dense_view, _, _ = load_model(str(run_dir), str(device), attention_mode="dense")
             samples["dsv, dense sampling"], dense_passes = timed_samples(
-                dense_view, cfg, num, args.sample_steps, args.seed, args.timing_repeats)
+                dense_view, cfg, num, args.sample_steps, args.seed, repeats)
             sampling = {"dsv_passes": passes, "dense_passes": dense_passes,
                         "dsv_seconds": statistics.median(passes), "dense_seconds": statistics.median(dense_passes),
                         "dsv_paths": attention_paths(model), "dense_paths": attention_paths(dense_view),
@@ -1144,7 +1178,11 @@ def run(args) -> int:
     device = resolve_device(args.device)
     data = build_dataset(cfg.data)
     real = data.heldout_batch()
-    samples, sampling = sample_runs(runs_dir, real.shape[0], args, device)
+    samples_by_seed, sampling_by_seed = {}, {}
+    for seed, dirs in run_dirs.items():
+        samples_by_seed[seed], sampling_by_seed[seed] = sample_runs(dirs, real.shape[0], args, device,
+                                                                    timed=seed == first)
+    samples, sampling = samples_by_seed[first], sampling_by_seed[first]
     facts = dsv_facts(curves["dsv"], switch_by_seed[first], cfg.attention)
     wall["sampling"] = time.perf_counter() - phase
     print(f"[quality] sampling done in {wall['sampling']:.0f} s; DSV switch step {facts['switch_step']}, sparse blocks "
@@ -1152,11 +1190,15 @@ def run(args) -> int:
 
     phase = time.perf_counter()
     i3d = load_i3d(device)
-    generated = {name: extract_features(videos, i3d) for name, videos in samples.items()}
-    # Real training clips against the held-out ones: the FVD that real video of this data reaches.
+    # Real training clips against the held-out ones: the FVD that real video of this data reaches (in every
+    # seed's sets, so that it has a row beside the means over seeds).
     training_clips = data.sample(real.shape[0], torch.Generator().manual_seed(args.seed))
-    generated["real training clips"] = extract_features(training_clips, i3d)
-    fvd = fvd_with_bootstrap(extract_features(real, i3d), generated, args.bootstrap, seed=args.seed)
+    training_features = extract_features(training_clips, i3d)
+    generated_by_seed = {seed: {**{name: extract_features(videos, i3d) for name, videos in seed_samples.items()},
+                                "real training clips": training_features}
+                         for seed, seed_samples in samples_by_seed.items()}
+    fvd_by_seed, fvd = fvd_with_bootstrap(extract_features(real, i3d), generated_by_seed, args.bootstrap,
+                                          seed=args.seed)
     i3d_check = i3d_on_bundled_clips(i3d)
     del i3d
     wall["fvd"] = time.perf_counter() - phase
@@ -1216,6 +1258,7 @@ def run(args) -> int:
         "dense_control": args.dense_control, "late_means": late, "dsv": facts,
         "window_keep": window_keep_fraction(cfg, grid),
         "videos": real.shape[0], "sample_steps": args.sample_steps, "bootstrap": args.bootstrap, "fvd": fvd,
+        "fvd_by_seed": fvd_by_seed,
         "i3d_check": i3d_check, "sampling": sampling, "profile_recall_in_sparse_blocks": profile_recall,
         "stage2_steps_per_s": stage2_speed,
         "train_step_reference": str(args.train_step_json) if reference else None,

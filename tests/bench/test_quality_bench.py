@@ -7,11 +7,13 @@ import math
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from dsv.bench.quality import (
     CONTROL,
     EXIT_UNFINISHED,
+    fvd_with_bootstrap,
     late_run_means,
     legs_differ,
     loss_target,
@@ -113,6 +115,7 @@ def test_quality_bench_writes_a_complete_report(quality_run):
     # FVD: every set measured with a spread; after 6 steps the samples are far from real video, real clips are not.
     fvd = results["fvd"]
     assert set(fvd) == {"dense", "dsv", "dsv, dense sampling", "window", CONTROL, "real training clips"}
+    assert results["fvd_by_seed"] == {str(results["seeds"][0]): fvd}  # one seed: its FVD is the mean's
     assert all(entry["fvd"] >= 0 and entry["std"] >= 0 for entry in fvd.values())
     assert fvd["real training clips"]["fvd"] < min(fvd[m]["fvd"] for m in ("dense", "dsv", "window"))
     # The real Kinetics-400 I3D sees the cyclist of bikes.mp4 as cycling.
@@ -258,6 +261,55 @@ def test_a_dsv_run_without_a_sparse_block_is_not_judged(quality_run):
     assert "**No DSV verdict.** DSV ran no sparse block (on average 0.00 of 2 blocks sparse in stage 2)" in report
 
 
+@needs_i3d
+def test_two_seeds_report_each_seeds_fvd_beside_their_mean(quality_run):
+    """The shared run's results with a second seed (its tables copied, its FVDs doubled, the means 1.5×): the
+    FVD table has a column per seed beside the mean that the targets judge."""
+    results = json.loads((quality_run / "results.json").read_text())
+    seed = str(results["seeds"][0])
+    other = str(int(seed) + 1)
+    for key in ("heldout_by_seed", "switch_step_by_seed", "mean_sparse_blocks_in_stage2_by_seed",
+                "final_sparse_blocks_by_seed"):
+        results[key][other] = results[key][seed]
+    results["seeds"].append(int(other))
+    results["late_means"] = seed_late_means(results["heldout_by_seed"], results["steps"])
+    first = results["fvd_by_seed"][seed]
+    results["fvd_by_seed"][other] = {name: {**e, "fvd": 2 * e["fvd"]} for name, e in first.items()}
+    results["fvd"] = {name: {**e, "fvd": 1.5 * e["fvd"]} for name, e in first.items()}
+    fvd = targets(results)[1]
+    gap = first["dsv"]["fvd"] / first["dense"]["fvd"] - 1
+    assert fvd["measured"] == (f"means over 2 seeds: DSV {1.5 * first['dsv']['fvd']:.1f}, dense "
+                               f"{1.5 * first['dense']['fvd']:.1f}: {gap:+.1%}; per seed: seed {seed} {gap:+.1%}, "
+                               f"seed {other} {gap:+.1%}")
+    assert "of DSV/dense on the means over seeds:" in fvd["context"]
+    report = render_report({**results, "targets": targets(results)})
+    assert f"| set | seed {seed} | seed {other} | FVD (mean over seeds) | bootstrap std | 5–95% |" in report
+    dense = first["dense"]["fvd"]
+    assert f"| dense | {dense:.1f} | {2 * dense:.1f} | {1.5 * dense:.1f} | " in report
+    assert "The held-out loss and the FVD use every seed" in report
+
+
+def test_fvd_over_seeds_is_the_mean_of_each_draw_and_one_seed_gives_its_own_numbers():
+    rng = np.random.default_rng(0)
+    real = rng.normal(size=(32, 8))
+    sets = {seed: {"dense": rng.normal(shift, 1, (32, 8)), "dsv": rng.normal(shift + 0.5, 1, (32, 8))}
+            for seed, shift in (("3", 0.2), ("4", 0.6))}
+    by_seed, over = fvd_with_bootstrap(real, sets, draws=20, seed=1)
+    for name in ("dense", "dsv"):
+        assert over[name]["fvd"] == pytest.approx((by_seed["3"][name]["fvd"] + by_seed["4"][name]["fvd"]) / 2)
+        # The mean of two series of draws spreads no more than the two do on average (std is a norm).
+        assert over[name]["std"] <= (by_seed["3"][name]["std"] + by_seed["4"][name]["std"]) / 2 + 1e-12
+    assert 0 <= over["dsv"]["share_within_tolerance"] <= 1
+    assert over["dsv"]["ratio_to_dense_p05"] <= over["dsv"]["ratio_to_dense_p95"]
+    # The draws do not depend on how many seeds there are: one seed alone gives its numbers of the two-seed call.
+    assert fvd_with_bootstrap(real, {"3": sets["3"]}, draws=20, seed=1) == ({"3": by_seed["3"]}, by_seed["3"])
+    # A set that only one seed has is in that seed's entries, not among the means.
+    by_seed, over = fvd_with_bootstrap(real, {"3": {**sets["3"], "extra": sets["4"]["dsv"]}, "4": sets["4"]}, 2)
+    assert "extra" in by_seed["3"] and set(over) == {"dense", "dsv"}
+    with pytest.raises(ValueError, match="every set needs as many videos"):
+        fvd_with_bootstrap(real, {"3": {"dense": real[:16], "dsv": real}}, draws=2)
+
+
 def test_late_run_means_average_the_second_half_of_the_run():
     heldout = [{"step": step, "dense": 1.0 / step, "dsv": 2.0 / step} for step in (100, 200, 300, 400)]
     late = late_run_means(heldout, steps=400)
@@ -377,8 +429,9 @@ def test_dense_control_trains_the_dense_command_once_more_per_seed_in_its_own_fo
 def _targets_results(sparse_by_seed: dict[str, float], switch_by_seed: dict[str, int | None],
                      dense_control: bool = False, final_sparse_by_seed: dict[str, list[int]] | None = None) -> dict:
     """The inputs of ``targets``: the two-seed held-out tables of the loss-target test (DSV -0.25% from dense on
-    the seed means), FVD of the θ=0.95 GPU run (DSV +5.6%), a 12-block DSV run of the first seed; with
-    ``dense_control``, a control 2% under dense in seed 0 and 0.4% over in seed 1."""
+    the seed means), FVD of the θ=0.95 GPU run (DSV +5.6%) as the mean over seeds (seed 0 +7.8%, seed 1 +3.5%),
+    a 12-block DSV run of the first seed; with ``dense_control``, a control 2% under dense in seed 0 and 0.4% over
+    in seed 1."""
     tables = {"0": _heldout([(100, 2.0, 2.02, 2.2), (200, 1.5, 1.47, 1.6), (300, 1.0, 1.05, 1.2),
                              (400, 1.0, 1.05, 1.2)]),
               "1": _heldout([(100, 4.0, 4.4, 4.4), (200, 3.5, 3.5, 3.9), (300, 3.0, 2.94, 3.3),
@@ -390,7 +443,10 @@ def _targets_results(sparse_by_seed: dict[str, float], switch_by_seed: dict[str,
         for seed, factor in (("0", 0.98), ("1", 1.004)):
             tables[seed] = [{**row, CONTROL: row["dense"] * factor} for row in tables[seed]]
         fvd[CONTROL] = {"fvd": 2800.0, "ratio_to_dense_p05": 1.01, "ratio_to_dense_p95": 1.06}
+    by_seed = {"0": {"dense": {"fvd": 2703.3}, "dsv": {"fvd": 2914.2}},
+               "1": {"dense": {"fvd": 2703.3}, "dsv": {"fvd": 2795.8}}}
     return {"seeds": [0, 1], "seed": 0, "late_means": seed_late_means(tables, steps=400), "heldout_by_seed": tables,
+            "fvd_by_seed": by_seed,
             "switch_step_by_seed": switch_by_seed, "mean_sparse_blocks_in_stage2_by_seed": sparse_by_seed,
             "final_sparse_blocks_by_seed": final_sparse_by_seed or {seed: [] for seed in sparse_by_seed},
             "dense_control": dense_control, "fvd": fvd, "bootstrap": 100, "videos": 64, "window_keep": 0.42,
@@ -408,15 +464,16 @@ def test_dsv_without_a_sparse_block_is_compared_with_dense_but_not_judged():
     assert [loss["met"], fvd["met"], window["met"], recall["met"]] == [None] * 4
     # The measured numbers stay.
     assert loss["measured"].startswith("means over 2 seeds: DSV 1.9950, dense 2.0000: -0.25%")
-    assert fvd["measured"] == "DSV 2855.0, dense 2703.3: +5.6%" and window["measured"].startswith("loss 2.2500")
+    assert fvd["measured"] == ("means over 2 seeds: DSV 2855.0, dense 2703.3: +5.6%; per seed: seed 0 +7.8%, "
+                               "seed 1 +3.4%")
+    assert window["measured"].startswith("loss 2.2500") and window["measured"].endswith("FVD 2892.3 (mean over seeds)")
     both = ("DSV ran no sparse block in seed 0 (on average 0.04 of 12 blocks sparse in stage 2), seed 1 (never "
             "reached stage 2): it trained dense attention, so for those seeds this row compares dense attention "
             "with dense attention (run-to-run noise) and is not judged")
     assert loss["context"].startswith(both + "; in stage 1 (DSV attention dense)")
     assert window["context"].startswith(both + "; window keeps 42% of the keys")
-    # The FVD uses the first seed's models alone, and claims no stage-2 DSV of it.
-    assert ("DSV ran no sparse block in seed 0 (on average 0.04 of 12 blocks sparse in stage 2): it trained dense "
-            "attention, so for that seed this row compares dense attention with dense attention") in fvd["context"]
+    # The FVD uses every seed's models, as the loss does, and claims no stage-2 DSV of them.
+    assert "; " + both + ";" not in fvd["context"] and fvd["context"].endswith("; " + both)
     assert "in stage 2 from step" not in fvd["context"] + loss["context"]
 
     # One seed: no seed named.
@@ -439,16 +496,15 @@ def test_dsv_whose_blocks_turn_sparse_late_is_judged():
 
 
 def test_one_seed_without_a_sparse_block_leaves_the_targets_of_that_seed_unjudged():
-    # Seed 0 ran 3 blocks sparse, seed 1 0.2 on average (rounds to none). The loss mean and the window target
-    # include seed 1: not judged. The FVD uses seed 0's models alone: judged (+5.6%, missed).
+    # Seed 0 ran 3 blocks sparse, seed 1 0.2 on average (rounds to none). The loss and FVD means and the window
+    # target include seed 1: none judged.
     loss, fvd, window, _ = targets(_targets_results({"0": 3.0, "1": 0.2}, {"0": 100, "1": 200}))
-    assert (loss["met"], fvd["met"], window["met"]) == (None, False, None)
-    assert loss["context"].startswith("DSV ran no sparse block in seed 1 (on average 0.20 of 12 blocks sparse in "
-                                      "stage 2): it trained dense attention, so for that seed this row compares "
-                                      "dense attention with dense attention (run-to-run noise) and is not judged; "
-                                      "DSV (seed 0) in stage 2 from step 100 with on average 3.0 of 12 blocks sparse")
-    assert "no sparse block" not in fvd["context"]
-    assert fvd["context"].endswith("DSV (seed 0) in stage 2 from step 100 with on average 3.0 of 12 blocks sparse")
+    assert (loss["met"], fvd["met"], window["met"]) == (None, None, None)
+    seed1 = ("DSV ran no sparse block in seed 1 (on average 0.20 of 12 blocks sparse in stage 2): it trained dense "
+             "attention, so for that seed this row compares dense attention with dense attention (run-to-run "
+             "noise) and is not judged; DSV (seed 0) in stage 2 from step 100 with on average 3.0 of 12 blocks "
+             "sparse")
+    assert loss["context"].startswith(seed1) and fvd["context"].endswith(seed1)
     # Every DSV run sparse: judged as before, with the same context.
     loss, fvd, window, _ = targets(_targets_results({"0": 3.0, "1": 2.5}, {"0": 100, "1": 200}))
     assert (loss["met"], fvd["met"], window["met"]) == (True, False, True)
