@@ -53,7 +53,7 @@ def _profile(args) -> int:
     from dsv.analysis.profile import profile_checkpoint
 
     result = profile_checkpoint(args.checkpoint, args.out, device=args.device, clips=args.clips, theta=args.theta,
-                                granularity_keep=tuple(args.granularity))
+                                granularity_keep=tuple(args.granularity), noise_levels=tuple(args.noise_levels))
     print(result["table"])
     print("wrote: " + ", ".join(result["files"]))
     return 0
@@ -135,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--device", default="auto")
     profile.add_argument("--granularity", type=float, nargs="*", default=[], metavar="KEPT",
                          help="also compare token-level vs key-cube selection recall at these kept fractions")
+    profile.add_argument("--noise-levels", type=float, nargs="*", default=[], metavar="T",
+                         help="also measure at each of these noise levels t in [0, 1] (1: pure noise) the sparsity and "
+                              "the recall of each sparse block's selection at its dispatched budget, as sparse "
+                              "sampling runs it")
     profile.set_defaults(func=_profile)
 
     from dsv.analysis import observations

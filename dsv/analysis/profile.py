@@ -18,14 +18,18 @@ from dsv.train.data import build_dataset  # noqa: E402
 
 
 class _Recorder:
-    """Observer for every DSVAttention: exact sparsity and the recall of the layer's own selection; with
-    `granularity_keep`, also the oracle recall of token-level vs block-level selection at equal kept
-    fractions. Every statistic of a call uses the same ``jittered_query_rows`` (about one row in ``stride``), drawn
-    afresh per call from a generator seeded with ``seed``."""
+    """Observer for every DSVAttention: exact sparsity and the recall of the layer's own selection, at a budget
+    from this measurement (comparable across layers whatever their state) or, with `own_budgets`, at the
+    layer's dispatched budget (what it keeps when it runs sparse, as in sampling); with `granularity_keep`,
+    also the oracle recall of token-level vs block-level selection at equal kept fractions. Every statistic
+    of a call uses the same ``jittered_query_rows`` (about one row in ``stride``), drawn afresh per call from a
+    generator seeded with ``seed``."""
 
-    def __init__(self, theta: float, stride: int, granularity_keep: tuple[float, ...] = (), seed: int = 0):
+    def __init__(self, theta: float, stride: int, granularity_keep: tuple[float, ...] = (), seed: int = 0,
+                 own_budgets: bool = False):
         self.theta, self.stride = theta, stride
         self.granularity_keep = granularity_keep
+        self.own_budgets = own_budgets
         self.generator = torch.Generator().manual_seed(seed)
         self.sparsity: dict[int, list[torch.Tensor]] = {}
         self.recall: dict[int, list[torch.Tensor]] = {}
@@ -43,9 +47,10 @@ class _Recorder:
         if layer.cfg.mode == "dense":
             return
         # Budget from this measurement (and the layer's recall boost), so that recall is comparable across
-        # layers whatever their state.
-        keep_blocks = keep_blocks_from_sparsity(sparsity, -(-q.shape[2] // layer.cfg.key_block),
-                                                layer.cfg.keep_floor_blocks, layer.budget_margin(layer.keep_boost))
+        # layers whatever their state; None: the layer's dispatched budget.
+        keep_blocks = None if self.own_budgets else keep_blocks_from_sparsity(
+            sparsity, -(-q.shape[2] // layer.cfg.key_block), layer.cfg.keep_floor_blocks,
+            layer.budget_margin(layer.keep_boost))
         index = layer.compute_index(hidden, q, k, grid, keep_blocks=keep_blocks)
         recall = index_recall(q, k, index, rows, scale=layer.scale).mean(0)
         self.recall.setdefault(layer.layer_index, []).append(recall.float().cpu())
@@ -63,6 +68,31 @@ def heatmap(matrix: torch.Tensor, title: str, path: Path, vmin: float, vmax: flo
         for j in range(matrix.shape[1]):
             ax.text(j, i, f"{matrix[i, j]:.2f}", ha="center", va="center", fontsize=7, color="white")
     fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _mean_by_layer(recorded: dict[int, list[torch.Tensor]]) -> torch.Tensor | None:
+    """[layers, heads]: each layer's recorded statistic averaged over calls (None if nothing was recorded)."""
+    return torch.stack([torch.stack(v).mean(0) for _, v in sorted(recorded.items())]) if recorded else None
+
+
+def _plot_by_noise_level(by_level: list[dict], sparse_blocks: list[int], path: Path) -> None:
+    """Recall of each sparse block's own selection, and each block's sparsity, against the noise level."""
+    levels = [entry["t"] for entry in by_level]
+    fig, (recall_ax, sparsity_ax) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for block in sparse_blocks:
+        recall_ax.plot(levels, [entry["recall"][block] for entry in by_level], marker="o", ms=3, label=f"block {block}")
+    for block in range(len(by_level[0]["sparsity"])):
+        sparsity_ax.plot(levels, [entry["sparsity"][block] for entry in by_level], marker="o", ms=3,
+                         label=f"block {block}")
+    for ax, title in ((recall_ax, "recall of the sparse blocks' own selection"), (sparsity_ax, "sparsity")):
+        ax.set_xlabel("noise level t (1: pure noise; sampling runs 1 → 0)")
+        ax.set_ylim(0, 1)
+        ax.set_title(title)
+        if ax.lines:
+            ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -88,28 +118,43 @@ def heldout_clips(cfg, clips: int) -> torch.Tensor:
 @torch.no_grad()
 def profile_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clips: int = 8,
                        theta: float | None = None, stride: int = 4,
-                       granularity_keep: tuple[float, ...] = ()) -> dict:
+                       granularity_keep: tuple[float, ...] = (), noise_levels: tuple[float, ...] = ()) -> dict:
+    """Sparsity and recall of every layer of a checkpoint on ``clips`` held-out clips, each at a random noise
+    level; with ``noise_levels``, also per level (every clip at that t) the sparsity and the recall of each
+    layer's selection at its dispatched budget: the keys sparse sampling keeps at each of its steps."""
     check_clips_and_theta(clips, theta)
+    if any(not 0.0 <= level <= 1.0 for level in noise_levels):
+        raise ValueError(f"noise_levels must lie in [0, 1] (t of x_t = (1 - t) x0 + t noise), got {noise_levels}")
     model, cfg, step = load_model(checkpoint, device)
     dev = next(model.parameters()).device
     theta = cfg.attention.theta if theta is None else theta
     x0 = heldout_clips(cfg, clips).to(dev)
-    recorder = _Recorder(theta, stride, granularity_keep)
-    for layer in model.controller.layers:
-        layer.observer = recorder
     gen = torch.Generator().manual_seed(0)
     t = torch.rand(x0.shape[0], generator=gen).to(dev)
     noise = torch.randn(x0.shape, generator=gen).to(dev)
-    tb = t.view(-1, 1, 1, 1, 1)
-    # The same precision as training, so the layers take the same (fast) paths.
-    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda" and cfg.train.bf16):
-        model((1 - tb) * x0 + tb * noise, t)
-    for layer in model.controller.layers:
-        layer.observer = None
 
-    sparsity = torch.stack([torch.stack(v).mean(0) for _, v in sorted(recorder.sparsity.items())])
-    recall = (torch.stack([torch.stack(v).mean(0) for _, v in sorted(recorder.recall.items())])
-              if recorder.recall else None)
+    def observed_forward(t: torch.Tensor, recorder: _Recorder) -> None:
+        for layer in model.controller.layers:
+            layer.observer = recorder
+        tb = t.view(-1, 1, 1, 1, 1)
+        # The same precision as training, so the layers take the same (fast) paths.
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda" and cfg.train.bf16):
+            model((1 - tb) * x0 + tb * noise, t)
+        for layer in model.controller.layers:
+            layer.observer = None
+
+    recorder = _Recorder(theta, stride, granularity_keep)
+    observed_forward(t, recorder)
+    by_level = []
+    for level in noise_levels:
+        at_level = _Recorder(theta, stride, own_budgets=True)
+        observed_forward(torch.full_like(t, level), at_level)
+        level_recall = _mean_by_layer(at_level.recall)
+        by_level.append({"t": level, "sparsity": _mean_by_layer(at_level.sparsity).mean(1).tolist(),
+                         "recall": None if level_recall is None else level_recall.mean(1).tolist()})
+
+    sparsity = _mean_by_layer(recorder.sparsity)
+    recall = _mean_by_layer(recorder.recall)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     heatmap(sparsity, f"sparsity at θ={theta} (step {step})", out / "sparsity.png", 0.0, 1.0)
@@ -137,9 +182,21 @@ def profile_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clip
             cube = sum(recorder.granularity[(keep, group)]) / len(recorder.granularity[(keep, group)])
             lines.append(f"| {keep:.2f} | {token:.3f} | {cube:.3f} |")
             granularity.append({"kept_fraction": keep, "token_level": token, "key_cubes": cube, "cube_tokens": group})
+    sparse_blocks = [i for i, layer in enumerate(model.controller.layers) if layer.runs_sparse()]
+    if by_level:
+        lines += ["", "By noise level (every clip at t; t = 1 is pure noise, sampling runs from 1 to 0): sparsity, "
+                  "and the recall of each sparse block's selection at its dispatched budget (what sparse sampling "
+                  "keeps at that step).", "",
+                  "| t | mean sparsity | " + " | ".join(f"recall block {b}" for b in sparse_blocks) + " |",
+                  "|---|---|" + "---|" * len(sparse_blocks)]
+        lines += [f"| {entry['t']:.2f} | {sum(entry['sparsity']) / len(entry['sparsity']):.3f} | "
+                  + " | ".join(f"{entry['recall'][b]:.3f}" for b in sparse_blocks) + " |" for entry in by_level]
+        _plot_by_noise_level(by_level, sparse_blocks, out / "by_noise_level.png")
+        files.append("by_noise_level.png")
     (out / "profile.md").write_text("\n".join(lines) + "\n")
     result = {"step": step, "theta": theta, "clips": x0.shape[0], "sparsity": sparsity.tolist(),
-              "recall": None if recall is None else recall.tolist(), "granularity": granularity}
+              "recall": None if recall is None else recall.tolist(), "granularity": granularity,
+              "sparse_blocks": sparse_blocks, "by_noise_level": by_level}
     (out / "profile.json").write_text(json.dumps(result, indent=1))
     files += ["profile.md", "profile.json"]
     return {**result, "files": [str(out / f) for f in files], "table": "\n".join(lines)}

@@ -13,7 +13,8 @@ in its own ``dsv train`` process (with several GPUs visible, one run per GPU at 
 - DSV sparse inference on the DSV-trained model: sampling time against the same weights run densely
   (CUDA-synchronised, after a warm-up) and PSNR/SSIM of the two from the same noise;
 - the DSV run's predictor recall (profiler EMA) in its sparse blocks, and ``dsv observe``/``dsv profile`` on
-  its checkpoint.
+  its checkpoint, the profile also at fixed noise levels (``NOISE_LEVELS``): the recall of the sparse blocks'
+  own selection at each, as sparse sampling runs them.
 
 The FVD uses every seed's models and, like the loss, is judged on the mean over seeds (training differs more
 from seed to seed than the bootstrap of one seed's samples shows). Sampling speed, the sample grid,
@@ -76,6 +77,8 @@ RECALL_TARGET = 0.9  # target: the predictor keeps >= 90% of the critical mass t
 TRAIN_STEP_JSON = "benchmarks/results/2026-11-29-h200-train-step.json"
 FIGURES = ("losses.png", "sparsity.png", "samples.png", "observations.png", "speed.png")
 GRANULARITY_KEEP = (0.1, 0.25, 0.5)  # kept fractions at which token-level and key-cube selection are compared
+# Noise levels at which the DSV model's sparse blocks' own selection is profiled (sparse sampling runs t: 1 → 0).
+NOISE_LEVELS = (0.1, 0.3, 0.5, 0.7, 0.9)
 LEGS_FILE = "training_legs.json"
 
 
@@ -914,6 +917,26 @@ def _psnr_words(similarity: dict) -> str:
         return f"PSNR infinite ({identical})"
     return f"PSNR {similarity['psnr_db']:.2f} dB" + (f" ({identical})" if similarity["identical_frames"] else "")
 
+def noise_level_lines(by_noise_level: dict) -> list[str]:
+    """The report's table of the DSV model's sparsity and its sparse blocks' recall at fixed noise levels
+    (``dsv profile --noise-levels``): whether sparse sampling keeps less of the mass at some of its steps. None
+    (results written before this measurement) gives no lines."""
+    blocks, levels = (by_noise_level or {}).get("sparse_blocks"), (by_noise_level or {}).get("levels")
+    if not blocks or not levels:
+        return []
+    lines = ["", "Sparsity and the sparse blocks' recall (critical mass kept by their selection at their dispatched "
+             "budgets, as sparse sampling runs them) with every held-out clip at one noise level t (1: pure noise; "
+             "sampling runs from 1 to 0; full table: profile/profile.md):", "",
+             "| t | mean sparsity (all blocks) | mean recall (sparse blocks) | lowest recall (block) |",
+             "|---|---|---|---|"]
+    for entry in levels:
+        recalls = {block: entry["recall"][block] for block in blocks}
+        lowest = min(recalls, key=recalls.get)
+        lines.append(f"| {entry['t']:.2f} | {statistics.fmean(entry['sparsity']):.3f} | "
+                     f"{statistics.fmean(recalls.values()):.3f} | {recalls[lowest]:.3f} ({lowest}) |")
+    return lines
+
+
 def render_report(results: dict) -> str:
     facts, sampling = results["dsv"], results["sampling"]
     seeds, late = results["seeds"], results["late_means"]
@@ -998,6 +1021,7 @@ def render_report(results: dict) -> str:
               f"- DSV {sampling['dsv_seconds']:.3f} s, dense {sampling['dense_seconds']:.3f} s: "
               f"**{sampling['speedup']:.2f}×**",
               f"- DSV samples against dense samples: {_psnr_words(sampling)}, SSIM {sampling['ssim']:.4f}",
+              *noise_level_lines(results.get("by_noise_level")),
               "", "## DSV state at the end (sparsity.png)", "",
               (f"Stage 2 from step {facts['switch_step']}; sparse blocks at the end: "
                f"{facts['final_sparse_blocks']} (dispatch threshold {facts['sparse_threshold']} and the kernel-speed "
@@ -1238,10 +1262,11 @@ def run(args) -> int:
     phase = time.perf_counter()
     dsv_run = str(runs_dir / "dsv")
     observed = observe_checkpoint(dsv_run, str(out / "observe"), device=str(device), clips=args.observe_clips)
-    # With the selection-granularity measurement: oracle recall of token-level vs key-cube selection at
-    # equal kept fractions, on the attention maps of this trained model.
+    # With the selection-granularity measurement (oracle recall of token-level vs key-cube selection at equal
+    # kept fractions, on the attention maps of this trained model) and the recall of the sparse blocks' own
+    # selection at fixed noise levels (what sparse sampling keeps at its steps).
     profiled = profile_checkpoint(dsv_run, str(out / "profile"), device=str(device), clips=args.observe_clips,
-                                  granularity_keep=GRANULARITY_KEEP)
+                                  granularity_keep=GRANULARITY_KEEP, noise_levels=NOISE_LEVELS)
     profile_recall = [round(statistics.fmean(profiled["recall"][i]), 3) for i in facts["final_sparse_blocks"]]
     wall["observations"] = time.perf_counter() - phase
 
@@ -1295,6 +1320,7 @@ def run(args) -> int:
         "train_step_reference": str(args.train_step_json) if reference else None,
         "observations": {k: observed[k] for k in ("power_law", "locality", "sparsity", "neighbours", "step", "grid")},
         "granularity": profiled["granularity"],
+        "by_noise_level": {"sparse_blocks": profiled["sparse_blocks"], "levels": profiled["by_noise_level"]},
         "observe_clips": args.observe_clips,
     }
     results["targets"] = targets(results)

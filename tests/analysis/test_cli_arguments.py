@@ -108,6 +108,30 @@ def test_profile_takes_theta_0_as_given_and_checks_and_records_the_clips(runs, t
     assert "2 held-out clips" in (tmp_path / "p" / "profile.md").read_text()
 
 
+def test_profile_by_noise_level_measures_each_sparse_blocks_own_selection_at_each_t(runs, tmp_path):
+    checkpoint = str(runs / "stage2")
+    for levels in ((0.5, 1.5), (-0.1,)):
+        with pytest.raises(ValueError, match=r"noise_levels must lie in \[0, 1\]"):
+            profile_checkpoint(checkpoint, str(tmp_path / "p"), device="cpu", clips=1, noise_levels=levels)
+    assert not (tmp_path / "p").exists()
+    assert main(["profile", "--checkpoint", checkpoint, "--out", str(tmp_path / "p"), "--clips", "2",
+                 "--device", "cpu", "--noise-levels", "0.2", "0.8"]) == 0
+    written = json.loads((tmp_path / "p" / "profile.json").read_text())
+    levels, sparse_blocks = written["by_noise_level"], written["sparse_blocks"]
+    assert [entry["t"] for entry in levels] == [0.2, 0.8] and sparse_blocks  # the stage-2 run has sparse blocks
+    for entry in levels:
+        assert len(entry["sparsity"]) == len(written["sparsity"]) and all(0 <= s <= 1 for s in entry["sparsity"])
+        assert all(0 < entry["recall"][block] <= 1 for block in sparse_blocks)
+    assert levels[0]["sparsity"] != levels[1]["sparsity"]  # each level's own inputs
+    assert (tmp_path / "p" / "by_noise_level.png").stat().st_size > 0
+    table = (tmp_path / "p" / "profile.md").read_text()
+    assert "| t | mean sparsity | " + " | ".join(f"recall block {b}" for b in sparse_blocks) + " |" in table
+    assert table.count("\n| 0.20 | ") == table.count("\n| 0.80 | ") == 1
+    # Without levels: none measured, no plot.
+    assert profile_checkpoint(checkpoint, str(tmp_path / "q"), device="cpu", clips=1)["by_noise_level"] == []
+    assert not (tmp_path / "q" / "by_noise_level.png").exists()
+
+
 def test_observe_checks_theta_and_the_clips_available(runs, tmp_path):
     checkpoint = str(runs / "stage2")
     with pytest.raises(ValueError, match=f"holds out {HELDOUT} clips"):

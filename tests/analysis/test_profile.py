@@ -77,3 +77,25 @@ def test_recorder_recall_and_sparsity_match_all_rows():
     for kv_block in (1, group):
         measured = sum(recorder.granularity[(keep_fraction, kv_block)]) / calls
         assert measured == pytest.approx(float(exact_granularity[kv_block].mean()), abs=0.005), kv_block
+
+
+def test_recorder_with_own_budgets_asks_the_layer_for_its_dispatched_selection():
+    """By noise level the profile measures what sparse sampling keeps: the layer's selection at its own
+    dispatched budget (keep_blocks=None), not at a budget from this measurement."""
+    grid, cube = (4, 8, 16), (2, 4, 4)
+    q, k = _smooth_queries_in_cubes(grid, cube)
+    group, heads = math.prod(cube), q.shape[1]
+    scale = q.shape[-1] ** -0.5
+    index = oracle_index(q, k, torch.full((heads,), 3), group, group, scale=scale)
+    asked = []
+    layer = SimpleNamespace(
+        cfg=SimpleNamespace(group_size=group, key_block=group, keep_floor_blocks=1, mode="dsv"),
+        scale=scale, layer_index=0, keep_boost=torch.zeros(heads), budget_margin=lambda boost: boost,
+        compute_index=lambda hidden, q, k, grid, keep_blocks: asked.append(keep_blocks) or index,
+    )
+    measured, own = _Recorder(theta=0.9, stride=4), _Recorder(theta=0.9, stride=4, own_budgets=True)
+    measured(layer, None, q, k, grid)
+    own(layer, None, q, k, grid)
+    assert isinstance(asked[0], torch.Tensor) and asked[0].shape == (heads,) and asked[1] is None
+    # The same rows (same seed) and the same selection: the same recall.
+    assert torch.equal(measured.recall[0][0], own.recall[0][0])

@@ -103,6 +103,11 @@ def test_quality_bench_writes_a_complete_report(quality_run):
         values = [g[level] for g in granularity]
         assert all(0 < v <= 1 for v in values) and values == sorted(values), (level, values)
     assert "## Selection granularity" in (out / "report.md").read_text()
+    # The sparse blocks' own selection at each profiled noise level, as sparse sampling runs them.
+    by_level = results["by_noise_level"]
+    assert by_level["sparse_blocks"] == [0, 1] and [e["t"] for e in by_level["levels"]] == [0.1, 0.3, 0.5, 0.7, 0.9]
+    assert all(0 < r <= 1 for e in by_level["levels"] for r in e["recall"])
+    assert (out / "report.md").read_text().count("| lowest recall (block) |") == 1
 
     # Equal budgets: every run evaluated at the same steps, the last one the final step.
     assert [row["step"] for row in results["heldout"]] == [3, 6]
