@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "dsv.train.trainer", "dsv.parallel"]
 COLLECTIVE_TIMEOUT_S = 30
 """A rank left waiting in a collective (its peer died) gives up after this long instead of hanging."""
 
@@ -50,7 +51,11 @@ def run_distributed(worker, world_size: int, *args, out_dir: Path, timeout_s: fl
     ``worker`` must be a module-level function (it is pickled into spawned processes). ``collective_timeout_s``
     is the default process group's timeout.
     """
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    # The ranks fork from one server process that has imported torch and dsv once for the whole session: each
+    # spawned rank re-imported them (5-9 s on a two-core machine), which made up most of every distributed test.
+    # A fork from that server, not from this process, keeps the ranks clear of this process's threads.
+    context.set_forkserver_preload(FORKSERVER_PRELOAD)
     port = free_port()
     processes = [
         context.Process(target=_entry, args=(worker, rank, world_size, port, args, str(out_dir), collective_timeout_s))
