@@ -120,8 +120,10 @@ def profile_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clip
                        theta: float | None = None, stride: int = 4,
                        granularity_keep: tuple[float, ...] = (), noise_levels: tuple[float, ...] = ()) -> dict:
     """Sparsity and recall of every layer of a checkpoint on ``clips`` held-out clips, each at a random noise
-    level; with ``noise_levels``, also per level (every clip at that t) the sparsity and the recall of each
-    layer's selection at its dispatched budget: the keys sparse sampling keeps at each of its steps."""
+    level; with ``noise_levels``, also per level (every clip noised to that t) each layer's sparsity and, for
+    the layers that run sparse, the recall of their selection at their dispatched budget: the keys sparse
+    sampling keeps at its step of that t (approximately: sampling's inputs are the model's own trajectory,
+    these are held-out clips noised to t, the same distribution at t = 1 only)."""
     check_clips_and_theta(clips, theta)
     if any(not 0.0 <= level <= 1.0 for level in noise_levels):
         raise ValueError(f"noise_levels must lie in [0, 1] (t of x_t = (1 - t) x0 + t noise), got {noise_levels}")
@@ -145,13 +147,16 @@ def profile_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clip
 
     recorder = _Recorder(theta, stride, granularity_keep)
     observed_forward(t, recorder)
+    sparse_blocks = [i for i, layer in enumerate(model.controller.layers) if layer.runs_sparse()]
     by_level = []
     for level in noise_levels:
         at_level = _Recorder(theta, stride, own_budgets=True)
         observed_forward(torch.full_like(t, level), at_level)
         level_recall = _mean_by_layer(at_level.recall)
+        # Recall only where the layer runs sparse: a dense-dispatched layer keeps every key when sampling.
         by_level.append({"t": level, "sparsity": _mean_by_layer(at_level.sparsity).mean(1).tolist(),
-                         "recall": None if level_recall is None else level_recall.mean(1).tolist()})
+                         "recall": [float(level_recall[i].mean()) if i in sparse_blocks else None
+                                    for i in range(len(model.controller.layers))]})
 
     sparsity = _mean_by_layer(recorder.sparsity)
     recall = _mean_by_layer(recorder.recall)
@@ -182,15 +187,16 @@ def profile_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clip
             cube = sum(recorder.granularity[(keep, group)]) / len(recorder.granularity[(keep, group)])
             lines.append(f"| {keep:.2f} | {token:.3f} | {cube:.3f} |")
             granularity.append({"kept_fraction": keep, "token_level": token, "key_cubes": cube, "cube_tokens": group})
-    sparse_blocks = [i for i, layer in enumerate(model.controller.layers) if layer.runs_sparse()]
     if by_level:
-        lines += ["", "By noise level (every clip at t; t = 1 is pure noise, sampling runs from 1 to 0): sparsity, "
-                  "and the recall of each sparse block's selection at its dispatched budget (what sparse sampling "
-                  "keeps at that step).", "",
-                  "| t | mean sparsity | " + " | ".join(f"recall block {b}" for b in sparse_blocks) + " |",
-                  "|---|---|" + "---|" * len(sparse_blocks)]
-        lines += [f"| {entry['t']:.2f} | {sum(entry['sparsity']) / len(entry['sparsity']):.3f} | "
-                  + " | ".join(f"{entry['recall'][b]:.3f}" for b in sparse_blocks) + " |" for entry in by_level]
+        lines += ["", "By noise level (every clip noised to t; t = 1 is pure noise, sampling runs from 1 to 0): mean "
+                  "sparsity, and the attention mass kept by each sparse block's selection at its dispatched budget "
+                  "(what sparse sampling keeps at its step of that t)"
+                  + ("." if sparse_blocks else "; no block runs sparse."), ""]
+        head = ["t", "mean sparsity", *(f"recall block {b}" for b in sparse_blocks)]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join([f"{entry['t']:.2f}", f"{sum(entry['sparsity']) / len(entry['sparsity']):.3f}",
+                                     *(f"{entry['recall'][b]:.3f}" for b in sparse_blocks)]) + " |"
+                  for entry in by_level]
         _plot_by_noise_level(by_level, sparse_blocks, out / "by_noise_level.png")
         files.append("by_noise_level.png")
     (out / "profile.md").write_text("\n".join(lines) + "\n")

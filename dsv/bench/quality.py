@@ -77,8 +77,9 @@ RECALL_TARGET = 0.9  # target: the predictor keeps >= 90% of the critical mass t
 TRAIN_STEP_JSON = "benchmarks/results/2026-11-29-h200-train-step.json"
 FIGURES = ("losses.png", "sparsity.png", "samples.png", "observations.png", "speed.png")
 GRANULARITY_KEEP = (0.1, 0.25, 0.5)  # kept fractions at which token-level and key-cube selection are compared
-# Noise levels at which the DSV model's sparse blocks' own selection is profiled (sparse sampling runs t: 1 → 0).
-NOISE_LEVELS = (0.1, 0.3, 0.5, 0.7, 0.9)
+# Noise levels at which the DSV model's sparse blocks' own selection is profiled (sparse sampling runs t: 1 → 0;
+# its first step, t = 1, is the one whose inputs the profile's noised clips match exactly).
+NOISE_LEVELS = (0.1, 0.3, 0.5, 0.7, 0.9, 1.0)
 LEGS_FILE = "training_legs.json"
 
 
@@ -909,7 +910,6 @@ def training_speed_lines(results: dict) -> list[str]:
     return lines
 
 
-
 def _psnr_words(similarity: dict) -> str:
     """PSNR in words: frames equal to their reference have no finite PSNR and are counted instead."""
     identical = f"{similarity['identical_frames']} of {similarity['frames']} frames identical"
@@ -917,23 +917,26 @@ def _psnr_words(similarity: dict) -> str:
         return f"PSNR infinite ({identical})"
     return f"PSNR {similarity['psnr_db']:.2f} dB" + (f" ({identical})" if similarity["identical_frames"] else "")
 
-def noise_level_lines(by_noise_level: dict) -> list[str]:
+
+def noise_level_lines(by_noise_level: dict | None, theta: float) -> list[str]:
     """The report's table of the DSV model's sparsity and its sparse blocks' recall at fixed noise levels
     (``dsv profile --noise-levels``): whether sparse sampling keeps less of the mass at some of its steps. None
     (results written before this measurement) gives no lines."""
     blocks, levels = (by_noise_level or {}).get("sparse_blocks"), (by_noise_level or {}).get("levels")
     if not blocks or not levels:
         return []
-    lines = ["", "Sparsity and the sparse blocks' recall (critical mass kept by their selection at their dispatched "
-             "budgets, as sparse sampling runs them) with every held-out clip at one noise level t (1: pure noise; "
-             "sampling runs from 1 to 0; full table: profile/profile.md):", "",
-             "| t | mean sparsity (all blocks) | mean recall (sparse blocks) | lowest recall (block) |",
-             "|---|---|---|---|"]
+    lines = ["", "Attention mass kept by the sparse blocks' selection at their dispatched budgets (as sparse "
+             f"sampling runs them; the recall target is {RECALL_TARGET:.0%} of θ = {theta}), with every held-out "
+             "clip noised to one level t (1: pure noise, sampling's first step; sampling runs from 1 to 0; these "
+             "inputs approximate sampling's own, exactly at t = 1; full table: profile/profile.md):", "",
+             "| t | mean sparsity (all blocks) | mean mass kept (sparse blocks) | % of θ | lowest (block) |",
+             "|---|---|---|---|---|"]
     for entry in levels:
         recalls = {block: entry["recall"][block] for block in blocks}
         lowest = min(recalls, key=recalls.get)
-        lines.append(f"| {entry['t']:.2f} | {statistics.fmean(entry['sparsity']):.3f} | "
-                     f"{statistics.fmean(recalls.values()):.3f} | {recalls[lowest]:.3f} ({lowest}) |")
+        mean = statistics.fmean(recalls.values())
+        lines.append(f"| {entry['t']:.2f} | {statistics.fmean(entry['sparsity']):.3f} | {mean:.3f} | "
+                     f"{mean / theta:.1%} | {recalls[lowest]:.3f} ({lowest}) |")
     return lines
 
 
@@ -1021,7 +1024,7 @@ def render_report(results: dict) -> str:
               f"- DSV {sampling['dsv_seconds']:.3f} s, dense {sampling['dense_seconds']:.3f} s: "
               f"**{sampling['speedup']:.2f}×**",
               f"- DSV samples against dense samples: {_psnr_words(sampling)}, SSIM {sampling['ssim']:.4f}",
-              *noise_level_lines(results.get("by_noise_level")),
+              *noise_level_lines(results.get("by_noise_level"), facts["theta"]),
               "", "## DSV state at the end (sparsity.png)", "",
               (f"Stage 2 from step {facts['switch_step']}; sparse blocks at the end: "
                f"{facts['final_sparse_blocks']} (dispatch threshold {facts['sparse_threshold']} and the kernel-speed "

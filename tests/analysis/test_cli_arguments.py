@@ -5,6 +5,7 @@ out only after sampling, θ = 0 taken as the run's θ, and clip counts beyond (o
 import json
 
 import pytest
+import torch
 
 import dsv.analysis.sample
 from dsv.analysis.observations import observe_checkpoint
@@ -121,15 +122,43 @@ def test_profile_by_noise_level_measures_each_sparse_blocks_own_selection_at_eac
     assert [entry["t"] for entry in levels] == [0.2, 0.8] and sparse_blocks  # the stage-2 run has sparse blocks
     for entry in levels:
         assert len(entry["sparsity"]) == len(written["sparsity"]) and all(0 <= s <= 1 for s in entry["sparsity"])
+        assert [i for i, r in enumerate(entry["recall"]) if r is not None] == sparse_blocks
         assert all(0 < entry["recall"][block] <= 1 for block in sparse_blocks)
     assert levels[0]["sparsity"] != levels[1]["sparsity"]  # each level's own inputs
     assert (tmp_path / "p" / "by_noise_level.png").stat().st_size > 0
     table = (tmp_path / "p" / "profile.md").read_text()
-    assert "| t | mean sparsity | " + " | ".join(f"recall block {b}" for b in sparse_blocks) + " |" in table
+    head = "| t | mean sparsity | " + " | ".join(f"recall block {b}" for b in sparse_blocks) + " |"
+    assert head in table and "|---|---|" + "---|" * len(sparse_blocks) + "\n" in table
     assert table.count("\n| 0.20 | ") == table.count("\n| 0.80 | ") == 1
-    # Without levels: none measured, no plot.
-    assert profile_checkpoint(checkpoint, str(tmp_path / "q"), device="cpu", clips=1)["by_noise_level"] == []
+    # The extra forwards leave the main profile as it is without levels; without levels: none, no plot.
+    plain = profile_checkpoint(checkpoint, str(tmp_path / "q"), device="cpu", clips=2)
+    assert (plain["sparsity"], plain["recall"], plain["by_noise_level"]) == (written["sparsity"], written["recall"], [])
     assert not (tmp_path / "q" / "by_noise_level.png").exists()
+    # A run whose blocks all run dense: sparsity per level, no recall columns, a well-formed table.
+    stage1 = profile_checkpoint(str(runs / "stage1"), str(tmp_path / "s1"), device="cpu", clips=1, noise_levels=(0.5,))
+    assert stage1["sparse_blocks"] == [] and stage1["by_noise_level"][0]["recall"] == [None] * len(stage1["sparsity"])
+    assert "| t | mean sparsity |\n|---|---|\n| 0.50 | " in stage1["table"]
+    assert "no block runs sparse" in stage1["table"]
+
+
+def test_own_budget_selection_is_the_one_the_sparse_layer_attends_with(runs):
+    """What the profile by noise level measures is the selection sparse sampling uses: compute_index at the
+    dispatched budget gives the index the layer's attention receives in the same forward."""
+    from dsv.analysis.checkpointed_model import load_model
+    from dsv.analysis.profile import heldout_clips
+
+    model, cfg, _ = load_model(str(runs / "stage2"), "cpu")
+    layer = next(layer for layer in model.controller.layers if layer.runs_sparse())
+    own, attended = [], []
+    layer.observer = lambda layer, hidden, q, k, grid: own.append(layer.compute_index(hidden, q, k, grid))
+    attend = layer.attend
+    layer.attend = lambda q, k, v, index: attended.append(index) or attend(q, k, v, index)
+    x0 = heldout_clips(cfg, 2)
+    t = torch.full((2,), 0.5)
+    with torch.no_grad():
+        model(0.5 * x0 + 0.5 * torch.randn(x0.shape, generator=torch.Generator().manual_seed(0)), t)
+    assert len(own) == len(attended) == 1
+    assert torch.equal(own[0].indices, attended[0].indices) and torch.equal(own[0].counts, attended[0].counts)
 
 
 def test_observe_checks_theta_and_the_clips_available(runs, tmp_path):

@@ -105,9 +105,10 @@ def test_quality_bench_writes_a_complete_report(quality_run):
     assert "## Selection granularity" in (out / "report.md").read_text()
     # The sparse blocks' own selection at each profiled noise level, as sparse sampling runs them.
     by_level = results["by_noise_level"]
-    assert by_level["sparse_blocks"] == [0, 1] and [e["t"] for e in by_level["levels"]] == [0.1, 0.3, 0.5, 0.7, 0.9]
+    assert by_level["sparse_blocks"] == [0, 1]
+    assert [e["t"] for e in by_level["levels"]] == [0.1, 0.3, 0.5, 0.7, 0.9, 1.0]
     assert all(0 < r <= 1 for e in by_level["levels"] for r in e["recall"])
-    assert (out / "report.md").read_text().count("| lowest recall (block) |") == 1
+    assert (out / "report.md").read_text().count("| % of θ | lowest (block) |") == 1
 
     # Equal budgets: every run evaluated at the same steps, the last one the final step.
     assert [row["step"] for row in results["heldout"]] == [3, 6]
@@ -301,12 +302,14 @@ def test_two_seeds_report_each_seeds_fvd_beside_their_mean(quality_run):
     dense = first["dense"]["fvd"]
     assert f"| dense | {dense:.1f} | {2 * dense:.1f} | {1.5 * dense:.1f} | " in report
     assert "The held-out loss and the FVD use every seed" in report
-    # Results written before the FVD covered every seed: the first seed's FVD alone, said so.
-    del results["fvd_by_seed"]
+    # Results written before the FVD covered every seed and the profile by noise level: the first seed's FVD
+    # alone, said so, and no noise-level table.
+    del results["fvd_by_seed"], results["by_noise_level"]
     report = render_report({**results, "targets": targets(results)})
     assert "| set | FVD | bootstrap std | 5–95% |" in report and f"| dense | {1.5 * dense:.1f} | " in report
     assert f"The held-out loss uses every seed; FVD, sampling, observations and profile use the models of seed {seed}" \
         in report
+    assert "lowest (block)" not in report
 
 
 class _MeanColourFeatures:

@@ -1,4 +1,5 @@
-"""Helpers for distributed tests: run a worker on N gloo ranks in fresh processes and collect results.
+"""Helpers for distributed tests: run a worker on N gloo ranks in new processes (forked from a server that has
+imported torch and dsv) and collect results.
 
 Each rank writes what its worker returns to ``<dir>/rank<r>.pt``; a rank that raises writes the
 traceback instead, so the parent fails with the worker's own error rather than a bare exit code.
@@ -16,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "dsv.train.trainer", "dsv.parallel"]
+_forkserver_environ: dict[str, str] | None = None
+"""The environment the forkserver started with: its ranks see it, not the caller's later changes."""
 COLLECTIVE_TIMEOUT_S = 30
 """A rank left waiting in a collective (its peer died) gives up after this long instead of hanging."""
 
@@ -29,6 +32,8 @@ def free_port() -> int:
 def _entry(worker, rank, world_size, port, args, out_dir, collective_timeout_s):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
+    # A fresh random stream per rank, as a new interpreter would have: forked ranks share the server's.
+    torch.seed()
     # One thread per rank: the ranks share two cores, and oversubscription makes every step slower.
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -48,14 +53,23 @@ def run_distributed(worker, world_size: int, *args, out_dir: Path, timeout_s: fl
                     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S) -> list:
     """Run ``worker(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result.
 
-    ``worker`` must be a module-level function (it is pickled into spawned processes). ``collective_timeout_s``
+    ``worker`` must be a module-level function (it is pickled into the rank processes). ``collective_timeout_s``
     is the default process group's timeout.
     """
-    context = multiprocessing.get_context("forkserver")
-    # The ranks fork from one server process that has imported torch and dsv once for the whole session: each
-    # spawned rank re-imported them (5-9 s on a two-core machine), which made up most of every distributed test.
-    # A fork from that server, not from this process, keeps the ranks clear of this process's threads.
-    context.set_forkserver_preload(FORKSERVER_PRELOAD)
+    global _forkserver_environ
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    if _forkserver_environ is None:
+        _forkserver_environ = environ
+    if environ == _forkserver_environ:
+        # The ranks fork from one server process that has imported torch and dsv once for the whole session:
+        # spawned ranks re-imported them (5-9 s on a two-core machine), most of every distributed test. A fork
+        # from that server, not from this process, keeps the ranks clear of this process's threads.
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(FORKSERVER_PRELOAD)
+    else:
+        # The environment changed since the server started (a test's setenv; flags read at import): the
+        # server's ranks would not see it, so these ranks start fresh.
+        context = multiprocessing.get_context("spawn")
     port = free_port()
     processes = [
         context.Process(target=_entry, args=(worker, rank, world_size, port, args, str(out_dir), collective_timeout_s))

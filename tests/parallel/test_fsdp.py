@@ -149,7 +149,7 @@ def record_measurements(model: VideoDiT, measured: dict) -> None:
         measured["sparsity"].append(sparsity.clone())
         return sparsity
 
-    # This process is a spawned rank of its own: the patch does not leak into other tests.
+    # This process is a rank process of its own: the patch does not leak into other tests.
     attention_module.head_sparsity = recording_head_sparsity
 
 
