@@ -11,12 +11,16 @@ import os
 import socket
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "dsv.train.trainer", "dsv.parallel"]
+# Set by pytest per test, and by torch's inductor for its own bookkeeping once anything compiles: neither is
+# something a rank reads, and counting them would spawn every rank after the first compiled test.
+ENVIRON_IGNORED = ("PYTEST_", "_TORCHINDUCTOR_")
 _forkserver_environ: dict[str, str] | None = None
 """The environment the forkserver started with: its ranks see it, not the caller's later changes."""
 COLLECTIVE_TIMEOUT_S = 30
@@ -57,7 +61,7 @@ def run_distributed(worker, world_size: int, *args, out_dir: Path, timeout_s: fl
     is the default process group's timeout.
     """
     global _forkserver_environ
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(ENVIRON_IGNORED)}
     if _forkserver_environ is None:
         _forkserver_environ = environ
     if environ == _forkserver_environ:
@@ -68,7 +72,11 @@ def run_distributed(worker, world_size: int, *args, out_dir: Path, timeout_s: fl
         context.set_forkserver_preload(FORKSERVER_PRELOAD)
     else:
         # The environment changed since the server started (a test's setenv; flags read at import): the
-        # server's ranks would not see it, so these ranks start fresh.
+        # server's ranks would not see it, so these ranks start fresh, and the warning shows the slower path.
+        changed = sorted(k for k in environ.keys() | _forkserver_environ.keys()
+                         if environ.get(k) != _forkserver_environ.get(k))
+        warnings.warn(f"run_distributed: the environment changed since the forkserver started ({', '.join(changed)}): "
+                      "these ranks are spawned, each importing torch and dsv anew", stacklevel=2)
         context = multiprocessing.get_context("spawn")
     port = free_port()
     processes = [
