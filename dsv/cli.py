@@ -43,8 +43,16 @@ def _train(args) -> int:
 def _sample(args) -> int:
     from dsv.analysis.sample import sample_videos
 
+    if args.noise_level_budgets and args.kept_mass is None:
+        raise ValueError("--noise-level-budgets needs --kept-mass: the share of the attention mass each selection "
+                         "keeps (e.g. 0.97; the trained budgets keep about attention.recall_target * theta)")
+    if not args.noise_level_budgets and (args.kept_mass is not None or args.calibration_clips is not None):
+        raise ValueError("--kept-mass and --calibration-clips set the calibration of --noise-level-budgets; "
+                         "add --noise-level-budgets")
     result = sample_videos(args.checkpoint, args.out, num=args.num, steps=args.steps, seed=args.seed,
-                           device=args.device, attention_mode=args.attention_mode, compare_dense=args.compare_dense)
+                           device=args.device, attention_mode=args.attention_mode, compare_dense=args.compare_dense,
+                           calibration=({"kept_mass": args.kept_mass, "clips": args.calibration_clips or 8}
+                                        if args.noise_level_budgets else None))
     print(json.dumps(result, indent=1, allow_nan=False))
     return 0
 
@@ -70,6 +78,10 @@ def _bench(args) -> int:
         return run(args)
     if args.what == "quality":
         from dsv.bench.quality import run
+
+        return run(args)
+    if args.what == "quality-seeds":
+        from dsv.bench.quality_seeds import run
 
         return run(args)
     raise AssertionError(args.what)
@@ -125,6 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--attention-mode", default=None, help="override the attention mode (e.g. dense)")
     sample.add_argument("--compare-dense", action="store_true",
                         help="also sample the same noise densely: times and PSNR/SSIM against dense")
+    sample.add_argument("--noise-level-budgets", action="store_true",
+                        help="calibrate each layer's per-head budget (and sparse or dense) by noise level on training "
+                             "clips, so that every selection keeps --kept-mass of the attention mass at each step")
+    sample.add_argument("--kept-mass", type=float, default=None,
+                        help="with --noise-level-budgets: share of the attention mass in (0, 1] each selection keeps "
+                             "(more: closer to dense samples, slower)")
+    sample.add_argument("--calibration-clips", type=positive_int, default=None,
+                        help="with --noise-level-budgets: training clips the calibration measures on (default 8)")
     sample.set_defaults(func=_sample)
 
     profile = sub.add_parser("profile", help="per-layer × per-head sparsity and recall heatmaps from a checkpoint")
@@ -165,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_quality_arguments(bench_sub.add_parser(
         "quality", help="dense vs DSV vs window trained from scratch: held-out loss, FVD, sparse sampling, report"))
+    from dsv.bench.quality_seeds import add_arguments as add_quality_seeds_arguments
+
+    add_quality_seeds_arguments(bench_sub.add_parser(
+        "quality-seeds", help="the quality targets over the training seeds of several `dsv bench quality` reports"))
     bench.set_defaults(func=_bench)
     return parser
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
 import torch
 
 from dsv.analysis.checkpointed_model import load_model
+from dsv.analysis.noise_budgets import NoiseLevelBudgets, calibrate_noise_level_budgets, noise_level_budgets
 from dsv.modules.dit import VideoDiT, sample_euler
 from dsv.train.config import Config
 from dsv.train.video_io import WRITE_SUFFIXES, write_video
@@ -24,33 +26,55 @@ def to_uint8_grid(videos: torch.Tensor, columns: int) -> torch.Tensor:
     return ((grid.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
 
 
-def generate(model: VideoDiT, cfg: Config, num: int, steps: int, seed: int) -> tuple[torch.Tensor, float]:
+def generate(model: VideoDiT, cfg: Config, num: int, steps: int, seed: int,
+             budgets: NoiseLevelBudgets | None = None) -> tuple[torch.Tensor, float]:
     """`(videos [N, C, T, H, W] float32 on the CPU, seconds)`: `num` samples of a loaded model from the noise
-    of `seed` (the same noise for any model of this data shape), in the run's precision. The time covers
-    the Euler steps alone, CUDA-synchronised at both ends."""
+    of `seed` (the same noise for any model of this data shape), in the run's precision; with `budgets`, each
+    step's attention at the budgets of its noise level. The time covers the Euler steps alone,
+    CUDA-synchronised at both ends."""
     dev = next(model.parameters()).device
     shape = (num, cfg.model.in_channels, cfg.data.frames, cfg.data.size, cfg.data.size)
     noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dev)
     if dev.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda" and cfg.train.bf16):
-        videos = sample_euler(model, noise, steps)
+    per_level = noise_level_budgets(model, budgets) if budgets is not None else contextlib.nullcontext()
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda" and cfg.train.bf16), \
+            per_level as before_step:
+        videos = sample_euler(model, noise, steps, before_step=before_step)
     if dev.type == "cuda":
         torch.cuda.synchronize()
     return videos.float().cpu(), time.perf_counter() - start
 
 
-def _generate(checkpoint: str, num: int, steps: int, seed: int, device: str,
-              attention_mode: str | None) -> tuple[torch.Tensor, float, dict]:
-    """`(videos [N, C, T, H, W] float32 on the CPU, sampling seconds, facts)` from one checkpoint."""
+def calibrate_for_sampling(model: VideoDiT, cfg: Config, kept_mass: float, clips: int = 8,
+                           seed: int = 0) -> NoiseLevelBudgets:
+    """`calibrate_noise_level_budgets` at `kept_mass` on `clips` clips of the run's training data (drawn with
+    `seed`), in the run's precision."""
+    from dsv.train.data import build_dataset
+
+    if isinstance(clips, bool) or not isinstance(clips, int) or clips < 1:
+        raise ValueError(f"calibration clips must be an integer >= 1, got {clips!r}")
+    data = build_dataset(cfg.data).sample(clips, torch.Generator().manual_seed(seed))
+    dev = next(model.parameters()).device
+    return calibrate_noise_level_budgets(model, data, kept_mass, seed=seed,
+                                         bf16=dev.type == "cuda" and cfg.train.bf16)
+
+
+def _generate(checkpoint: str, num: int, steps: int, seed: int, device: str, attention_mode: str | None,
+              calibration: dict | None = None) -> tuple[torch.Tensor, float, dict]:
+    """`(videos [N, C, T, H, W] float32 on the CPU, sampling seconds, facts)` from one checkpoint; with
+    `calibration` (`calibrate_for_sampling`'s keyword arguments), at noise-level budgets."""
     model, cfg, step = load_model(checkpoint, device, attention_mode)
+    budgets = None if calibration is None else calibrate_for_sampling(model, cfg, **calibration)
     # One untimed step first: kernel compilation and one-time device setup would otherwise land in the timing
     # of whichever model samples first (the sparse one, against the dense one that follows).
-    generate(model, cfg, num, 1, seed)
-    videos, seconds = generate(model, cfg, num, steps, seed)
+    generate(model, cfg, num, 1, seed, budgets)
+    videos, seconds = generate(model, cfg, num, steps, seed, budgets)
     facts = {"checkpoint_step": step, "mode": cfg.attention.mode, "attention_paths": attention_paths(model),
              "sparse_blocks": model.controller.sparse_layers()}
+    if budgets is not None:
+        facts["noise_level_budgets"] = budgets.summary()
     return videos, seconds, facts
 
 
@@ -78,9 +102,11 @@ def similarity(videos: torch.Tensor, reference: torch.Tensor) -> dict:
 
 def sample_videos(checkpoint: str, out: str, num: int = 4, steps: int = 25, seed: int = 0,
                   device: str = "auto", attention_mode: str | None = None, fps: int = 8,
-                  compare_dense: bool = False) -> dict:
+                  compare_dense: bool = False, calibration: dict | None = None) -> dict:
     """Write `num` samples as one video grid. With `compare_dense`, also sample the same noise with dense
-    attention and report both sampling times and the PSNR/SSIM of these samples against the dense ones.
+    attention and report both sampling times and the PSNR/SSIM of these samples against the dense ones. With
+    `calibration` (`calibrate_for_sampling`'s keyword arguments), each step runs at budgets calibrated for its
+    noise level (`dsv.analysis.noise_budgets`), summarised in the result.
     Bad arguments (`num` or `steps` below 1, an `out` suffix the writer does not take) raise ValueError before
     any sampling."""
     if num < 1:
@@ -90,7 +116,7 @@ def sample_videos(checkpoint: str, out: str, num: int = 4, steps: int = 25, seed
     if Path(out).suffix.lower() not in WRITE_SUFFIXES:
         raise ValueError(f"unsupported output suffix {Path(out).suffix!r} in {out}; supported: "
                          f"{', '.join(WRITE_SUFFIXES)}")
-    videos, seconds, facts = _generate(checkpoint, num, steps, seed, device, attention_mode)
+    videos, seconds, facts = _generate(checkpoint, num, steps, seed, device, attention_mode, calibration)
     write_video(to_uint8_grid(videos, columns=min(num, 4)), Path(out), fps=fps)
     result = {"out": out, "seconds": seconds, **facts}
     if compare_dense:

@@ -80,6 +80,12 @@ GRANULARITY_KEEP = (0.1, 0.25, 0.5)  # kept fractions at which token-level and k
 # Noise levels at which the DSV model's sparse blocks' own selection is profiled (sparse sampling runs t: 1 → 0;
 # its first step, t = 1, is the one whose inputs the profile's noised clips match exactly).
 NOISE_LEVELS = (0.1, 0.3, 0.5, 0.7, 0.9, 1.0)
+# The DSV model is also sampled at noise-level budgets that keep this share of the attention mass: on the
+# 8192-token model of seed 130 (benchmarks/NOTES.md) the trained budgets kept ~0.87 (samples at PSNR 24 dB
+# against dense sampling) and budgets keeping 0.965 gave 37 dB at 1.08x dense's speed instead of 1.19x.
+SAMPLING_KEPT_MASS = 0.97
+BUDGETS_SET = f"dsv, budgets keeping {SAMPLING_KEPT_MASS:.0%} of the mass"
+CALIBRATION_CLIPS = 8  # training clips the noise-level budgets are calibrated on
 LEGS_FILE = "training_legs.json"
 
 
@@ -475,14 +481,15 @@ def same_initial_weights(cfg) -> bool:
 # ------------------------------------------------------------------------------------------- evaluation
 
 
-def timed_samples(model, cfg, num: int, steps: int, seed: int, repeats: int) -> tuple[torch.Tensor, list[float]]:
-    """Samples of ``model`` (in [-1, 1]) from the noise of ``seed`` and the seconds of ``repeats`` (>= 1) timed
-    passes, after one untimed one-step pass at the same batch shape (Triton compilation and autotuning, cuDNN
-    plans)."""
+def timed_samples(model, cfg, num: int, steps: int, seed: int, repeats: int,
+                  budgets=None) -> tuple[torch.Tensor, list[float]]:
+    """Samples of ``model`` (in [-1, 1]) from the noise of ``seed`` (with ``budgets``: at noise-level budgets) and
+    the seconds of ``repeats`` (>= 1) timed passes, after one untimed one-step pass at the same batch shape
+    (Triton compilation and autotuning, cuDNN plans)."""
     from dsv.analysis.sample import generate
 
-    generate(model, cfg, num, 1, seed)
-    passes = [generate(model, cfg, num, steps, seed) for _ in range(repeats)]
+    generate(model, cfg, num, 1, seed, budgets)
+    passes = [generate(model, cfg, num, steps, seed, budgets) for _ in range(repeats)]
     # Clamped to the data range, as any written video would be (and as the I3D requires).
     return passes[0][0].clamp(-1, 1), [seconds for _, seconds in passes]
 
@@ -940,6 +947,23 @@ def noise_level_lines(by_noise_level: dict | None, theta: float) -> list[str]:
     return lines
 
 
+def budget_lines(budgets: dict | None) -> list[str]:
+    """The report's lines on sampling at noise-level budgets (none for results written before them)."""
+    if not budgets:
+        return []
+    lines = ["", (f"At noise-level budgets (`dsv sample --noise-level-budgets --kept-mass {budgets['kept_mass']}`: "
+                  f"calibrated on {budgets['clips']} training clips in {budgets['calibration_seconds']:.1f} s, each "
+                  "head's budget at each level the smallest measured one whose selection keeps "
+                  f"{budgets['kept_mass']:.0%} of the attention mass, each block sparse at a level where the "
+                  f"kernel-speed model says its budget beats dense; FVD row `{BUDGETS_SET}`):"), "",
+             f"- DSV {budgets['seconds']:.3f} s: **{budgets['speedup']:.2f}×** dense sampling",
+             f"- against dense samples: {_psnr_words(budgets)}, SSIM {budgets['ssim']:.4f}", "",
+             "| t | sparse blocks | mean kept fraction in them | mass kept in them |", "|---|---|---|---|"]
+    lines += [f"| {row['t']:.2f} | {row['sparse_layers']} | {_fmt(row['mean_keep'])} | {_fmt(row['mean_mass'])} |"
+              for row in budgets["levels"]]
+    return lines
+
+
 def render_report(results: dict) -> str:
     facts, sampling = results["dsv"], results["sampling"]
     seeds, late = results["seeds"], results["late_means"]
@@ -1025,6 +1049,7 @@ def render_report(results: dict) -> str:
               f"**{sampling['speedup']:.2f}×**",
               f"- DSV samples against dense samples: {_psnr_words(sampling)}, SSIM {sampling['ssim']:.4f}",
               *noise_level_lines(results.get("by_noise_level"), facts["theta"]),
+              *budget_lines(sampling.get("budgets")),
               "", "## DSV state at the end (sparsity.png)", "",
               (f"Stage 2 from step {facts['switch_step']}; sparse blocks at the end: "
                f"{facts['final_sparse_blocks']} (dispatch threshold {facts['sparse_threshold']} and the kernel-speed "
@@ -1101,10 +1126,11 @@ def _version(package: str) -> str:
 def sample_runs(run_dirs: dict[str, Path], num: int, args, device: torch.device,
                 timed: bool) -> tuple[dict, dict]:
     """Samples of every run of one seed (``run_dirs``: folder by mode, the dense control's too if trained)
-    from the same noise, the DSV run also with the same weights densely; returns ``(samples by name,
-    DSV-vs-dense sampling facts)``. Only a ``timed`` seed's DSV sampling is timed ``--timing-repeats`` times."""
+    from the same noise, the DSV run also with the same weights densely and at noise-level budgets calibrated on
+    training clips (`dsv.analysis.noise_budgets`); returns ``(samples by name, DSV-vs-dense sampling facts)``.
+    Only a ``timed`` seed's DSV sampling is timed ``--timing-repeats`` times."""
     from dsv.analysis.checkpointed_model import load_model
-    from dsv.analysis.sample import attention_paths, similarity
+    from dsv.analysis.sample import attention_paths, calibrate_for_sampling, similarity
 
     samples, sampling = {}, {}
     for mode, run_dir in run_dirs.items():
@@ -1121,6 +1147,17 @@ def sample_runs(run_dirs: dict[str, Path], num: int, args, device: torch.device,
                         "dsv_paths": attention_paths(model), "dense_paths": attention_paths(dense_view),
                         **similarity(samples["dsv"], samples["dsv, dense sampling"])}
             sampling["speedup"] = sampling["dense_seconds"] / sampling["dsv_seconds"]
+            calibration_start = time.perf_counter()
+            budgets = calibrate_for_sampling(model, cfg, SAMPLING_KEPT_MASS, clips=CALIBRATION_CLIPS, seed=args.seed)
+            calibration_seconds = time.perf_counter() - calibration_start
+            samples[BUDGETS_SET], budget_passes = timed_samples(model, cfg, num, args.sample_steps, args.seed,
+                                                                repeats, budgets)
+            seconds = statistics.median(budget_passes)
+            sampling["budgets"] = {"passes": budget_passes, "seconds": seconds,
+                                   "speedup": sampling["dense_seconds"] / seconds,
+                                   "calibration_seconds": calibration_seconds, "clips": budgets.clips,
+                                   "kept_mass": budgets.kept_mass, "levels": budgets.summary(),
+                                   **similarity(samples[BUDGETS_SET], samples["dsv, dense sampling"])}
     return samples, sampling
 
 

@@ -94,6 +94,9 @@ class DSVAttentionCore(nn.Module):
         # built on the meta device (large-model init under FSDP).
         self._use_sparse_host = self.cfg.mode == "window"
         self._keep_fraction_host = [1.0] * heads
+        # (kept fraction per head, sparse) of the current denoising step in place of the dispatched state: set by
+        # sampling with noise-level budgets (`set_step_budget`); None: the dispatched state.
+        self._step_budget: tuple[list[float], bool] | None = None
         self.controller = None
         self.layer_index = 0
         self.last_path = "none"
@@ -148,6 +151,8 @@ class DSVAttentionCore(nn.Module):
             return True
         if self.cfg.mode == "dense" or self.controller is None:
             return False
+        if self._step_budget is not None:
+            return self._step_budget[1]
         # The dispatch first: torch.compile then guards on the stage only for a sparse block, so a block that
         # stays dense keeps its graph across the stage switch.
         return self._use_sparse_host and self.controller.current_stage == 2
@@ -169,22 +174,49 @@ class DSVAttentionCore(nn.Module):
         self.keep_fraction.copy_(keep)
         sparse = bool(sparsity.mean() >= self.cfg.sparse_threshold)
         self.dispatch_reason = f"mean sparsity {float(sparsity.mean()):.3f} vs threshold {self.cfg.sparse_threshold}"
-        model, blocks = (speed_model(self._last_backend, self.cfg.group_size, self.cfg.key_block)
-                         if self.cfg.speed_dispatch else (None, ""))
-        if sparse and model is not None and self._last_shape is not None:
-            # Measured kernel speed decides whether the kept fraction is small enough to beat dense.
-            batch, seq_len = self._last_shape
-            mean_keep = float(keep.mean())
-            shape = (batch, self.heads, seq_len, self.head_dim)
+        if sparse:
             # `dispatch_margin`: a dense block must gain to go sparse, a sparse one stays until it would lose.
             margin = 0.0 if self._use_sparse_host else self.cfg.dispatch_margin
-            sparse = model.pays(mean_keep, *shape, margin=margin)
-            dense_ms = model.dense_ms(*shape)
-            self.dispatch_reason += (f"; {self._last_backend} speed model ({blocks}): sparse "
-                                     f"{model.sparse_ms(mean_keep, *shape):.2f} ms vs dense {dense_ms:.2f} ms"
-                                     + (f" (to go sparse: < {(1.0 - margin) * dense_ms:.2f} ms)" if margin else ""))
+            pays, reason = self.sparse_pays(float(keep.mean()), margin)
+            sparse = sparse if pays is None else pays
+            self.dispatch_reason += reason
         self.use_sparse.fill_(sparse)
         self._refresh_host_state()
+
+    def sparse_pays(self, mean_keep: float, margin: float = 0.0) -> tuple[bool | None, str]:
+        """Whether the measured kernel speed (`dsv.modules.dispatch`) predicts sparse attention at kept fraction
+        `mean_keep` faster than dense, by `margin` of dense's time, at this layer's last shape; and the numbers
+        as text. None (and "") where no speed model applies: `speed_dispatch` off, a backend without one, or no
+        forward seen yet."""
+        model, blocks = (speed_model(self._last_backend, self.cfg.group_size, self.cfg.key_block)
+                         if self.cfg.speed_dispatch else (None, ""))
+        if model is None or self._last_shape is None:
+            return None, ""
+        batch, seq_len = self._last_shape
+        shape = (batch, self.heads, seq_len, self.head_dim)
+        dense_ms = model.dense_ms(*shape)
+        return model.pays(mean_keep, *shape, margin=margin), (
+            f"; {self._last_backend} speed model ({blocks}): sparse {model.sparse_ms(mean_keep, *shape):.2f} ms vs "
+            f"dense {dense_ms:.2f} ms" + (f" (to go sparse: < {(1.0 - margin) * dense_ms:.2f} ms)" if margin else ""))
+
+    def set_step_budget(self, keep_fraction: list[float] | None, sparse: bool = True) -> None:
+        """Run the following forwards with these per-head kept fractions, sparse or dense, in place of the
+        dispatched state (a sampler with noise-level budgets sets one per denoising step); None returns to the
+        dispatched state. The trained state (EMAs, dispatch, budgets) is left as it is."""
+        if keep_fraction is None:
+            self._step_budget = None
+            return
+        if self.cfg.mode not in ("dsv", "oracle"):
+            raise ValueError(f"set_step_budget: layer {self.layer_index} runs attention.mode={self.cfg.mode!r}, "
+                             "which has no per-head budget (dsv or oracle has)")
+        if getattr(self, "context_parallel", None) is not None:
+            raise ValueError(f"set_step_budget: layer {self.layer_index} runs context parallel, whose layouts take "
+                             "the dispatched budget; sample on one device")
+        keep = [float(x) for x in keep_fraction]
+        if len(keep) != self.heads or not all(0.0 < x <= 1.0 for x in keep):
+            raise ValueError(f"set_step_budget: keep_fraction must hold {self.heads} kept fractions in (0, 1] (one "
+                             f"per head of layer {self.layer_index}), got {keep_fraction!r}")
+        self._step_budget = (keep, bool(sparse))
 
     def budget_margin(self, keep_boost: torch.Tensor) -> torch.Tensor:
         """Kept fraction per head on top of `1 - sparsity`: the configured margin plus the recall boost."""
@@ -370,8 +402,10 @@ class DSVAttentionCore(nn.Module):
         return sparse_attention(q, k, v, index, scale=self.scale, backend=self._last_backend, check_index=False)
 
     def _keep_blocks(self, num_kv_blocks: int) -> torch.Tensor:
-        """Per-head key-block budget from the dispatched kept fraction (host mirror: no device sync)."""
-        sparsity = 1.0 - torch.tensor(self._keep_fraction_host, dtype=torch.float64)  # the host values, unrounded
+        """Per-head key-block budget from the dispatched kept fraction, or the step's (`set_step_budget`); host
+        values: no device sync."""
+        kept = self._keep_fraction_host if self._step_budget is None else self._step_budget[0]
+        sparsity = 1.0 - torch.tensor(kept, dtype=torch.float64)  # the host values, unrounded
         # Stays on the CPU: the estimation kernel then reads K_max without a device synchronisation.
         return keep_blocks_from_sparsity(sparsity, num_kv_blocks, self.cfg.keep_floor_blocks)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -222,12 +223,17 @@ def flow_matching_loss(
 
 @torch.no_grad()
 def sample_euler(
-    model: VideoDiT, noise: torch.Tensor, steps: int, y: torch.Tensor | None = None
+    model: VideoDiT, noise: torch.Tensor, steps: int, y: torch.Tensor | None = None,
+    before_step: Callable[[float], None] | None = None,
 ) -> torch.Tensor:
-    """Integrate the learned velocity from t = 1 (noise) to t = 0 (data) with Euler steps."""
+    """Integrate the learned velocity from t = 1 (noise) to t = 0 (data) with Euler steps; `before_step(t)` is
+    called with each step's noise level before its forward (e.g. to set the attention budgets of that level)."""
     x = noise
     times = torch.linspace(1.0, 0.0, steps + 1, device=noise.device)
+    host_times = torch.linspace(1.0, 0.0, steps + 1).tolist()  # the same values, without a device sync
     for i in range(steps):
+        if before_step is not None:
+            before_step(host_times[i])
         t = times[i].expand(noise.shape[0])
         x = x + (times[i + 1] - times[i]) * model(x, t, y).to(x.dtype)
     return x

@@ -11,9 +11,12 @@ import numpy as np
 import pytest
 import torch
 
+from dsv.analysis.noise_budgets import CALIBRATION_LEVELS
 from dsv.bench.quality import (
+    BUDGETS_SET,
     CONTROL,
     EXIT_UNFINISHED,
+    SAMPLING_KEPT_MASS,
     fvd_of_seeds,
     fvd_with_bootstrap,
     late_run_means,
@@ -123,7 +126,13 @@ def test_quality_bench_writes_a_complete_report(quality_run):
     assert results["sampling"]["dsv_seconds"] > 0 and 0 < results["sampling"]["ssim"] <= 1
     # FVD: every set measured with a spread; after 6 steps the samples are far from real video, real clips are not.
     fvd = results["fvd"]
-    assert set(fvd) == {"dense", "dsv", "dsv, dense sampling", "window", CONTROL, "real training clips"}
+    assert set(fvd) == {"dense", "dsv", "dsv, dense sampling", BUDGETS_SET, "window", CONTROL, "real training clips"}
+    # The DSV model at noise-level budgets: every calibrated level reported, its sparse blocks keeping the mass.
+    budgets = results["sampling"]["budgets"]
+    assert budgets["kept_mass"] == SAMPLING_KEPT_MASS and budgets["seconds"] > 0 and 0 < budgets["ssim"] <= 1
+    assert [row["t"] for row in budgets["levels"]] == list(CALIBRATION_LEVELS)
+    assert all(row["mean_mass"] is None or row["mean_mass"] >= SAMPLING_KEPT_MASS for row in budgets["levels"])
+    assert "| t | sparse blocks | mean kept fraction in them | mass kept in them |" in (out / "report.md").read_text()
     assert results["fvd_by_seed"] == {str(results["seeds"][0]): fvd}  # one seed: its FVD is the mean's
     assert all(entry["fvd"] >= 0 and entry["std"] >= 0 for entry in fvd.values())
     assert fvd["real training clips"]["fvd"] < min(fvd[m]["fvd"] for m in ("dense", "dsv", "window"))
@@ -329,15 +338,16 @@ def test_every_seeds_models_are_sampled_and_the_fvd_is_the_mean_over_seeds(quali
     args = argparse.Namespace(timing_repeats=2, sample_steps=2, seed=0)
     samples, sampling = sample_seeds(dirs, 2, args, torch.device("cpu"))
     assert list(samples) == ["a", "b"]
-    assert all(list(s) == ["dense", "dsv", "dsv, dense sampling", "window"] for s in samples.values())
+    assert all(list(s) == ["dense", "dsv", "dsv, dense sampling", BUDGETS_SET, "window"] for s in samples.values())
     # The same models from the same noise sample alike; only the first seed's DSV sampling is timed.
     assert torch.equal(samples["a"]["dense"], samples["b"]["window"]) and torch.equal(samples["a"]["dsv"],
                                                                                        samples["b"]["dsv"])
     assert [len(sampling[s]["dsv_passes"]) for s in ("a", "b")] == [2, 1]
+    assert [len(sampling[s]["budgets"]["passes"]) for s in ("a", "b")] == [2, 1]
 
     real = samples["a"]["dsv"] * 0.5  # any clips of the samples' shape: only the FVD's bookkeeping is tested here
     by_seed, fvd = fvd_of_seeds(samples, real, real * 0.9, _MeanColourFeatures(), draws=3, seed=0)
-    for name in ("dense", "dsv", "dsv, dense sampling", "window", "real training clips"):
+    for name in ("dense", "dsv", "dsv, dense sampling", BUDGETS_SET, "window", "real training clips"):
         assert fvd[name]["fvd"] == pytest.approx((by_seed["a"][name]["fvd"] + by_seed["b"][name]["fvd"]) / 2)
     assert by_seed["a"]["dense"]["fvd"] == by_seed["b"]["window"]["fvd"] != by_seed["a"]["window"]["fvd"]
     # Real training clips are one set of every seed: the same draws (their ratio to dense differs with dense).

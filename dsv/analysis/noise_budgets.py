@@ -1,0 +1,225 @@
+"""Noise-level budgets for sparse sampling: for each denoising step, each layer's per-head kept fraction and
+whether it runs sparse, calibrated so that its selection keeps a chosen share of the attention mass at that
+step's noise level.
+
+Training dispatches one budget per head from the profiler's EMA, measured over the noise levels training draws,
+whose selections keep about `recall_target` · θ of the attention mass (0.95 · 0.9 ≈ 0.86 in `quality_gpu`): every
+sparse layer drops a tenth or more of each query's attention mass, which is what the training's speed is
+bought with. Sampling can choose its own point: calibration noises
+clips to each level, measures each head's sparsity there, and searches each head's budget until its selection
+keeps `kept_mass` of the attention mass; at each level a layer then runs sparse where the measured kernel speed
+says that budget beats dense. Measured on an 8192-token model (benchmarks/NOTES.md): the budgets hardly vary
+with the level there, and the kept mass sets how close sparse samples come to dense ones (PSNR 24 dB at the
+trained budgets, 37 dB at 0.965 of the mass).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from dsv.ops import head_sparsity, index_recall, keep_blocks_from_sparsity
+from dsv.ops.measure import jittered_query_rows
+
+CALIBRATION_LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+"""Default noise levels: a sampling step takes the nearest one (25 Euler steps run at t = 1.0, 0.96, …, 0.04)."""
+
+
+@dataclass
+class NoiseLevelBudgets:
+    """Calibrated budgets by noise level (t of x_t = (1 - t) x0 + t noise; sampling runs from 1 to 0)."""
+
+    levels: list[float]  # ascending
+    keep: list[list[list[float]]]  # [level][layer][head]: kept fraction of the key blocks
+    sparse: list[list[bool]]  # [level][layer]
+    mass: list[list[float]]  # [level][layer]: attention mass kept at `keep`, mean over heads (measured)
+    kept_mass: float  # the calibration's target
+    clips: int
+
+    def level_index(self, t: float) -> int:
+        """The calibrated level nearest to `t`."""
+        return min(range(len(self.levels)), key=lambda i: abs(self.levels[i] - t))
+
+    def apply(self, layers: list, t: float) -> None:
+        """Set every layer's budget for a step at noise level `t` (`set_step_budget`)."""
+        i = self.level_index(t)
+        for layer, keep, sparse in zip(layers, self.keep[i], self.sparse[i]):
+            layer.set_step_budget(keep, sparse)
+
+    def summary(self) -> list[dict]:
+        """Per level: the sparse layers, their mean kept fraction and the mean mass their selections keep."""
+        rows = []
+        for t, keeps, sparse, mass in zip(self.levels, self.keep, self.sparse, self.mass):
+            chosen = [i for i, s in enumerate(sparse) if s]
+            rows.append({"t": t, "sparse_layers": chosen,
+                         "mean_keep": (sum(sum(keeps[i]) / len(keeps[i]) for i in chosen) / len(chosen)
+                                       if chosen else None),
+                         "mean_mass": sum(mass[i] for i in chosen) / len(chosen) if chosen else None})
+        return rows
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, path: Path) -> "NoiseLevelBudgets":
+        return cls(**json.loads(path.read_text()))
+
+
+def check_budgets_fit(budgets: NoiseLevelBudgets, layers: list) -> None:
+    """ValueError unless `budgets` has one row per layer, of as many heads, at every level."""
+    for level, keeps in zip(budgets.levels, budgets.keep):
+        if len(keeps) != len(layers) or any(len(k) != layer.heads for k, layer in zip(keeps, layers)):
+            raise ValueError(f"noise-level budgets at t={level} hold {[len(k) for k in keeps]} heads per layer; the "
+                             f"model has {[layer.heads for layer in layers]}: calibrated for another model")
+
+
+@contextlib.contextmanager
+def noise_level_budgets(model, budgets: NoiseLevelBudgets) -> Iterator[Callable[[float], None]]:
+    """Yields `before_step(t)` for `sample_euler`, which sets every layer's budget for that step's level; on exit
+    every layer returns to its dispatched state."""
+    layers = model.controller.layers
+    check_budgets_fit(budgets, layers)
+    try:
+        yield lambda t: budgets.apply(layers, t)
+    finally:
+        for layer in layers:
+            layer.set_step_budget(None)
+
+
+class _BudgetProbe:
+    """Observer: per layer, the sparsity on sampled query rows and the mass kept by the layer's own selection at
+    `keep = 1 - sparsity + keep_margin + boost` per head (whole key blocks, at least the floor)."""
+
+    def __init__(self, theta: float, stride: int, boosts: list[torch.Tensor], generator: torch.Generator):
+        self.theta, self.stride, self.boosts, self.generator = theta, stride, boosts, generator
+        self.measured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, layer, hidden, q, k, grid) -> None:
+        rows = jittered_query_rows(q.shape[2], self.stride, self.generator, device=q.device)
+        sparsity = head_sparsity(q, k, rows, self.theta, scale=layer.scale).double().cpu()
+        num_blocks = -(-q.shape[2] // layer.cfg.key_block)
+        keep_blocks = keep_blocks_from_sparsity(sparsity, num_blocks, layer.cfg.keep_floor_blocks,
+                                                layer.cfg.keep_margin + self.boosts[layer.layer_index])
+        index = layer.compute_index(hidden, q, k, grid, keep_blocks=keep_blocks)
+        mass = index_recall(q, k, index, rows, scale=layer.scale).mean(0).double().cpu()
+        self.measured[layer.layer_index] = (keep_blocks.double() / num_blocks, mass)
+
+
+def _dense_everywhere(layers: list) -> None:
+    for layer in layers:
+        layer.set_step_budget([1.0] * layer.heads, sparse=False)
+
+
+@torch.no_grad()
+def calibrate_noise_level_budgets(model, clips: torch.Tensor, kept_mass: float,
+                                  levels: tuple[float, ...] = CALIBRATION_LEVELS, iterations: int = 6,
+                                  stride: int = 16, seed: int = 0, bf16: bool = False) -> NoiseLevelBudgets:
+    """Budgets of a stage-2 DSV `model` for sampling, from `clips` `[N, C, T, H, W]` (in [-1, 1]) noised to each
+    level with one fixed noise; statistics on about one query row in `stride`; `bf16`: forwards under bf16
+    autocast on CUDA, as the run trained and samples.
+
+    Each layer is measured in a dense forward (every layer at full attention), so its kept mass is of exact
+    attention on inputs that the other layers' budgets do not move. Per level, `iterations` forwards, each
+    measuring every head's kept mass at its current budget: from the trained budget (its recall boost), steps
+    that double until the target is bracketed, then bisection; each head takes the smallest measured budget
+    whose selection kept `kept_mass` (the widest measured one where none did, reported as measured). A layer
+    runs sparse at a level where the kernel-speed model (training's, fwd+bwd) predicts its mean budget faster
+    than dense, or without a model where its mean sparsity reaches `sparse_threshold`."""
+    layers = model.controller.layers
+    if model.controller.current_stage != 2:
+        raise ValueError("calibrate_noise_level_budgets: the model is in stage 1 (dense attention while its "
+                         "predictors learn); sparse sampling has nothing to calibrate")
+    modes = {layer.cfg.mode for layer in layers}
+    if modes - {"dsv", "oracle"}:
+        raise ValueError(f"calibrate_noise_level_budgets: the model's attention modes are {sorted(modes)}; "
+                         "noise-level budgets take dsv or oracle layers")
+    if not 0.0 < kept_mass <= 1.0:
+        raise ValueError(f"kept_mass must be a share of the attention mass in (0, 1], got {kept_mass!r}")
+    if not levels or any(not 0.0 <= t <= 1.0 for t in levels):
+        raise ValueError(f"levels must be noise levels in [0, 1], got {levels!r}")
+    if iterations < 1:
+        raise ValueError(f"iterations must be >= 1, got {iterations}")
+    if clips.dim() != 5:
+        raise ValueError(f"clips must be [N, C, T, H, W], got {tuple(clips.shape)}")
+    theta = layers[0].cfg.theta  # the critical mass the sparsity is measured at
+    dev = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(seed)
+    x0 = clips.to(dev)
+    noise = torch.randn(x0.shape, generator=gen).to(dev)
+    levels = tuple(sorted(float(t) for t in levels))
+    was_training = model.training
+    model.eval()
+    keep_table, sparse_table, mass_table = [], [], []
+    try:
+        _dense_everywhere(layers)
+        for t in levels:
+            searches = [_BudgetSearch(layer.keep_boost.double().cpu()) for layer in layers]
+            tried: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in layers]
+            for _ in range(iterations):
+                probe = _BudgetProbe(theta, stride, [search.boost for search in searches], gen)
+                for layer in layers:
+                    layer.observer = probe
+                tb = torch.full((x0.shape[0],), t, device=dev)
+                with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16 and dev.type == "cuda"):
+                    model((1 - t) * x0 + t * noise, tb)
+                for i, (keep, mass) in probe.measured.items():
+                    tried[i].append((keep, mass))
+                    searches[i].step(mass >= kept_mass)
+            keeps, sparse, masses = [], [], []
+            for i, layer in enumerate(layers):
+                keep, mass = _smallest_meeting(tried[i], kept_mass)
+                mean_keep = float(keep.mean())
+                pays, _ = layer.sparse_pays(mean_keep)
+                keeps.append(keep.tolist())
+                sparse.append(bool((1.0 - mean_keep) >= layer.cfg.sparse_threshold if pays is None else pays))
+                masses.append(float(mass.mean()))
+            keep_table.append(keeps)
+            sparse_table.append(sparse)
+            mass_table.append(masses)
+    finally:
+        for layer in layers:
+            layer.observer = None
+            layer.set_step_budget(None)
+        model.train(was_training)
+    return NoiseLevelBudgets(list(levels), keep_table, sparse_table, mass_table, kept_mass, int(x0.shape[0]))
+
+
+class _BudgetSearch:
+    """Per head, the boost on top of `1 - sparsity` that just keeps the target mass (which grows with the boost):
+    from `start`, steps of 0.05 that double away from the last result until one boost met the target and one did
+    not, then bisection between the closest such pair. Boosts stay in [-1, 1]: at 1 every key is kept."""
+
+    FIRST_STEP = 0.05
+
+    def __init__(self, start: torch.Tensor):
+        self.boost = start.clone()
+        self.met_at = torch.full_like(start, math.inf)  # the smallest boost that met
+        self.missed_at = torch.full_like(start, -math.inf)  # the largest boost that missed
+        self.stride = torch.full_like(start, self.FIRST_STEP)
+
+    def step(self, met: torch.Tensor) -> None:
+        self.met_at = torch.where(met, torch.minimum(self.met_at, self.boost), self.met_at)
+        self.missed_at = torch.where(met, self.missed_at, torch.maximum(self.missed_at, self.boost))
+        bracketed = torch.isfinite(self.met_at) & torch.isfinite(self.missed_at)
+        outward = torch.where(met, self.boost - self.stride, self.boost + self.stride)
+        self.boost = torch.where(bracketed, (self.met_at + self.missed_at) / 2, outward).clamp(-1.0, 1.0)
+        self.stride = self.stride * 2
+
+
+def _smallest_meeting(tried: list[tuple[torch.Tensor, torch.Tensor]], wanted: float) -> tuple[torch.Tensor,
+                                                                                              torch.Tensor]:
+    """Per head, of the measured `(keep [H], kept mass [H])` pairs: the smallest keep whose mass met `wanted`, else
+    the largest keep; returns that keep and its mass, `[H]` each."""
+    keeps = torch.stack([k for k, _ in tried])  # [tries, H]
+    masses = torch.stack([m for _, m in tried])
+    met = masses >= wanted
+    ranked = torch.where(met, keeps, math.inf)  # met: the smallest keep wins
+    best = torch.where(met.any(0), ranked.argmin(0), keeps.argmax(0))
+    heads = torch.arange(keeps.shape[1])
+    return keeps[best, heads], masses[best, heads]

@@ -1,0 +1,179 @@
+"""Noise-level budgets for sparse sampling: the calibration's budgets keep the mass it reports at each level, a
+sampler's step attends with its level's budgets (sparse or dense), and the layers return to their dispatched
+state after sampling."""
+
+import json
+
+import pytest
+import torch
+
+from dsv.analysis.checkpointed_model import load_model
+from dsv.analysis.noise_budgets import (
+    NoiseLevelBudgets,
+    _BudgetSearch,
+    _smallest_meeting,
+    calibrate_noise_level_budgets,
+    noise_level_budgets,
+)
+from dsv.analysis.sample import generate
+from dsv.cli import main
+from dsv.modules.dit import sample_euler
+from dsv.ops import index_recall
+from dsv.ops.measure import jittered_query_rows
+from dsv.train.data import build_dataset
+from dsv.train.trainer import Trainer
+from tests.train.test_training import tiny_config
+
+LEVELS = (0.2, 0.6, 1.0)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A tiny DSV run in stage 2 (switched after its first step, both blocks sparse) and one still in stage 1."""
+    root = tmp_path_factory.mktemp("runs")
+    for name, switch in (("stage2", 1), ("stage1", 100)):
+        Trainer(tiny_config(root / name, "train.steps=2", "train.ckpt_every=2",
+                            f"attention.max_stage1_steps={switch}"), quiet=True).run()
+    return root
+
+
+def _clips(cfg, count=2):
+    return build_dataset(cfg.data).sample(count, torch.Generator().manual_seed(1))
+
+
+def test_smallest_meeting_takes_per_head_the_least_budget_that_met_else_the_widest():
+    pairs = [([0.2, 0.2, 0.2], [0.70, 0.90, 0.50]), ([0.4, 0.1, 0.3], [0.86, 0.75, 0.60]),
+             ([0.3, 0.5, 0.6], [0.84, 0.95, 0.70])]
+    tried = [(torch.tensor(k, dtype=torch.float64), torch.tensor(m, dtype=torch.float64)) for k, m in pairs]
+    keep, recall = _smallest_meeting(tried, 0.8)
+    # Head 0: 0.4 and 0.3 met, 0.3 is smaller; head 1: 0.2 and 0.5 met (0.1 did not); head 2: none met, widest 0.6.
+    assert keep.tolist() == [0.3, 0.2, 0.6] and recall.tolist() == [0.84, 0.90, 0.70]
+
+
+def test_budget_search_brackets_then_bisects_to_the_least_boost_that_meets():
+    thresholds = torch.tensor([0.3137, -0.2, 2.0], dtype=torch.float64)  # the last head never meets
+    search = _BudgetSearch(torch.zeros(3, dtype=torch.float64))
+    for _ in range(9):
+        search.step(search.boost >= thresholds)
+    # Head 0: misses at 0, 0.05, 0.15, meets at 0.35, then five halvings of the 0.2 bracket: within 0.00625.
+    assert 0.0 <= float(search.met_at[0] - thresholds[0]) <= 0.2 / 2**5
+    assert 0.0 <= float(search.met_at[1] - thresholds[1]) <= 0.2 / 2**5
+    assert float(search.boost[2]) == 1.0 and search.met_at[2] == float("inf")  # widened to every key
+
+
+def test_calibrated_budgets_keep_the_mass_they_report_at_each_level(runs):
+    model, cfg, _ = load_model(str(runs / "stage2"), "cpu")
+    layers = model.controller.layers
+    clips = _clips(cfg)
+    low = calibrate_noise_level_budgets(model, clips, 0.5, levels=LEVELS, stride=2)
+    high = calibrate_noise_level_budgets(model, clips, 0.95, levels=LEVELS, stride=2)
+    assert low.levels == list(LEVELS) and len(low.keep) == len(LEVELS)
+    assert all(layer._step_budget is None and layer.observer is None for layer in layers)  # left as dispatched
+    for i in range(len(LEVELS)):
+        for j, layer in enumerate(layers):
+            assert len(low.keep[i][j]) == layer.heads
+            # Every head meets each target (searched up to every key, which keeps the whole mass).
+            assert low.mass[i][j] >= 0.5 and high.mass[i][j] >= 0.95
+            # A higher target never takes a smaller budget.
+            assert all(h >= lo for h, lo in zip(high.keep[i][j], low.keep[i][j]))
+
+    # Re-measured with the layers set to a level's budgets, in the calibration's dense forward (all rows, this
+    # time): the selection of each layer keeps about the mass the calibration reported for it.
+    level = 1
+    remeasured = {}
+
+    def measure(layer, hidden, q, k, grid):
+        index = layer.compute_index(hidden, q, k, grid)
+        expected = torch.tensor(low.keep[level][layer.layer_index]) * index.num_kv_blocks
+        assert torch.equal(index.counts.amax(dim=(0, 2)).double(), expected.round())
+        rows = jittered_query_rows(q.shape[2], 1, torch.Generator().manual_seed(0))
+        remeasured[layer.layer_index] = float(index_recall(q, k, index, rows, scale=layer.scale).mean())
+
+    for j, layer in enumerate(layers):
+        layer.set_step_budget(low.keep[level][j], sparse=False)
+        layer.observer = measure
+    t = LEVELS[level]
+    noise = torch.randn(clips.shape, generator=torch.Generator().manual_seed(0))  # the calibration's (seed 0)
+    with torch.no_grad():
+        model((1 - t) * clips + t * noise, torch.full((clips.shape[0],), t))
+    # Tolerance: the calibration averaged over one row in two; these numbers use every row.
+    assert remeasured == pytest.approx(dict(enumerate(low.mass[level])), abs=0.03)
+
+
+def test_each_sampling_step_attends_with_its_levels_budget_sparse_or_dense(runs):
+    model, cfg, _ = load_model(str(runs / "stage2"), "cpu")
+    layers = model.controller.layers
+    heads = layers[0].heads
+    # Hand-made budgets: layer 0 sparse at high noise only, with one key block more per head than at t = 0.
+    budgets = NoiseLevelBudgets(
+        levels=[0.0, 1.0],
+        keep=[[[0.25] * heads, [0.5] * heads], [[0.375] * heads, [0.5] * heads]],
+        sparse=[[False, True], [True, True]], mass=[[0.9, 0.9], [0.9, 0.9]], kept_mass=0.9, clips=1)
+    seen = []
+    for layer in layers:
+        attend = layer.attend
+
+        def record(q, k, v, index, layer=layer, attend=attend):
+            seen.append((layer.layer_index, None if index is None else int(index.counts.max()), index.num_kv_blocks
+                         if index is not None else None))
+            return attend(q, k, v, index)
+
+        layer.attend = record
+    noise = torch.randn(1, cfg.model.in_channels, cfg.data.frames, cfg.data.size, cfg.data.size,
+                        generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), noise_level_budgets(model, budgets) as before_step:
+        sample_euler(model, noise, 4, before_step=before_step)  # t = 1, 0.75, 0.5, 0.25
+    blocks = seen[0][2] or seen[1][2]
+    by_step = [seen[2 * i:2 * i + 2] for i in range(4)]
+    for step, ((_, counts0, _), (_, counts1, _)) in enumerate(by_step):
+        high_noise = step < 2  # t = 1.0 and 0.75 take level 1.0; 0.5 ties to the first level, 0.25 takes 0.0
+        assert counts0 == (round(0.375 * blocks) if high_noise else None), step
+        assert counts1 == round(0.5 * blocks), step
+    assert all(layer._step_budget is None for layer in layers)
+    # Back to the dispatched state: the same samples as sampling without budgets, before and after.
+    plain = generate(model, cfg, 1, 2, seed=0)[0]
+    with_and_back = generate(model, cfg, 1, 2, seed=0, budgets=budgets)[0]
+    assert not torch.equal(plain, with_and_back)
+    assert torch.equal(plain, generate(model, cfg, 1, 2, seed=0)[0])
+
+
+def test_budgets_are_refused_where_they_cannot_apply(runs):
+    model, cfg, _ = load_model(str(runs / "stage2"), "cpu")
+    layer = model.controller.layers[0]
+    for keep in ([0.5], [0.0] * layer.heads, [1.5] * layer.heads):
+        with pytest.raises(ValueError, match=f"keep_fraction must hold {layer.heads} kept fractions"):
+            layer.set_step_budget(keep)
+    wrong = NoiseLevelBudgets([1.0], [[[0.5] * (layer.heads + 1)] * 2], [[True, True]], [[0.9, 0.9]], 0.9, 1)
+    with pytest.raises(ValueError, match="calibrated for another model"):
+        with noise_level_budgets(model, wrong):
+            pass
+    for kept_mass in (0.0, 1.2):
+        with pytest.raises(ValueError, match="kept_mass must be a share of the attention mass"):
+            calibrate_noise_level_budgets(model, _clips(cfg), kept_mass, levels=LEVELS)
+    stage1, cfg1, _ = load_model(str(runs / "stage1"), "cpu")
+    with pytest.raises(ValueError, match="in stage 1"):
+        calibrate_noise_level_budgets(stage1, _clips(cfg1), 0.95, levels=LEVELS)
+    dense, _, _ = load_model(str(runs / "stage2"), "cpu", attention_mode="dense")
+    with pytest.raises(ValueError, match="has no per-head budget"):
+        dense.controller.layers[0].set_step_budget([0.5] * layer.heads)
+
+
+def test_sample_cli_calibrates_and_reports_the_budgets(runs, tmp_path, capsys):
+    checkpoint = str(runs / "stage2")
+    out = tmp_path / "s.gif"
+    for extra, message in ((["--kept-mass", "0.9"], "add --noise-level-budgets"),
+                           (["--noise-level-budgets"], "needs --kept-mass")):
+        assert main(["sample", "--checkpoint", checkpoint, "--out", str(out), "--num", "1", "--steps", "2",
+                     "--device", "cpu", *extra]) == 2
+        assert message in capsys.readouterr().err and not out.exists()
+    assert main(["sample", "--checkpoint", checkpoint, "--out", str(out), "--num", "1", "--steps", "2",
+                 "--device", "cpu", "--noise-level-budgets", "--kept-mass", "0.9", "--calibration-clips",
+                 "2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    levels = result["noise_level_budgets"]
+    assert [row["t"] for row in levels] == [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+    for row in levels:
+        assert set(row["sparse_layers"]) <= {0, 1}
+        assert row["mean_keep"] is None or 0 < row["mean_keep"] <= 1
+        assert row["mean_mass"] is None or row["mean_mass"] >= 0.9
+    assert out.stat().st_size > 0
