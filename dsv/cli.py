@@ -43,9 +43,10 @@ def _train(args) -> int:
 def _sample(args) -> int:
     from dsv.analysis.sample import sample_videos
 
-    if args.noise_level_budgets and args.kept_mass is None:
-        raise ValueError("--noise-level-budgets needs --kept-mass: the share of the attention mass each selection "
-                         "keeps (e.g. 0.97; the trained budgets keep about attention.recall_target * theta)")
+    if args.noise_level_budgets and (args.kept_mass is None or not 0.0 < args.kept_mass <= 1.0):
+        raise ValueError(f"--noise-level-budgets needs --kept-mass in (0, 1] (got {args.kept_mass}): the share of the "
+                         "attention mass each selection keeps (e.g. 0.97; the trained budgets keep about "
+                         "attention.recall_target * theta)")
     if not args.noise_level_budgets and (args.kept_mass is not None or args.calibration_clips is not None):
         raise ValueError("--kept-mass and --calibration-clips set the calibration of --noise-level-budgets; "
                          "add --noise-level-budgets")

@@ -4,23 +4,23 @@ step's noise level.
 
 Training dispatches one budget per head from the profiler's EMA, measured over the noise levels training draws,
 whose selections keep about `recall_target` · θ of the attention mass (0.95 · 0.9 ≈ 0.86 in `quality_gpu`): every
-sparse layer drops a tenth or more of each query's attention mass, which is what the training's speed is
-bought with. Sampling can choose its own point: calibration noises
-clips to each level, measures each head's sparsity there, and searches each head's budget until its selection
-keeps `kept_mass` of the attention mass; at each level a layer then runs sparse where the measured kernel speed
-says that budget beats dense. Measured on an 8192-token model (benchmarks/NOTES.md): the budgets hardly vary
-with the level there, and the kept mass sets how close sparse samples come to dense ones (PSNR 24 dB at the
-trained budgets, 37 dB at 0.965 of the mass).
+sparse layer drops a tenth or more of each query's attention mass, which is what the training's speed is bought
+with. Sampling can choose its own point: calibration noises clips to each level, measures each head's sparsity
+there, and searches each head's budget until its selection keeps `kept_mass` of the attention mass; at each level
+a layer then runs sparse where the measured kernel speed says that budget beats dense. Measured on an 8192-token
+model (benchmarks/results/2026-12-01-h200-quality-8192-tokens-seed130): the budgets hardly vary with the level
+there, and the kept mass sets how close sparse samples come to dense ones (PSNR 24 dB at the trained budgets,
+37 dB at 0.965 of the mass).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import dataclasses
 import math
+import time
+import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
@@ -31,7 +31,7 @@ CALIBRATION_LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 """Default noise levels: a sampling step takes the nearest one (25 Euler steps run at t = 1.0, 0.96, …, 0.04)."""
 
 
-@dataclass
+@dataclasses.dataclass
 class NoiseLevelBudgets:
     """Calibrated budgets by noise level (t of x_t = (1 - t) x0 + t noise; sampling runs from 1 to 0)."""
 
@@ -39,12 +39,19 @@ class NoiseLevelBudgets:
     keep: list[list[list[float]]]  # [level][layer][head]: kept fraction of the key blocks
     sparse: list[list[bool]]  # [level][layer]
     mass: list[list[float]]  # [level][layer]: attention mass kept at `keep`, mean over heads (measured)
+    missed_heads: list[int]  # [level]: heads whose widest measured budget still kept less than `kept_mass`
     kept_mass: float  # the calibration's target
     clips: int
+    seconds: float  # the calibration's forwards
 
     def level_index(self, t: float) -> int:
-        """The calibrated level nearest to `t`."""
+        """The calibrated level nearest to `t` (the lower one where two are as near)."""
         return min(range(len(self.levels)), key=lambda i: abs(self.levels[i] - t))
+
+    def at_level(self, i: int) -> "NoiseLevelBudgets":
+        """These budgets with level `i`'s alone, which every step then takes."""
+        return dataclasses.replace(self, levels=[self.levels[i]], keep=[self.keep[i]], sparse=[self.sparse[i]],
+                                   mass=[self.mass[i]], missed_heads=[self.missed_heads[i]])
 
     def apply(self, layers: list, t: float) -> None:
         """Set every layer's budget for a step at noise level `t` (`set_step_budget`)."""
@@ -61,22 +68,25 @@ class NoiseLevelBudgets:
                          "mean_keep": (sum(sum(keeps[i]) / len(keeps[i]) for i in chosen) / len(chosen)
                                        if chosen else None),
                          "mean_mass": sum(mass[i] for i in chosen) / len(chosen) if chosen else None})
+        for row, missed in zip(rows, self.missed_heads):
+            row["missed_heads"] = missed
         return rows
-
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps(asdict(self), indent=1))
-
-    @classmethod
-    def load(cls, path: Path) -> "NoiseLevelBudgets":
-        return cls(**json.loads(path.read_text()))
 
 
 def check_budgets_fit(budgets: NoiseLevelBudgets, layers: list) -> None:
-    """ValueError unless `budgets` has one row per layer, of as many heads, at every level."""
-    for level, keeps in zip(budgets.levels, budgets.keep):
-        if len(keeps) != len(layers) or any(len(k) != layer.heads for k, layer in zip(keeps, layers)):
-            raise ValueError(f"noise-level budgets at t={level} hold {[len(k) for k in keeps]} heads per layer; the "
-                             f"model has {[layer.heads for layer in layers]}: calibrated for another model")
+    """ValueError unless `budgets` has, at every level, one row per layer of as many heads, one sparse flag and
+    one kept mass per layer."""
+    tables = {"keep": budgets.keep, "sparse": budgets.sparse, "mass": budgets.mass,
+              "missed_heads": budgets.missed_heads}
+    lengths = {name: len(table) for name, table in tables.items()}
+    if any(length != len(budgets.levels) for length in lengths.values()):
+        raise ValueError(f"noise-level budgets hold {len(budgets.levels)} levels but tables of {lengths} rows")
+    for level, keeps, sparse, mass in zip(budgets.levels, budgets.keep, budgets.sparse, budgets.mass):
+        if (len(keeps) != len(layers) or len(sparse) != len(layers) or len(mass) != len(layers)
+                or any(len(k) != layer.heads for k, layer in zip(keeps, layers))):
+            raise ValueError(f"noise-level budgets at t={level} hold {[len(k) for k in keeps]} heads per layer "
+                             f"({len(sparse)} sparse flags, {len(mass)} masses); the model has "
+                             f"{[layer.heads for layer in layers]}: calibrated for another model")
 
 
 @contextlib.contextmanager
@@ -99,6 +109,7 @@ class _BudgetProbe:
     def __init__(self, theta: float, stride: int, boosts: list[torch.Tensor], generator: torch.Generator):
         self.theta, self.stride, self.boosts, self.generator = theta, stride, boosts, generator
         self.measured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.sparsity: dict[int, torch.Tensor] = {}
 
     def __call__(self, layer, hidden, q, k, grid) -> None:
         rows = jittered_query_rows(q.shape[2], self.stride, self.generator, device=q.device)
@@ -109,28 +120,39 @@ class _BudgetProbe:
         index = layer.compute_index(hidden, q, k, grid, keep_blocks=keep_blocks)
         mass = index_recall(q, k, index, rows, scale=layer.scale).mean(0).double().cpu()
         self.measured[layer.layer_index] = (keep_blocks.double() / num_blocks, mass)
+        self.sparsity[layer.layer_index] = sparsity
 
 
-def _dense_everywhere(layers: list) -> None:
-    for layer in layers:
-        layer.set_step_budget([1.0] * layer.heads, sparse=False)
+@contextlib.contextmanager
+def _measuring(layers: list) -> Iterator[None]:
+    """Every layer dense (`set_step_budget`) while the calibration measures; afterwards each layer's step budget,
+    observer and last shape (which the speed model reads) as they were."""
+    saved = [(layer._step_budget, layer.observer, layer._last_shape) for layer in layers]
+    try:
+        for layer in layers:
+            layer.set_step_budget([1.0] * layer.heads, sparse=False)
+        yield
+    finally:
+        for layer, (budget, observer, shape) in zip(layers, saved):
+            layer._step_budget, layer.observer, layer._last_shape = budget, observer, shape
 
 
 @torch.no_grad()
-def calibrate_noise_level_budgets(model, clips: torch.Tensor, kept_mass: float,
-                                  levels: tuple[float, ...] = CALIBRATION_LEVELS, iterations: int = 6,
+def calibrate_noise_level_budgets(model, clips: torch.Tensor, kept_mass: float, sampling_batch: int | None = None,
+                                  levels: tuple[float, ...] = CALIBRATION_LEVELS, iterations: int = 8,
                                   stride: int = 16, seed: int = 0, bf16: bool = False) -> NoiseLevelBudgets:
-    """Budgets of a stage-2 DSV `model` for sampling, from `clips` `[N, C, T, H, W]` (in [-1, 1]) noised to each
-    level with one fixed noise; statistics on about one query row in `stride`; `bf16`: forwards under bf16
-    autocast on CUDA, as the run trained and samples.
+    """Budgets of a stage-2 DSV `model` for sampling `sampling_batch` videos at a time (default: as many as
+    `clips`), from `clips` `[N, C, T, H, W]` (in [-1, 1]) noised to each level with one fixed noise; statistics on
+    about one query row in `stride`; `bf16`: forwards under bf16 autocast on CUDA, as the run trained and samples.
 
     Each layer is measured in a dense forward (every layer at full attention), so its kept mass is of exact
     attention on inputs that the other layers' budgets do not move. Per level, `iterations` forwards, each
-    measuring every head's kept mass at its current budget: from the trained budget (its recall boost), steps
-    that double until the target is bracketed, then bisection; each head takes the smallest measured budget
-    whose selection kept `kept_mass` (the widest measured one where none did, reported as measured). A layer
-    runs sparse at a level where the kernel-speed model (training's, fwd+bwd) predicts its mean budget faster
-    than dense, or without a model where its mean sparsity reaches `sparse_threshold`."""
+    measuring every head's kept mass at its current budget: from the trained budget (its recall boost) at the
+    first level and the previous level's result after it, steps that double until the target is bracketed, then
+    bisection; each head takes the smallest measured budget whose selection kept `kept_mass`, or where none did
+    (counted in `missed_heads`, with a warning) the widest measured one. A layer runs sparse at a level where the
+    kernel-speed model (training's, fwd+bwd) predicts its mean budget faster than dense at `sampling_batch`, or
+    without a model where its mean sparsity there reaches `sparse_threshold` (the dispatch's rules)."""
     layers = model.controller.layers
     if model.controller.current_stage != 2:
         raise ValueError("calibrate_noise_level_budgets: the model is in stage 1 (dense attention while its "
@@ -147,6 +169,9 @@ def calibrate_noise_level_budgets(model, clips: torch.Tensor, kept_mass: float,
         raise ValueError(f"iterations must be >= 1, got {iterations}")
     if clips.dim() != 5:
         raise ValueError(f"clips must be [N, C, T, H, W], got {tuple(clips.shape)}")
+    sampling_batch = clips.shape[0] if sampling_batch is None else sampling_batch
+    if isinstance(sampling_batch, bool) or not isinstance(sampling_batch, int) or sampling_batch < 1:
+        raise ValueError(f"sampling_batch must be an integer >= 1 (videos sampled at a time), got {sampling_batch!r}")
     theta = layers[0].cfg.theta  # the critical mass the sparsity is measured at
     dev = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
@@ -155,39 +180,47 @@ def calibrate_noise_level_budgets(model, clips: torch.Tensor, kept_mass: float,
     levels = tuple(sorted(float(t) for t in levels))
     was_training = model.training
     model.eval()
-    keep_table, sparse_table, mass_table = [], [], []
+    start = time.perf_counter()
+    keep_table, sparse_table, mass_table, missed_table = [], [], [], []
+    boosts = [layer.keep_boost.double().cpu() for layer in layers]
     try:
-        _dense_everywhere(layers)
-        for t in levels:
-            searches = [_BudgetSearch(layer.keep_boost.double().cpu()) for layer in layers]
-            tried: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in layers]
-            for _ in range(iterations):
-                probe = _BudgetProbe(theta, stride, [search.boost for search in searches], gen)
-                for layer in layers:
-                    layer.observer = probe
-                tb = torch.full((x0.shape[0],), t, device=dev)
-                with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16 and dev.type == "cuda"):
-                    model((1 - t) * x0 + t * noise, tb)
-                for i, (keep, mass) in probe.measured.items():
-                    tried[i].append((keep, mass))
-                    searches[i].step(mass >= kept_mass)
-            keeps, sparse, masses = [], [], []
-            for i, layer in enumerate(layers):
-                keep, mass = _smallest_meeting(tried[i], kept_mass)
-                mean_keep = float(keep.mean())
-                pays, _ = layer.sparse_pays(mean_keep)
-                keeps.append(keep.tolist())
-                sparse.append(bool((1.0 - mean_keep) >= layer.cfg.sparse_threshold if pays is None else pays))
-                masses.append(float(mass.mean()))
-            keep_table.append(keeps)
-            sparse_table.append(sparse)
-            mass_table.append(masses)
+        with _measuring(layers):
+            for t in levels:
+                searches = [_BudgetSearch(boost) for boost in boosts]
+                tried: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in layers]
+                for _ in range(iterations):
+                    probe = _BudgetProbe(theta, stride, [search.boost for search in searches], gen)
+                    for layer in layers:
+                        layer.observer = probe
+                    tb = torch.full((x0.shape[0],), t, device=dev)
+                    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16 and dev.type == "cuda"):
+                        model((1 - t) * x0 + t * noise, tb)
+                    for i, (keep, mass) in probe.measured.items():
+                        tried[i].append((keep, mass))
+                        searches[i].step(mass >= kept_mass)
+                keeps, sparse, masses, missed = [], [], [], 0
+                for i, layer in enumerate(layers):
+                    keep, mass = _smallest_meeting(tried[i], kept_mass)
+                    missed += int((mass < kept_mass).sum())
+                    mean_keep = float(keep.mean())
+                    pays, _ = layer.sparse_pays(mean_keep, batch=sampling_batch)
+                    keeps.append(keep.tolist())
+                    sparse.append(bool(float(probe.sparsity[i].mean()) >= layer.cfg.sparse_threshold
+                                       if pays is None else pays))
+                    masses.append(float(mass.mean()))
+                boosts = [search.solution() for search in searches]
+                keep_table.append(keeps)
+                sparse_table.append(sparse)
+                mass_table.append(masses)
+                missed_table.append(missed)
     finally:
-        for layer in layers:
-            layer.observer = None
-            layer.set_step_budget(None)
         model.train(was_training)
-    return NoiseLevelBudgets(list(levels), keep_table, sparse_table, mass_table, kept_mass, int(x0.shape[0]))
+    if any(missed_table):
+        warnings.warn(f"noise-level budgets: at some levels heads kept less than kept_mass={kept_mass} at the widest "
+                      f"budget measured in {iterations} iterations (missed heads by level "
+                      f"{dict(zip(levels, missed_table))}); more iterations search further", stacklevel=2)
+    return NoiseLevelBudgets(list(levels), keep_table, sparse_table, mass_table, missed_table, kept_mass,
+                             int(x0.shape[0]), time.perf_counter() - start)
 
 
 class _BudgetSearch:
@@ -210,6 +243,10 @@ class _BudgetSearch:
         outward = torch.where(met, self.boost - self.stride, self.boost + self.stride)
         self.boost = torch.where(bracketed, (self.met_at + self.missed_at) / 2, outward).clamp(-1.0, 1.0)
         self.stride = self.stride * 2
+
+    def solution(self) -> torch.Tensor:
+        """The smallest boost that met, or where none did the current one: the start of the next level's search."""
+        return torch.where(torch.isfinite(self.met_at), self.met_at, self.boost)
 
 
 def _smallest_meeting(tried: list[tuple[torch.Tensor, torch.Tensor]], wanted: float) -> tuple[torch.Tensor,

@@ -47,34 +47,45 @@ def generate(model: VideoDiT, cfg: Config, num: int, steps: int, seed: int,
     return videos.float().cpu(), time.perf_counter() - start
 
 
-def calibrate_for_sampling(model: VideoDiT, cfg: Config, kept_mass: float, clips: int = 8,
+def warm_up(model: VideoDiT, cfg: Config, num: int, seed: int, budgets: NoiseLevelBudgets | None = None) -> None:
+    """Untimed forwards before a timed pass, so that kernel compilation, autotuning and one-time device setup do
+    not land in its timing (of whichever model samples first): one Euler step, and with `budgets` one at each
+    calibrated level's budgets (whose widest key lists can compile kernel variants of their own)."""
+    generate(model, cfg, num, 1, seed)
+    for i in range(len(budgets.levels) if budgets is not None else 0):
+        generate(model, cfg, num, 1, seed, budgets.at_level(i))
+
+
+def calibrate_for_sampling(model: VideoDiT, cfg: Config, kept_mass: float, sampling_batch: int, clips: int = 8,
                            seed: int = 0) -> NoiseLevelBudgets:
-    """`calibrate_noise_level_budgets` at `kept_mass` on `clips` clips of the run's training data (drawn with
-    `seed`), in the run's precision."""
+    """`calibrate_noise_level_budgets` at `kept_mass` for sampling `sampling_batch` videos at a time, on `clips`
+    clips of the run's training data (drawn with `seed`), in the run's precision."""
     from dsv.train.data import build_dataset
 
     if isinstance(clips, bool) or not isinstance(clips, int) or clips < 1:
         raise ValueError(f"calibration clips must be an integer >= 1, got {clips!r}")
     data = build_dataset(cfg.data).sample(clips, torch.Generator().manual_seed(seed))
     dev = next(model.parameters()).device
-    return calibrate_noise_level_budgets(model, data, kept_mass, seed=seed,
+    return calibrate_noise_level_budgets(model, data, kept_mass, sampling_batch, seed=seed,
                                          bf16=dev.type == "cuda" and cfg.train.bf16)
 
 
 def _generate(checkpoint: str, num: int, steps: int, seed: int, device: str, attention_mode: str | None,
               calibration: dict | None = None) -> tuple[torch.Tensor, float, dict]:
     """`(videos [N, C, T, H, W] float32 on the CPU, sampling seconds, facts)` from one checkpoint; with
-    `calibration` (`calibrate_for_sampling`'s keyword arguments), at noise-level budgets."""
+    `calibration` (`kept_mass` and `clips` of `calibrate_for_sampling`, calibrated with the sampling seed), at
+    noise-level budgets."""
     model, cfg, step = load_model(checkpoint, device, attention_mode)
-    budgets = None if calibration is None else calibrate_for_sampling(model, cfg, **calibration)
-    # One untimed step first: kernel compilation and one-time device setup would otherwise land in the timing
-    # of whichever model samples first (the sparse one, against the dense one that follows).
-    generate(model, cfg, num, 1, seed, budgets)
+    budgets = None if calibration is None else calibrate_for_sampling(model, cfg, sampling_batch=num, seed=seed,
+                                                                       **calibration)
+    warm_up(model, cfg, num, seed, budgets)
     videos, seconds = generate(model, cfg, num, steps, seed, budgets)
+    # With budgets, `sparse_blocks` are the dispatched ones; the blocks each level ran sparse are in the summary.
     facts = {"checkpoint_step": step, "mode": cfg.attention.mode, "attention_paths": attention_paths(model),
              "sparse_blocks": model.controller.sparse_layers()}
     if budgets is not None:
         facts["noise_level_budgets"] = budgets.summary()
+        facts["calibration_seconds"] = budgets.seconds
     return videos, seconds, facts
 
 
@@ -105,8 +116,8 @@ def sample_videos(checkpoint: str, out: str, num: int = 4, steps: int = 25, seed
                   compare_dense: bool = False, calibration: dict | None = None) -> dict:
     """Write `num` samples as one video grid. With `compare_dense`, also sample the same noise with dense
     attention and report both sampling times and the PSNR/SSIM of these samples against the dense ones. With
-    `calibration` (`calibrate_for_sampling`'s keyword arguments), each step runs at budgets calibrated for its
-    noise level (`dsv.analysis.noise_budgets`), summarised in the result.
+    `calibration` (`{"kept_mass": ..., "clips": ...}`), each step runs at budgets calibrated for its noise level
+    (`dsv.analysis.noise_budgets`), summarised in the result.
     Bad arguments (`num` or `steps` below 1, an `out` suffix the writer does not take) raise ValueError before
     any sampling."""
     if num < 1:

@@ -11,7 +11,8 @@ in its own ``dsv train`` process (with several GPUs visible, one run per GPU at 
   every run drawn from the same noise, with a paired bootstrap spread; the I3D's classes on bundled clips
   show that it is the real network;
 - DSV sparse inference on the DSV-trained model: sampling time against the same weights run densely
-  (CUDA-synchronised, after a warm-up) and PSNR/SSIM of the two from the same noise;
+  (CUDA-synchronised, after a warm-up) and PSNR/SSIM of the two from the same noise, and the same at
+  noise-level budgets that keep ``SAMPLING_KEPT_MASS`` of the attention mass (``dsv.analysis.noise_budgets``);
 - the DSV run's predictor recall (profiler EMA) in its sparse blocks, and ``dsv observe``/``dsv profile`` on
   its checkpoint, the profile also at fixed noise levels (``NOISE_LEVELS``): the recall of the sparse blocks'
   own selection at each, as sparse sampling runs them.
@@ -484,11 +485,11 @@ def same_initial_weights(cfg) -> bool:
 def timed_samples(model, cfg, num: int, steps: int, seed: int, repeats: int,
                   budgets=None) -> tuple[torch.Tensor, list[float]]:
     """Samples of ``model`` (in [-1, 1]) from the noise of ``seed`` (with ``budgets``: at noise-level budgets) and
-    the seconds of ``repeats`` (>= 1) timed passes, after one untimed one-step pass at the same batch shape
-    (Triton compilation and autotuning, cuDNN plans)."""
-    from dsv.analysis.sample import generate
+    the seconds of ``repeats`` (>= 1) timed passes, after untimed one-step passes at the same batch shape (Triton
+    compilation and autotuning, cuDNN plans: ``warm_up``)."""
+    from dsv.analysis.sample import generate, warm_up
 
-    generate(model, cfg, num, 1, seed, budgets)
+    warm_up(model, cfg, num, seed, budgets)
     passes = [generate(model, cfg, num, steps, seed, budgets) for _ in range(repeats)]
     # Clamped to the data range, as any written video would be (and as the I3D requires).
     return passes[0][0].clamp(-1, 1), [seconds for _, seconds in passes]
@@ -952,15 +953,16 @@ def budget_lines(budgets: dict | None) -> list[str]:
     if not budgets:
         return []
     lines = ["", (f"At noise-level budgets (`dsv sample --noise-level-budgets --kept-mass {budgets['kept_mass']}`: "
-                  f"calibrated on {budgets['clips']} training clips in {budgets['calibration_seconds']:.1f} s, each "
-                  "head's budget at each level the smallest measured one whose selection keeps "
+                  f"calibrated on {budgets['clips']} training clips in {budgets['calibration_seconds']:.1f} s of "
+                  "forwards, each head's budget at each level the smallest measured one whose selection keeps "
                   f"{budgets['kept_mass']:.0%} of the attention mass, each block sparse at a level where the "
                   f"kernel-speed model says its budget beats dense; FVD row `{BUDGETS_SET}`):"), "",
              f"- DSV {budgets['seconds']:.3f} s: **{budgets['speedup']:.2f}×** dense sampling",
              f"- against dense samples: {_psnr_words(budgets)}, SSIM {budgets['ssim']:.4f}", "",
-             "| t | sparse blocks | mean kept fraction in them | mass kept in them |", "|---|---|---|---|"]
-    lines += [f"| {row['t']:.2f} | {row['sparse_layers']} | {_fmt(row['mean_keep'])} | {_fmt(row['mean_mass'])} |"
-              for row in budgets["levels"]]
+             "| t | sparse blocks | mean kept fraction in them | mass kept in them | heads short of the target |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {row['t']:.2f} | {row['sparse_layers']} | {_fmt(row['mean_keep'])} | {_fmt(row['mean_mass'])} | "
+              f"{row['missed_heads']} |" for row in budgets["levels"]]
     return lines
 
 
@@ -1147,15 +1149,17 @@ def sample_runs(run_dirs: dict[str, Path], num: int, args, device: torch.device,
                         "dsv_paths": attention_paths(model), "dense_paths": attention_paths(dense_view),
                         **similarity(samples["dsv"], samples["dsv, dense sampling"])}
             sampling["speedup"] = sampling["dense_seconds"] / sampling["dsv_seconds"]
-            calibration_start = time.perf_counter()
-            budgets = calibrate_for_sampling(model, cfg, SAMPLING_KEPT_MASS, clips=CALIBRATION_CLIPS, seed=args.seed)
-            calibration_seconds = time.perf_counter() - calibration_start
+            if model.controller.current_stage != 2:
+                sampling["budgets"] = None  # stage 1 ran dense throughout: nothing to calibrate
+                continue
+            budgets = calibrate_for_sampling(model, cfg, SAMPLING_KEPT_MASS, num, clips=CALIBRATION_CLIPS,
+                                             seed=args.seed)
             samples[BUDGETS_SET], budget_passes = timed_samples(model, cfg, num, args.sample_steps, args.seed,
                                                                 repeats, budgets)
             seconds = statistics.median(budget_passes)
             sampling["budgets"] = {"passes": budget_passes, "seconds": seconds,
                                    "speedup": sampling["dense_seconds"] / seconds,
-                                   "calibration_seconds": calibration_seconds, "clips": budgets.clips,
+                                   "calibration_seconds": budgets.seconds, "clips": budgets.clips,
                                    "kept_mass": budgets.kept_mass, "levels": budgets.summary(),
                                    **similarity(samples[BUDGETS_SET], samples["dsv, dense sampling"])}
     return samples, sampling

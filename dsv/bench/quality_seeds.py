@@ -154,9 +154,10 @@ def _worst_count(stats: dict) -> int:
 
 
 def render(reports: list[tuple[str, dict]], rows: dict[str, dict], loss: dict, fvd: dict | None,
-           judged: list[dict]) -> str:
+           judged: list[dict], command: str) -> str:
     first = reports[0][1]
     lines = [f"# Quality over training seeds: {len(rows)} seeds from {len(reports)} reports", "",
+             "```", command, "```", "",
              f"Recipe `{first['recipe']}` with {' '.join(first['overrides']) or 'no overrides'}: {first['model']}; "
              f"{first['steps']} steps of batch {first['batch_size']}. FVD: {first['videos']} samples per run "
              f"({first['sample_steps']} Euler steps, sampling seed {sampling_seed(first)}) against the same "
@@ -211,7 +212,8 @@ def run(args) -> int:
     (args.out / "results.json").write_text(json.dumps(
         {"reports": [name for name, _ in reports], "seeds": rows, "loss": loss, "fvd": fvd, "targets": judged},
         indent=1))
-    report = render(reports, rows, loss, fvd, judged)
+    command = shlex.join(["dsv", "bench", "quality-seeds", "--results", *map(str, args.results), "--out", "OUT"])
+    report = render(reports, rows, loss, fvd, judged, command)
     (args.out / "report.md").write_text(report)
     print(report)
     return 0

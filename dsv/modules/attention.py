@@ -183,17 +183,17 @@ class DSVAttentionCore(nn.Module):
         self.use_sparse.fill_(sparse)
         self._refresh_host_state()
 
-    def sparse_pays(self, mean_keep: float, margin: float = 0.0) -> tuple[bool | None, str]:
+    def sparse_pays(self, mean_keep: float, margin: float = 0.0, batch: int | None = None) -> tuple[bool | None, str]:
         """Whether the measured kernel speed (`dsv.modules.dispatch`) predicts sparse attention at kept fraction
-        `mean_keep` faster than dense, by `margin` of dense's time, at this layer's last shape; and the numbers
-        as text. None (and "") where no speed model applies: `speed_dispatch` off, a backend without one, or no
-        forward seen yet."""
+        `mean_keep` faster than dense, by `margin` of dense's time, at this layer's last shape (with `batch`, at
+        that batch size instead); and the numbers as text. None (and "") where no speed model applies:
+        `speed_dispatch` off, a backend without one, or no forward seen yet."""
         model, blocks = (speed_model(self._last_backend, self.cfg.group_size, self.cfg.key_block)
                          if self.cfg.speed_dispatch else (None, ""))
         if model is None or self._last_shape is None:
             return None, ""
-        batch, seq_len = self._last_shape
-        shape = (batch, self.heads, seq_len, self.head_dim)
+        last_batch, seq_len = self._last_shape
+        shape = (last_batch if batch is None else batch, self.heads, seq_len, self.head_dim)
         dense_ms = model.dense_ms(*shape)
         return model.pays(mean_keep, *shape, margin=margin), (
             f"; {self._last_backend} speed model ({blocks}): sparse {model.sparse_ms(mean_keep, *shape):.2f} ms vs "

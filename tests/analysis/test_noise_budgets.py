@@ -2,7 +2,9 @@
 sampler's step attends with its level's budgets (sparse or dense), and the layers return to their dispatched
 state after sampling."""
 
+import dataclasses
 import json
+import warnings
 
 import pytest
 import torch
@@ -108,7 +110,8 @@ def test_each_sampling_step_attends_with_its_levels_budget_sparse_or_dense(runs)
     budgets = NoiseLevelBudgets(
         levels=[0.0, 1.0],
         keep=[[[0.25] * heads, [0.5] * heads], [[0.375] * heads, [0.5] * heads]],
-        sparse=[[False, True], [True, True]], mass=[[0.9, 0.9], [0.9, 0.9]], kept_mass=0.9, clips=1)
+        sparse=[[False, True], [True, True]], mass=[[0.9, 0.9], [0.9, 0.9]], missed_heads=[0, 0], kept_mass=0.9,
+        clips=1, seconds=0.0)
     seen = []
     for layer in layers:
         attend = layer.attend
@@ -143,9 +146,16 @@ def test_budgets_are_refused_where_they_cannot_apply(runs):
     for keep in ([0.5], [0.0] * layer.heads, [1.5] * layer.heads):
         with pytest.raises(ValueError, match=f"keep_fraction must hold {layer.heads} kept fractions"):
             layer.set_step_budget(keep)
-    wrong = NoiseLevelBudgets([1.0], [[[0.5] * (layer.heads + 1)] * 2], [[True, True]], [[0.9, 0.9]], 0.9, 1)
+    wrong = NoiseLevelBudgets([1.0], [[[0.5] * (layer.heads + 1)] * 2], [[True, True]], [[0.9, 0.9]], [0], 0.9, 1, 0.0)
     with pytest.raises(ValueError, match="calibrated for another model"):
         with noise_level_budgets(model, wrong):
+            pass
+    short = NoiseLevelBudgets([1.0], [[[0.5] * layer.heads] * 2], [[True]], [[0.9, 0.9]], [0], 0.9, 1, 0.0)
+    with pytest.raises(ValueError, match=r"\(1 sparse flags, 2 masses\)"):
+        with noise_level_budgets(model, short):
+            pass
+    with pytest.raises(ValueError, match=r"2 levels but tables of \{'keep': 1"):
+        with noise_level_budgets(model, dataclasses.replace(short, levels=[0.5, 1.0])):
             pass
     for kept_mass in (0.0, 1.2):
         with pytest.raises(ValueError, match="kept_mass must be a share of the attention mass"):
@@ -177,3 +187,57 @@ def test_sample_cli_calibrates_and_reports_the_budgets(runs, tmp_path, capsys):
         assert row["mean_keep"] is None or 0 < row["mean_keep"] <= 1
         assert row["mean_mass"] is None or row["mean_mass"] >= 0.9
     assert out.stat().st_size > 0
+
+
+def test_the_speed_model_decides_sparse_at_the_sampling_batch(runs):
+    """Where a speed model applies (the Triton backend on a GPU), a level runs a layer sparse as the model predicts
+    for the sampling batch, not the calibration's; without one, by the layer's mean sparsity at that level."""
+    model, cfg, _ = load_model(str(runs / "stage2"), "cpu")
+    asked = []
+    for layer in model.controller.layers:
+        def pays(mean_keep, margin=0.0, batch=None, index=layer.layer_index):
+            asked.append(batch)
+            return (index == 0 and mean_keep < 0.99), "speed model"
+        layer.sparse_pays = pays
+    budgets = calibrate_noise_level_budgets(model, _clips(cfg), 0.5, sampling_batch=64, levels=LEVELS, stride=2)
+    assert set(asked) == {64} and len(asked) == len(LEVELS) * len(model.controller.layers)
+    assert budgets.sparse == [[True, False]] * len(LEVELS)
+
+
+def test_the_layers_are_restored_when_calibration_or_sampling_fails(runs, monkeypatch):
+    import dsv.analysis.noise_budgets as noise_budgets
+
+    model, cfg, _ = load_model(str(runs / "stage2"), "cpu")
+    layers = model.controller.layers
+    layers[0].set_step_budget([0.5] * layers[0].heads, sparse=True)
+    observer = object()
+    layers[1].observer = observer
+    before = [(layer._step_budget, layer.observer, layer._last_shape) for layer in layers]
+
+    def fail(self, layer, hidden, q, k, grid):
+        raise RuntimeError("probe failed")
+
+    monkeypatch.setattr(noise_budgets._BudgetProbe, "__call__", fail)
+    model.train()
+    with pytest.raises(RuntimeError, match="probe failed"):
+        calibrate_noise_level_budgets(model, _clips(cfg), 0.5, levels=LEVELS)
+    assert [(layer._step_budget, layer.observer, layer._last_shape) for layer in layers] == before
+    assert model.training
+    layers[1].observer = None
+    heads = layers[0].heads
+    budgets = NoiseLevelBudgets([1.0], [[[0.25] * heads] * 2], [[True, True]], [[0.9, 0.9]], [0], 0.9, 1, 0.0)
+    with pytest.raises(RuntimeError, match="sampling failed"):
+        with noise_level_budgets(model, budgets) as before_step:
+            before_step(1.0)
+            raise RuntimeError("sampling failed")
+    assert all(layer._step_budget is None for layer in layers)
+
+
+def test_heads_short_of_the_target_are_counted_and_warned_about(runs):
+    model, cfg, _ = load_model(str(runs / "stage2"), "cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # One measurement per level at the trained budget: a mass this close to all of it is out of its reach.
+        budgets = calibrate_noise_level_budgets(model, _clips(cfg), 0.99999, levels=(0.5,), iterations=1, stride=2)
+    assert budgets.missed_heads[0] > 0 and budgets.summary()[0]["missed_heads"] == budgets.missed_heads[0]
+    assert any("heads kept less than kept_mass=0.99999" in str(w.message) for w in caught)

@@ -86,6 +86,7 @@ def test_the_command_writes_the_report_and_refuses_a_folder_without_results(tmp_
     report = (out / "report.md").read_text()
     assert report == capsys.readouterr().out.rstrip("\n") + "\n"
     assert "# Quality over training seeds: 3 seeds from 2 reports" in report
+    assert f"dsv bench quality-seeds --results {tmp_path / 'a'} {tmp_path / 'b'} --out OUT" in report
     assert "| mean over seeds | | 1.0000 | 1.0033 | 1.0200 | +0.33% | +2.00% |" in report
     assert "| mean over seeds | 100.0 | 100.7 | 107.0 |" in report
     written = json.loads((out / "results.json").read_text())
