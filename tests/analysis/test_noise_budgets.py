@@ -241,3 +241,16 @@ def test_heads_short_of_the_target_are_counted_and_warned_about(runs):
         budgets = calibrate_noise_level_budgets(model, _clips(cfg), 0.99999, levels=(0.5,), iterations=1, stride=2)
     assert budgets.missed_heads[0] > 0 and budgets.summary()[0]["missed_heads"] == budgets.missed_heads[0]
     assert any("heads kept less than kept_mass=0.99999" in str(w.message) for w in caught)
+
+
+def test_the_quality_bench_samples_no_budgets_for_a_dsv_run_still_in_stage_1(runs):
+    """A DSV run that never switched ran dense attention: the bench samples it as trained and densely, and has no
+    budgets to calibrate (the report then has no budgets section)."""
+    import argparse
+
+    from dsv.bench.quality import BUDGETS_SET, budget_lines, sample_runs
+
+    args = argparse.Namespace(timing_repeats=1, sample_steps=1, seed=0)
+    samples, sampling = sample_runs({"dsv": runs / "stage1"}, 1, args, torch.device("cpu"), timed=True)
+    assert list(samples) == ["dsv", "dsv, dense sampling"] and BUDGETS_SET not in samples
+    assert sampling["budgets"] is None and budget_lines(sampling["budgets"]) == []
