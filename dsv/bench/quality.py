@@ -12,7 +12,7 @@ in its own ``dsv train`` process (with several GPUs visible, one run per GPU at 
   show that it is the real network;
 - DSV sparse inference on the DSV-trained model: sampling time against the same weights run densely
   (CUDA-synchronised, after a warm-up) and PSNR/SSIM of the two from the same noise, and the same at
-  noise-level budgets that keep ``SAMPLING_KEPT_MASS`` of the attention mass (``dsv.analysis.noise_budgets``);
+  noise-level budgets that keep each ``--sampling-kept-mass`` of the attention mass (``dsv.analysis.noise_budgets``);
 - the DSV run's predictor recall (profiler EMA) in its sparse blocks, and ``dsv observe``/``dsv profile`` on
   its checkpoint, the profile also at fixed noise levels (``NOISE_LEVELS``): the recall of the sparse blocks'
   own selection at each, as sparse sampling runs them.
@@ -81,12 +81,28 @@ GRANULARITY_KEEP = (0.1, 0.25, 0.5)  # kept fractions at which token-level and k
 # Noise levels at which the DSV model's sparse blocks' own selection is profiled (sparse sampling runs t: 1 → 0;
 # its first step, t = 1, is the one whose inputs the profile's noised clips match exactly).
 NOISE_LEVELS = (0.1, 0.3, 0.5, 0.7, 0.9, 1.0)
-# The DSV model is also sampled at noise-level budgets that keep this share of the attention mass: on the
-# 8192-token model of seed 130 (benchmarks/NOTES.md) the trained budgets kept ~0.87 (samples at PSNR 24 dB
-# against dense sampling) and budgets keeping 0.965 gave 37 dB at 1.08x dense's speed instead of 1.19x.
+# By default the DSV model is also sampled at noise-level budgets that keep this share of the attention mass: on
+# the 8192-token model of seed 130 (benchmarks/results/2026-12-01-h200-quality-8192-tokens-seed130) the trained
+# budgets kept ~0.87 (samples at PSNR 24 dB against dense sampling) and budgets keeping 0.965 gave 37 dB at 1.08x
+# dense's speed instead of 1.19x.
 SAMPLING_KEPT_MASS = 0.97
-BUDGETS_SET = f"dsv, budgets keeping {SAMPLING_KEPT_MASS:.0%} of the mass"
 CALIBRATION_CLIPS = 8  # training clips the noise-level budgets are calibrated on
+
+
+def budgets_set(kept_mass: float) -> str:
+    """The name of the DSV model's samples at noise-level budgets keeping `kept_mass` (FVD rows, sample grid)."""
+    return f"dsv, budgets keeping {kept_mass:g} of the mass"
+
+
+def kept_mass_argument(text: str) -> float:
+    """argparse type: a share of the attention mass in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a share of the attention mass in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a share of the attention mass in (0, 1], got {value}")
+    return value
 LEGS_FILE = "training_legs.json"
 
 
@@ -123,6 +139,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="continue the runs already under --out (stopped by --train-minutes or interrupted) from "
                              "their last checkpoints, keep the finished ones, start the missing ones; refused where a "
                              "run was made with another configuration")
+    parser.add_argument("--sampling-kept-mass", type=kept_mass_argument, nargs="+", default=[SAMPLING_KEPT_MASS],
+                        metavar="MASS", help="also sample the DSV model at noise-level budgets keeping each of these "
+                        "shares of the attention mass: time, PSNR/SSIM against dense sampling and FVD per share "
+                        f"(default {SAMPLING_KEPT_MASS})")
     parser.add_argument("--dense-control", action="store_true",
                         help="train a second dense run per seed (the same command, its own folder) and show its "
                              "gap to dense beside DSV's: the run-to-run noise floor of the comparison")
@@ -948,21 +968,28 @@ def noise_level_lines(by_noise_level: dict | None, theta: float) -> list[str]:
     return lines
 
 
-def budget_lines(budgets: dict | None) -> list[str]:
+def budget_lines(sampling: dict) -> list[str]:
     """The report's lines on sampling at noise-level budgets (none for results written before them)."""
-    if not budgets:
+    if "budgets" not in sampling:
         return []
-    lines = ["", (f"At noise-level budgets (`dsv sample --noise-level-budgets --kept-mass {budgets['kept_mass']}`: "
-                  f"calibrated on {budgets['clips']} training clips in {budgets['calibration_seconds']:.1f} s of "
-                  "forwards, each head's budget at each level the smallest measured one whose selection keeps "
-                  f"{budgets['kept_mass']:.0%} of the attention mass, each block sparse at a level where the "
-                  f"kernel-speed model says its budget beats dense; FVD row `{BUDGETS_SET}`):"), "",
-             f"- DSV {budgets['seconds']:.3f} s: **{budgets['speedup']:.2f}×** dense sampling",
-             f"- against dense samples: {_psnr_words(budgets)}, SSIM {budgets['ssim']:.4f}", "",
-             "| t | sparse blocks | mean kept fraction in them | mass kept in them | heads short of the target |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {row['t']:.2f} | {row['sparse_layers']} | {_fmt(row['mean_keep'])} | {_fmt(row['mean_mass'])} | "
-              f"{row['missed_heads']} |" for row in budgets["levels"]]
+    if sampling.get("budgets_skipped"):
+        return ["", f"No sampling at noise-level budgets: {sampling['budgets_skipped']}."]
+    lines = ["", ("At noise-level budgets (`dsv sample --noise-level-budgets --kept-mass MASS`): each head's budget at "
+                  "each noise level the smallest measured one whose selection keeps that share of the attention "
+                  "mass, each block sparse at a level where the kernel-speed model says its budget beats dense at "
+                  f"this batch; calibrated on {sampling['budgets'][0]['clips']} training clips; the same noise, "
+                  "against dense sampling of the same weights:"), "",
+             "| kept mass | calibration (forwards) | sampling | × dense | PSNR vs dense | SSIM | FVD row |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {b['kept_mass']:g} | {b['calibration_seconds']:.1f} s | {b['seconds']:.3f} s | "
+              f"**{b['speedup']:.2f}×** | {_psnr_words(b)} | {b['ssim']:.4f} | `{budgets_set(b['kept_mass'])}` |"
+              for b in sampling["budgets"]]
+    for b in sampling["budgets"]:
+        lines += ["", f"Budgets keeping {b['kept_mass']:g} of the mass, by noise level:", "",
+                  "| t | sparse blocks | mean kept fraction in them | mass kept in them | heads short of the target |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {row['t']:.2f} | {row['sparse_layers']} | {_fmt(row['mean_keep'])} | "
+                  f"{_fmt(row['mean_mass'])} | {row['missed_heads']} |" for row in b["levels"]]
     return lines
 
 
@@ -1051,7 +1078,7 @@ def render_report(results: dict) -> str:
               f"**{sampling['speedup']:.2f}×**",
               f"- DSV samples against dense samples: {_psnr_words(sampling)}, SSIM {sampling['ssim']:.4f}",
               *noise_level_lines(results.get("by_noise_level"), facts["theta"]),
-              *budget_lines(sampling.get("budgets")),
+              *budget_lines(sampling),
               "", "## DSV state at the end (sparsity.png)", "",
               (f"Stage 2 from step {facts['switch_step']}; sparse blocks at the end: "
                f"{facts['final_sparse_blocks']} (dispatch threshold {facts['sparse_threshold']} and the kernel-speed "
@@ -1149,19 +1176,21 @@ def sample_runs(run_dirs: dict[str, Path], num: int, args, device: torch.device,
                         "dsv_paths": attention_paths(model), "dense_paths": attention_paths(dense_view),
                         **similarity(samples["dsv"], samples["dsv, dense sampling"])}
             sampling["speedup"] = sampling["dense_seconds"] / sampling["dsv_seconds"]
+            sampling["budgets"] = []
             if model.controller.current_stage != 2:
-                sampling["budgets"] = None  # stage 1 ran dense throughout: nothing to calibrate
+                sampling["budgets_skipped"] = "the DSV run is still in stage 1 (dense attention), nothing to calibrate"
                 continue
-            budgets = calibrate_for_sampling(model, cfg, SAMPLING_KEPT_MASS, num, clips=CALIBRATION_CLIPS,
-                                             seed=args.seed)
-            samples[BUDGETS_SET], budget_passes = timed_samples(model, cfg, num, args.sample_steps, args.seed,
-                                                                repeats, budgets)
-            seconds = statistics.median(budget_passes)
-            sampling["budgets"] = {"passes": budget_passes, "seconds": seconds,
-                                   "speedup": sampling["dense_seconds"] / seconds,
-                                   "calibration_seconds": budgets.seconds, "clips": budgets.clips,
-                                   "kept_mass": budgets.kept_mass, "levels": budgets.summary(),
-                                   **similarity(samples[BUDGETS_SET], samples["dsv, dense sampling"])}
+            for kept_mass in args.sampling_kept_mass:
+                budgets = calibrate_for_sampling(model, cfg, kept_mass, num, clips=CALIBRATION_CLIPS, seed=args.seed)
+                name = budgets_set(kept_mass)
+                samples[name], budget_passes = timed_samples(model, cfg, num, args.sample_steps, args.seed, repeats,
+                                                             budgets)
+                seconds = statistics.median(budget_passes)
+                sampling["budgets"].append({
+                    "kept_mass": kept_mass, "passes": budget_passes, "seconds": seconds,
+                    "speedup": sampling["dense_seconds"] / seconds, "calibration_seconds": budgets.seconds,
+                    "clips": budgets.clips, "levels": budgets.summary(),
+                    **similarity(samples[name], samples["dsv, dense sampling"])})
     return samples, sampling
 
 

@@ -248,9 +248,10 @@ def test_the_quality_bench_samples_no_budgets_for_a_dsv_run_still_in_stage_1(run
     budgets to calibrate (the report then has no budgets section)."""
     import argparse
 
-    from dsv.bench.quality import BUDGETS_SET, budget_lines, sample_runs
+    from dsv.bench.quality import budget_lines, sample_runs
 
-    args = argparse.Namespace(timing_repeats=1, sample_steps=1, seed=0)
+    args = argparse.Namespace(timing_repeats=1, sample_steps=1, seed=0, sampling_kept_mass=[0.97])
     samples, sampling = sample_runs({"dsv": runs / "stage1"}, 1, args, torch.device("cpu"), timed=True)
-    assert list(samples) == ["dsv", "dsv, dense sampling"] and BUDGETS_SET not in samples
-    assert sampling["budgets"] is None and budget_lines(sampling["budgets"]) == []
+    assert list(samples) == ["dsv", "dsv, dense sampling"] and sampling["budgets"] == []
+    assert budget_lines(sampling) == ["", "No sampling at noise-level budgets: the DSV run is still in stage 1 (dense "
+                                          "attention), nothing to calibrate."]

@@ -13,10 +13,10 @@ import torch
 
 from dsv.analysis.noise_budgets import CALIBRATION_LEVELS
 from dsv.bench.quality import (
-    BUDGETS_SET,
     CONTROL,
     EXIT_UNFINISHED,
     SAMPLING_KEPT_MASS,
+    budgets_set,
     fvd_of_seeds,
     fvd_with_bootstrap,
     late_run_means,
@@ -126,13 +126,15 @@ def test_quality_bench_writes_a_complete_report(quality_run):
     assert results["sampling"]["dsv_seconds"] > 0 and 0 < results["sampling"]["ssim"] <= 1
     # FVD: every set measured with a spread; after 6 steps the samples are far from real video, real clips are not.
     fvd = results["fvd"]
-    assert set(fvd) == {"dense", "dsv", "dsv, dense sampling", BUDGETS_SET, "window", CONTROL, "real training clips"}
+    assert set(fvd) == {"dense", "dsv", "dsv, dense sampling", budgets_set(SAMPLING_KEPT_MASS), "window", CONTROL,
+                        "real training clips"}
     # The DSV model at noise-level budgets: every calibrated level reported, its sparse blocks keeping the mass.
-    budgets = results["sampling"]["budgets"]
+    [budgets] = results["sampling"]["budgets"]
     assert budgets["kept_mass"] == SAMPLING_KEPT_MASS and budgets["seconds"] > 0 and 0 < budgets["ssim"] <= 1
     assert [row["t"] for row in budgets["levels"]] == list(CALIBRATION_LEVELS)
     assert all(row["mean_mass"] is None or row["mean_mass"] >= SAMPLING_KEPT_MASS for row in budgets["levels"])
     assert "| t | sparse blocks | mean kept fraction in them | mass kept in them |" in (out / "report.md").read_text()
+    assert f"| {SAMPLING_KEPT_MASS:g} | " in (out / "report.md").read_text()
     assert results["fvd_by_seed"] == {str(results["seeds"][0]): fvd}  # one seed: its FVD is the mean's
     assert all(entry["fvd"] >= 0 and entry["std"] >= 0 for entry in fvd.values())
     assert fvd["real training clips"]["fvd"] < min(fvd[m]["fvd"] for m in ("dense", "dsv", "window"))
@@ -335,19 +337,20 @@ def test_every_seeds_models_are_sampled_and_the_fvd_is_the_mean_over_seeds(quali
     runs = quality_run / "runs"
     dirs = {"a": {mode: runs / mode for mode in ("dense", "dsv", "window")},
             "b": {"dense": runs / "window", "dsv": runs / "dsv", "window": runs / "dense"}}
-    args = argparse.Namespace(timing_repeats=2, sample_steps=2, seed=0)
+    args = argparse.Namespace(timing_repeats=2, sample_steps=2, seed=0, sampling_kept_mass=[0.5, 0.9])
     samples, sampling = sample_seeds(dirs, 2, args, torch.device("cpu"))
     assert list(samples) == ["a", "b"]
-    assert all(list(s) == ["dense", "dsv", "dsv, dense sampling", BUDGETS_SET, "window"] for s in samples.values())
+    sets = ["dense", "dsv", "dsv, dense sampling", budgets_set(0.5), budgets_set(0.9), "window"]
+    assert all(list(s) == sets for s in samples.values())
     # The same models from the same noise sample alike; only the first seed's DSV sampling is timed.
     assert torch.equal(samples["a"]["dense"], samples["b"]["window"]) and torch.equal(samples["a"]["dsv"],
                                                                                        samples["b"]["dsv"])
     assert [len(sampling[s]["dsv_passes"]) for s in ("a", "b")] == [2, 1]
-    assert [len(sampling[s]["budgets"]["passes"]) for s in ("a", "b")] == [2, 1]
+    assert [[len(b["passes"]) for b in sampling[s]["budgets"]] for s in ("a", "b")] == [[2, 2], [1, 1]]
 
     real = samples["a"]["dsv"] * 0.5  # any clips of the samples' shape: only the FVD's bookkeeping is tested here
     by_seed, fvd = fvd_of_seeds(samples, real, real * 0.9, _MeanColourFeatures(), draws=3, seed=0)
-    for name in ("dense", "dsv", "dsv, dense sampling", BUDGETS_SET, "window", "real training clips"):
+    for name in (*sets, "real training clips"):
         assert fvd[name]["fvd"] == pytest.approx((by_seed["a"][name]["fvd"] + by_seed["b"][name]["fvd"]) / 2)
     assert by_seed["a"]["dense"]["fvd"] == by_seed["b"]["window"]["fvd"] != by_seed["a"]["window"]["fvd"]
     # Real training clips are one set of every seed: the same draws (their ratio to dense differs with dense).
@@ -726,3 +729,13 @@ def test_quality_bench_takes_one_of_each_count(tmp_path):
     args = build_parser().parse_args(["bench", "quality", "--out", str(tmp_path), "--sample-steps", "1",
                                       "--bootstrap", "1", "--timing-repeats", "1", "--observe-clips", "1"])
     assert (args.sample_steps, args.bootstrap, args.timing_repeats, args.observe_clips) == (1, 1, 1, 1)
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "x"])
+def test_quality_bench_rejects_a_kept_mass_outside_the_attention_mass(tmp_path, capsys, value):
+    out = tmp_path / "quality"
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "quality", "--recipe", "debug_cpu", "--out", str(out), "--sampling-kept-mass", "0.9", value])
+    assert exit_.value.code == 2
+    assert "argument --sampling-kept-mass: expected a share of the attention mass in (0, 1]" in capsys.readouterr().err
+    assert not out.exists()
