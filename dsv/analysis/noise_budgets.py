@@ -109,7 +109,6 @@ class _BudgetProbe:
     def __init__(self, theta: float, stride: int, boosts: list[torch.Tensor], generator: torch.Generator):
         self.theta, self.stride, self.boosts, self.generator = theta, stride, boosts, generator
         self.measured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.sparsity: dict[int, torch.Tensor] = {}
 
     def __call__(self, layer, hidden, q, k, grid) -> None:
         rows = jittered_query_rows(q.shape[2], self.stride, self.generator, device=q.device)
@@ -120,7 +119,6 @@ class _BudgetProbe:
         index = layer.compute_index(hidden, q, k, grid, keep_blocks=keep_blocks)
         mass = index_recall(q, k, index, rows, scale=layer.scale).mean(0).double().cpu()
         self.measured[layer.layer_index] = (keep_blocks.double() / num_blocks, mass)
-        self.sparsity[layer.layer_index] = sparsity
 
 
 @contextlib.contextmanager
@@ -152,7 +150,7 @@ def calibrate_noise_level_budgets(model, clips: torch.Tensor, kept_mass: float, 
     bisection; each head takes the smallest measured budget whose selection kept `kept_mass`, or where none did
     (counted in `missed_heads`, with a warning) the widest measured one. A layer runs sparse at a level where the
     kernel-speed model (training's, fwd+bwd) predicts its mean budget faster than dense at `sampling_batch`, or
-    without a model where its mean sparsity there reaches `sparse_threshold` (the dispatch's rules)."""
+    without a model where its mean budget keeps at most `1 - sparse_threshold` of the keys."""
     layers = model.controller.layers
     if model.controller.current_stage != 2:
         raise ValueError("calibrate_noise_level_budgets: the model is in stage 1 (dense attention while its "
@@ -205,8 +203,9 @@ def calibrate_noise_level_budgets(model, clips: torch.Tensor, kept_mass: float, 
                     mean_keep = float(keep.mean())
                     pays, _ = layer.sparse_pays(mean_keep, batch=sampling_batch)
                     keeps.append(keep.tolist())
-                    sparse.append(bool(float(probe.sparsity[i].mean()) >= layer.cfg.sparse_threshold
-                                       if pays is None else pays))
+                    # Without a speed model, the dispatch's threshold read as a budget: a block at the threshold
+                    # keeps 1 - threshold of the keys, and a wider budget (a high kept mass) is not worth the kernels.
+                    sparse.append(bool(mean_keep <= 1.0 - layer.cfg.sparse_threshold if pays is None else pays))
                     masses.append(float(mass.mean()))
                 boosts = [search.solution() for search in searches]
                 keep_table.append(keeps)

@@ -78,6 +78,10 @@ def test_calibrated_budgets_keep_the_mass_they_report_at_each_level(runs):
             assert low.mass[i][j] >= 0.5 and high.mass[i][j] >= 0.95
             # A higher target never takes a smaller budget.
             assert all(h >= lo for h, lo in zip(high.keep[i][j], low.keep[i][j]))
+            # No speed model on the CPU: sparse where the budget keeps at most 1 - sparse_threshold of the keys.
+            for budgets in (low, high):
+                mean_keep = sum(budgets.keep[i][j]) / layer.heads
+                assert budgets.sparse[i][j] == (mean_keep <= 1 - layer.cfg.sparse_threshold)
 
     # Re-measured with the layers set to a level's budgets, in the calibration's dense forward (all rows, this
     # time): the selection of each layer keeps about the mass the calibration reported for it.
@@ -255,3 +259,13 @@ def test_the_quality_bench_samples_no_budgets_for_a_dsv_run_still_in_stage_1(run
     assert list(samples) == ["dsv", "dsv, dense sampling"] and sampling["budgets"] == []
     assert budget_lines(sampling) == ["", "No sampling at noise-level budgets: the DSV run is still in stage 1 (dense "
                                           "attention), nothing to calibrate."]
+
+
+def test_without_a_speed_model_a_budget_wider_than_the_threshold_runs_dense(runs):
+    model, cfg, _ = load_model(str(runs / "stage2"), "cpu")
+    for layer in model.controller.layers:  # the tiny runs dispatch at threshold 0; a block at 0.6 keeps 40%
+        layer.cfg = dataclasses.replace(layer.cfg, sparse_threshold=0.6)
+    narrow = calibrate_noise_level_budgets(model, _clips(cfg), 0.3, levels=(0.5,), stride=2)
+    wide = calibrate_noise_level_budgets(model, _clips(cfg), 0.999, levels=(0.5,), stride=2)
+    assert all(sum(keep) / len(keep) <= 0.4 for keep in narrow.keep[0]) and narrow.sparse == [[True, True]]
+    assert all(sum(keep) / len(keep) > 0.4 for keep in wide.keep[0]) and wide.sparse == [[False, False]]
