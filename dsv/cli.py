@@ -43,10 +43,9 @@ def _train(args) -> int:
 def _sample(args) -> int:
     from dsv.analysis.sample import sample_videos
 
-    if args.noise_level_budgets and (args.kept_mass is None or not 0.0 < args.kept_mass <= 1.0):
-        raise ValueError(f"--noise-level-budgets needs --kept-mass in (0, 1] (got {args.kept_mass}): the share of the "
-                         "attention mass each selection keeps (e.g. 0.97; the trained budgets keep about "
-                         "attention.recall_target * theta)")
+    if args.noise_level_budgets and args.kept_mass is None:
+        raise ValueError("--noise-level-budgets needs --kept-mass: the share of the attention mass each selection "
+                         "keeps (e.g. 0.97; the trained budgets keep about attention.recall_target * theta)")
     if not args.noise_level_budgets and (args.kept_mass is not None or args.calibration_clips is not None):
         raise ValueError("--kept-mass and --calibration-clips set the calibration of --noise-level-budgets; "
                          "add --noise-level-budgets")
@@ -118,6 +117,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+def kept_mass(text: str) -> float:
+    """argparse type: a share of the attention mass in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a share of the attention mass in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a share of the attention mass in (0, 1], got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv", description="DSV: dynamic sparse attention for video DiT training")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -141,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--noise-level-budgets", action="store_true",
                         help="calibrate each layer's per-head budget (and sparse or dense) by noise level on training "
                              "clips, so that every selection keeps --kept-mass of the attention mass at each step")
-    sample.add_argument("--kept-mass", type=float, default=None,
+    sample.add_argument("--kept-mass", type=kept_mass, default=None,
                         help="with --noise-level-budgets: share of the attention mass in (0, 1] each selection keeps "
                              "(more: closer to dense samples, slower)")
     sample.add_argument("--calibration-clips", type=positive_int, default=None,

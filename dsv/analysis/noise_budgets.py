@@ -7,8 +7,9 @@ whose selections keep about `recall_target` · θ of the attention mass (0.95 ·
 sparse layer drops a tenth or more of each query's attention mass, which is what the training's speed is bought
 with. Sampling can choose its own point: calibration noises clips to each level, measures each head's sparsity
 there, and searches each head's budget until its selection keeps `kept_mass` of the attention mass; at each level
-a layer then runs sparse where the measured kernel speed says that budget beats dense. Measured on an 8192-token
-model (benchmarks/results/2026-12-01-h200-quality-8192-tokens-seed130): the budgets hardly vary with the level
+a layer then runs sparse where the measured kernel speed says that budget beats dense (without a speed model: where
+it keeps at most 1 - sparse_threshold of the keys). Measured on an 8192-token model with this calibration's first
+form (benchmarks/results/2026-12-01-h200-quality-8192-tokens-seed130): the budgets hardly vary with the level
 there, and the kept mass sets how close sparse samples come to dense ones (PSNR 24 dB at the trained budgets,
 37 dB at 0.965 of the mass).
 """
@@ -39,7 +40,7 @@ class NoiseLevelBudgets:
     keep: list[list[list[float]]]  # [level][layer][head]: kept fraction of the key blocks
     sparse: list[list[bool]]  # [level][layer]
     mass: list[list[float]]  # [level][layer]: attention mass kept at `keep`, mean over heads (measured)
-    missed_heads: list[int]  # [level]: heads whose widest measured budget still kept less than `kept_mass`
+    missed_heads: list[int]  # [level]: heads of sparse layers whose widest measured budget kept less than `kept_mass`
     kept_mass: float  # the calibration's target
     clips: int
     seconds: float  # the calibration's forwards
@@ -199,7 +200,6 @@ def calibrate_noise_level_budgets(model, clips: torch.Tensor, kept_mass: float, 
                 keeps, sparse, masses, missed = [], [], [], 0
                 for i, layer in enumerate(layers):
                     keep, mass = _smallest_meeting(tried[i], kept_mass)
-                    missed += int((mass < kept_mass).sum())
                     mean_keep = float(keep.mean())
                     pays, _ = layer.sparse_pays(mean_keep, batch=sampling_batch)
                     keeps.append(keep.tolist())
@@ -207,6 +207,8 @@ def calibrate_noise_level_budgets(model, clips: torch.Tensor, kept_mass: float, 
                     # keeps 1 - threshold of the keys, and a wider budget (a high kept mass) is not worth the kernels.
                     sparse.append(bool(mean_keep <= 1.0 - layer.cfg.sparse_threshold if pays is None else pays))
                     masses.append(float(mass.mean()))
+                    # A dense layer keeps every key whatever its budget: only sparse layers' heads can fall short.
+                    missed += int((mass < kept_mass).sum()) if sparse[-1] else 0
                 boosts = [search.solution() for search in searches]
                 keep_table.append(keeps)
                 sparse_table.append(sparse)
@@ -215,9 +217,10 @@ def calibrate_noise_level_budgets(model, clips: torch.Tensor, kept_mass: float, 
     finally:
         model.train(was_training)
     if any(missed_table):
-        warnings.warn(f"noise-level budgets: at some levels heads kept less than kept_mass={kept_mass} at the widest "
-                      f"budget measured in {iterations} iterations (missed heads by level "
-                      f"{dict(zip(levels, missed_table))}); more iterations search further", stacklevel=2)
+        warnings.warn(f"noise-level budgets: at some levels heads of sparse layers kept less than "
+                      f"kept_mass={kept_mass} at the widest budget measured in {iterations} iterations (missed heads "
+                      f"by level {dict(zip(levels, missed_table))}); calibrate_noise_level_budgets(iterations=...) "
+                      "searches further", stacklevel=2)
     return NoiseLevelBudgets(list(levels), keep_table, sparse_table, mass_table, missed_table, kept_mass,
                              int(x0.shape[0]), time.perf_counter() - start)
 

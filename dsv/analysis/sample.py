@@ -66,7 +66,8 @@ def calibrate_for_sampling(model: VideoDiT, cfg: Config, kept_mass: float, sampl
         raise ValueError(f"calibration clips must be an integer >= 1, got {clips!r}")
     data = build_dataset(cfg.data).sample(clips, torch.Generator().manual_seed(seed))
     dev = next(model.parameters()).device
-    return calibrate_noise_level_budgets(model, data, kept_mass, sampling_batch, seed=seed,
+    # Noise of its own (seed + 1): with the sampling seed, its first noises would be the first sampled ones.
+    return calibrate_noise_level_budgets(model, data, kept_mass, sampling_batch, seed=seed + 1,
                                          bf16=dev.type == "cuda" and cfg.train.bf16)
 
 

@@ -63,7 +63,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dsv.cli import EXIT_UNFINISHED, positive_float, positive_int
+from dsv.cli import EXIT_UNFINISHED, kept_mass, positive_float, positive_int
 
 MODES = ("dense", "dsv", "window")
 CONTROL = "dense-control"  # the second dense run of --dense-control
@@ -84,7 +84,7 @@ NOISE_LEVELS = (0.1, 0.3, 0.5, 0.7, 0.9, 1.0)
 # By default the DSV model is also sampled at noise-level budgets that keep this share of the attention mass: on
 # the 8192-token model of seed 130 (benchmarks/results/2026-12-01-h200-quality-8192-tokens-seed130) the trained
 # budgets kept ~0.87 (samples at PSNR 24 dB against dense sampling) and budgets keeping 0.965 gave 37 dB at 1.08x
-# dense's speed instead of 1.19x.
+# dense's speed instead of 1.19x (the calibration's first form, which decided sparse at its own batch of 8).
 SAMPLING_KEPT_MASS = 0.97
 CALIBRATION_CLIPS = 8  # training clips the noise-level budgets are calibrated on
 
@@ -94,15 +94,6 @@ def budgets_set(kept_mass: float) -> str:
     return f"dsv, budgets keeping {kept_mass:g} of the mass"
 
 
-def kept_mass_argument(text: str) -> float:
-    """argparse type: a share of the attention mass in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a share of the attention mass in (0, 1], got {text!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a share of the attention mass in (0, 1], got {value}")
-    return value
 LEGS_FILE = "training_legs.json"
 
 
@@ -139,7 +130,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="continue the runs already under --out (stopped by --train-minutes or interrupted) from "
                              "their last checkpoints, keep the finished ones, start the missing ones; refused where a "
                              "run was made with another configuration")
-    parser.add_argument("--sampling-kept-mass", type=kept_mass_argument, nargs="+", default=[SAMPLING_KEPT_MASS],
+    parser.add_argument("--sampling-kept-mass", type=kept_mass, nargs="+", default=[SAMPLING_KEPT_MASS],
                         metavar="MASS", help="also sample the DSV model at noise-level budgets keeping each of these "
                         "shares of the attention mass: time, PSNR/SSIM against dense sampling and FVD per share "
                         f"(default {SAMPLING_KEPT_MASS})")
@@ -969,16 +960,19 @@ def noise_level_lines(by_noise_level: dict | None, theta: float) -> list[str]:
 
 
 def budget_lines(sampling: dict) -> list[str]:
-    """The report's lines on sampling at noise-level budgets (none for results written before them)."""
-    if "budgets" not in sampling:
+    """The report's lines on sampling at noise-level budgets (none for results written before them, or in their
+    first form, a single dict)."""
+    if not isinstance(sampling.get("budgets"), list):
         return []
     if sampling.get("budgets_skipped"):
         return ["", f"No sampling at noise-level budgets: {sampling['budgets_skipped']}."]
-    lines = ["", ("At noise-level budgets (`dsv sample --noise-level-budgets --kept-mass MASS`): each head's budget at "
-                  "each noise level the smallest measured one whose selection keeps that share of the attention "
-                  "mass, each block sparse at a level where the kernel-speed model says its budget beats dense at "
-                  f"this batch; calibrated on {sampling['budgets'][0]['clips']} training clips; the same noise, "
-                  "against dense sampling of the same weights:"), "",
+    lines = ["", ("At noise-level budgets (`dsv sample --noise-level-budgets --kept-mass MASS`), the first training "
+                  "seed's DSV model (the FVD rows are means over the seeds): each head's budget at each noise level "
+                  "the smallest measured one whose selection keeps that share of the attention mass, each block "
+                  "sparse at a level where the kernel-speed model says its budget beats dense at this batch "
+                  "(without a speed model: where it keeps at most 1 − sparse_threshold of the keys); calibrated on "
+                  f"{sampling['budgets'][0]['clips']} training clips; the same noise, against dense sampling of the "
+                  "same weights:"), "",
              "| kept mass | calibration (forwards) | sampling | × dense | PSNR vs dense | SSIM | FVD row |",
              "|---|---|---|---|---|---|---|"]
     lines += [f"| {b['kept_mass']:g} | {b['calibration_seconds']:.1f} s | {b['seconds']:.3f} s | "
@@ -986,7 +980,7 @@ def budget_lines(sampling: dict) -> list[str]:
               for b in sampling["budgets"]]
     for b in sampling["budgets"]:
         lines += ["", f"Budgets keeping {b['kept_mass']:g} of the mass, by noise level:", "",
-                  "| t | sparse blocks | mean kept fraction in them | mass kept in them | heads short of the target |",
+                  "| t | sparse blocks | mean kept fraction in them | mass kept in them | their heads short of it |",
                   "|---|---|---|---|---|"]
         lines += [f"| {row['t']:.2f} | {row['sparse_layers']} | {_fmt(row['mean_keep'])} | "
                   f"{_fmt(row['mean_mass'])} | {row['missed_heads']} |" for row in b["levels"]]
@@ -1142,6 +1136,7 @@ def _command_line(args) -> str:
         parts += ["--train-minutes", f"{args.train_minutes:g}"]
     if args.resume:
         parts.append("--resume")
+    parts += ["--sampling-kept-mass", *(f"{mass:g}" for mass in args.sampling_kept_mass)]
     return shlex.join(parts)
 
 
@@ -1234,6 +1229,8 @@ def run(args) -> int:
     if not args.resume and runs_dir.exists() and any(runs_dir.iterdir()):
         raise FileExistsError(f"{runs_dir} already holds runs; choose a new --out, or continue them with --resume "
                               "(nothing was overwritten)")
+    if len({f"{mass:g}" for mass in args.sampling_kept_mass}) != len(args.sampling_kept_mass):
+        raise ValueError(f"--sampling-kept-mass lists a share twice: {args.sampling_kept_mass}")
     cfg = apply_overrides(get_recipe(args.recipe), args.set)  # validates the overrides before any run starts
     seeds = resolve_train_seeds(args.train_seeds, cfg.train.seed)
     # The evaluation's config is the first seed's runs' (the initial-weights check builds models from it).

@@ -18,9 +18,8 @@ from dsv.bench.quality import FVD_TOLERANCE, LOSS_TOLERANCE, MODES, fvd_seeds
 
 # What two reports must share to be one comparison: the training setting and the FVD's sampling.
 COMPARED = ("recipe", "overrides", "model", "steps", "batch_size", "videos", "sample_steps")
-# A target is resolved where its gap of the means, widened by this many standard errors of the per-seed gaps,
-# still lies on one side of the tolerance (about 95% for a normal spread; with few seeds, optimistic).
-RESOLVING_ERRORS = 2.0
+# A target is resolved where the 95% t-interval of the mean per-seed gap lies on one side of its tolerance.
+CONFIDENCE = 0.95
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,12 +101,16 @@ def over_seeds(per_seed: dict[str, dict[str, float]]) -> dict:
     return {"seeds": list(per_seed), "means": means, "gaps": gaps}
 
 
-def resolution(gap: float, standard_error: float | None, tolerance: float) -> str:
-    """Whether `gap ± RESOLVING_ERRORS · standard_error` lies inside `[-tolerance, tolerance]` (resolved met),
-    outside it (resolved missed) or across its edge (not resolved)."""
-    if standard_error is None:
+def resolution(gap: float, standard_error: float | None, tolerance: float, seeds: int) -> str:
+    """Whether the `CONFIDENCE` t-interval `gap ± t · standard_error` (the mean of `seeds` per-seed gaps and its
+    standard error) lies inside `[-tolerance, tolerance]` (resolved within), outside it (resolved outside) or across
+    its edge (not resolved)."""
+    from scipy.stats import t as student_t
+
+    if standard_error is None or seeds < 2:
         return "not resolved (one seed)"
-    low, high = gap - RESOLVING_ERRORS * standard_error, gap + RESOLVING_ERRORS * standard_error
+    half_width = float(student_t.ppf(0.5 + CONFIDENCE / 2, seeds - 1)) * standard_error
+    low, high = gap - half_width, gap + half_width
     if -tolerance <= low and high <= tolerance:
         return "resolved: within"
     if high < -tolerance or low > tolerance:
@@ -127,7 +130,7 @@ def targets(loss: dict, fvd: dict | None) -> list[dict]:
                 "met": abs(gap["of_means"]) <= tolerance,
                 "spread": "-" if error is None else f"mean of the per-seed gaps {gap['mean_of_gaps']:+.2%} ± "
                                                     f"{error:.2%} (standard error)",
-                "resolution": resolution(gap["of_means"], error, tolerance)}
+                "resolution": resolution(gap["mean_of_gaps"], error, tolerance, len(stats["seeds"]))}
 
     rows = [gap_row("held-out loss", loss, "dsv", LOSS_TOLERANCE)]
     if fvd is not None:
@@ -172,9 +175,9 @@ def render(reports: list[tuple[str, dict]], rows: dict[str, dict], loss: dict, f
               "|---|---|---|---|---|"]
     lines += [f"| {t['target']} | {t['measured']} | {'met' if t['met'] else '**missed**'} | {t['spread']} | "
               f"{t['resolution']} |" for t in judged]
-    lines += ["", f"Resolved: the gap of the means ± {RESOLVING_ERRORS:g} standard errors of the per-seed gaps lies on "
-              "one side of the tolerance (an approximate 95% interval; with few seeds the standard error itself is "
-              "uncertain).", "", "## Held-out loss per seed", "",
+    lines += ["", f"Judged on the gap of the means over seeds (as `dsv bench quality`); resolved: the {CONFIDENCE:.0%} "
+              "t-interval of the mean of the per-seed gaps lies on one side of the tolerance.", "",
+              "## Held-out loss per seed", "",
               "| seed | report | dense | DSV | window | DSV vs dense | window vs dense |",
               "|---|---|---|---|---|---|---|"]
     for seed, row in rows.items():
@@ -193,6 +196,9 @@ def render(reports: list[tuple[str, dict]], rows: dict[str, dict], loss: dict, f
         lines.append("| mean over seeds | " + " | ".join(f"{fvd['means'][s]:.1f}" for s in sets) + " |")
         lines.append("| mean vs dense | " + " | ".join(
             "-" if s == "dense" else f"{fvd['gaps'][s]['of_means']:+.1%}" for s in sets) + " |")
+        partial = sorted({s for seed in fvd["seeds"] for s in rows[seed]["fvd"]} - set(sets))
+        if partial:
+            lines += ["", f"FVD sets not in every seed's report (left out of the means): {', '.join(partial)}."]
         unscored = [seed for seed, row in rows.items() if row["fvd"] is None]
         if unscored:
             lines += ["", "Seeds whose models no report sampled (the FVD's seeds exclude them): "

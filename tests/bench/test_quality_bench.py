@@ -157,6 +157,7 @@ def test_quality_bench_writes_a_complete_report(quality_run):
 
     report = (out / "report.md").read_text()
     assert "dsv bench quality --recipe debug_cpu" in report and "attention.mode=window" in report
+    assert f"--resume --sampling-kept-mass {SAMPLING_KEPT_MASS:g}\n" in report
     assert "Training placement (each run's device and the runs that shared it): dense " in report
     assert "Training speed after DSV's switch (speed.png): dense " in report and "withheld" not in report
     assert "Trained in 2 legs (each ended by its time limit or cut short, and continued exactly" in report
@@ -168,7 +169,8 @@ def test_quality_bench_writes_a_complete_report(quality_run):
 def test_dense_control_is_evaluated_like_the_others(quality_run):
     out = quality_run
     results = json.loads((out / "results.json").read_text())
-    assert results["dense_control"] is True and results["command"].endswith("--dense-control --resume")
+    assert results["dense_control"] is True and results["command"].endswith(
+        f"--dense-control --resume --sampling-kept-mass {SAMPLING_KEPT_MASS:g}")
     assert list(results["train_commands"]) == ["dense", "dsv", "window", CONTROL]
     assert list(results["train_seconds"]) == ["dense", "dsv", "window", CONTROL]
     control_command = results["train_commands"][CONTROL]
@@ -729,6 +731,14 @@ def test_quality_bench_takes_one_of_each_count(tmp_path):
     args = build_parser().parse_args(["bench", "quality", "--out", str(tmp_path), "--sample-steps", "1",
                                       "--bootstrap", "1", "--timing-repeats", "1", "--observe-clips", "1"])
     assert (args.sample_steps, args.bootstrap, args.timing_repeats, args.observe_clips) == (1, 1, 1, 1)
+
+
+def test_quality_bench_refuses_a_kept_mass_listed_twice(tmp_path, capsys):
+    out = tmp_path / "quality"
+    assert main(["bench", "quality", "--recipe", "debug_cpu", "--out", str(out), "--sampling-kept-mass", "0.97",
+                 "0.970"]) == 2
+    assert "--sampling-kept-mass lists a share twice: [0.97, 0.97]" in capsys.readouterr().err
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("value", ["0", "1.5", "x"])

@@ -56,11 +56,12 @@ def test_the_targets_are_judged_on_the_means_over_seeds_with_the_per_seed_spread
 
 
 def test_resolution_says_whether_the_seeds_decide_the_tolerance():
-    assert resolution(0.002, 0.003, 0.01) == "resolved: within"
-    assert resolution(0.03, 0.005, 0.01) == "resolved: outside"
-    assert resolution(-0.03, 0.005, 0.01) == "resolved: outside"
-    assert resolution(0.005, 0.004, 0.01) == "not resolved: -0.3%…+1.3% crosses ±1%"
-    assert resolution(0.0, None, 0.01) == "not resolved (one seed)"
+    # 95% t-quantiles: 12.71 with 2 seeds, 2.78 with 5.
+    assert resolution(0.002, 0.0025, 0.01, 5) == "resolved: within"  # ±0.69%
+    assert resolution(0.002, 0.0025, 0.01, 2) == "not resolved: -3.0%…+3.4% crosses ±1%"  # ±3.2%
+    assert resolution(0.03, 0.005, 0.01, 5) == "resolved: outside"
+    assert resolution(-0.03, 0.005, 0.01, 5) == "resolved: outside"
+    assert resolution(0.0, None, 0.01, 1) == "not resolved (one seed)"
 
 
 def test_reports_of_other_settings_or_a_seed_twice_are_refused():
