@@ -74,8 +74,8 @@ def calibrate_for_sampling(model: VideoDiT, cfg: Config, kept_mass: float, sampl
 def _generate(checkpoint: str, num: int, steps: int, seed: int, device: str, attention_mode: str | None,
               calibration: dict | None = None) -> tuple[torch.Tensor, float, dict]:
     """`(videos [N, C, T, H, W] float32 on the CPU, sampling seconds, facts)` from one checkpoint; with
-    `calibration` (`kept_mass` and `clips` of `calibrate_for_sampling`, calibrated with the sampling seed), at
-    noise-level budgets."""
+    `calibration` (`kept_mass` and `clips` of `calibrate_for_sampling`; its clips and noise derive from the sampling
+    seed), at noise-level budgets."""
     model, cfg, step = load_model(checkpoint, device, attention_mode)
     budgets = None if calibration is None else calibrate_for_sampling(model, cfg, sampling_batch=num, seed=seed,
                                                                        **calibration)
