@@ -74,6 +74,10 @@ GAPS = {"dsv_gap": "dsv", "window_gap": "window", "control_gap": CONTROL}
 MIN_MEAN_SPARSE_BLOCKS = 0.5
 LOSS_TOLERANCE = 0.01  # target: DSV's held-out loss within 1% of dense
 FVD_TOLERANCE = 0.05  # target: DSV's FVD within 5% of dense
+# Lower is better for the held-out loss and the FVD; "within X of dense" bounds the quality DSV may lose.
+TOLERANCE_RULE = ("Loss and FVD targets: lower is better, and \"within X of dense\" bounds how much worse DSV may "
+                  "be, so a gap of at most +X meets them (DSV better than dense by more than X included: at this size "
+                  "that is the comparison's noise, not a gain claimed).")
 RECALL_TARGET = 0.9  # target: the predictor keeps >= 90% of the critical mass theta in sparse blocks
 TRAIN_STEP_JSON = "benchmarks/results/2026-11-29-h200-train-step.json"
 FIGURES = ("losses.png", "sparsity.png", "samples.png", "observations.png", "speed.png")
@@ -553,7 +557,7 @@ def _fvd_entries(point: dict[str, float], boot: dict[str, list[float]]) -> dict:
                 ratio = np.array(values) / np.maximum(np.array(boot["dense"]), 1e-12)
                 entry.update(ratio_to_dense_p05=float(np.percentile(ratio, 5)),
                              ratio_to_dense_p95=float(np.percentile(ratio, 95)),
-                             share_within_tolerance=float((np.abs(ratio - 1) <= FVD_TOLERANCE).mean()))
+                             share_within_tolerance=float(meets_tolerance(ratio - 1, FVD_TOLERANCE).mean()))
         result[name] = entry
     return result
 
@@ -731,6 +735,12 @@ def _late_steps(late: dict) -> str:
     return f"steps {late['first']}–{late['last']}" if late["count"] > 1 else f"step {late['last']}"
 
 
+def meets_tolerance(gap, tolerance: float):
+    """Whether a gap to dense (DSV / dense - 1, a float or an array) of a lower-is-better measure meets "within
+    ``tolerance`` of dense": at most ``+tolerance`` (``TOLERANCE_RULE``)."""
+    return gap <= tolerance
+
+
 def loss_target(late: dict, heldout_by_seed: dict[str, list[dict]], switch_by_seed: dict[str, int | None],
                 context: str) -> dict:
     """The held-out loss target, judged on the gap of the seed means in ``late`` (``seed_late_means`` of
@@ -762,7 +772,8 @@ def loss_target(late: dict, heldout_by_seed: dict[str, list[dict]], switch_by_se
     return {"target": f"DSV held-out loss within {LOSS_TOLERANCE:.0%} of dense (mean of the {late['count']} "
                       f"evaluations of {_late_steps(late)}"
                       + (f", then over {len(heldout_by_seed)} training seeds" if several else "") + ")",
-            "measured": measured, "met": abs(late["dsv_gap"]) <= LOSS_TOLERANCE, "context": context + noise}
+            "measured": measured, "met": bool(meets_tolerance(late["dsv_gap"], LOSS_TOLERANCE)),
+            "context": context + noise}
 
 
 def seeds_without_sparse_block(results: dict) -> list[str]:
@@ -817,7 +828,8 @@ def targets(results: dict) -> list[dict]:
     spread = (f"paired bootstrap ({results['bootstrap']} draws) of DSV/dense{over}: "
               f"{fvd['dsv'].get('ratio_to_dense_p05', float('nan')):.3f}–"
               f"{fvd['dsv'].get('ratio_to_dense_p95', float('nan')):.3f} (5–95%); "
-              f"within tolerance in {100 * fvd['dsv'].get('share_within_tolerance', float('nan')):.0f}% of draws")
+              f"at most {1 + FVD_TOLERANCE:.2f} in "
+              f"{100 * fvd['dsv'].get('share_within_tolerance', float('nan')):.0f}% of draws")
     # The held-out loss uses every seed's runs, the FVD those of ``scored``; the DSV facts the first seed's run.
     dense_only = seeds_without_sparse_block(results)
     fvd_dense_only = [seed for seed in dense_only if seed in scored]
@@ -861,7 +873,7 @@ def targets(results: dict) -> list[dict]:
         loss,
         {"target": f"DSV FVD within {FVD_TOLERANCE:.0%} of dense",
          "measured": fvd_measured,
-         "met": None if fvd_dense_only else abs(fvd_gap) <= FVD_TOLERANCE,
+         "met": None if fvd_dense_only else bool(meets_tolerance(fvd_gap, FVD_TOLERANCE)),
          "context": "; ".join(part for part in (f"{results['videos']} videos per set", spread,
                                                 not_judged(fvd_dense_only), stage2, fvd_control) if part)},
         {"target": "window worse than both (held-out loss and FVD)",
@@ -1018,6 +1030,7 @@ def render_report(results: dict) -> str:
              "```", *results["train_commands"].values(), "```", "",
              "## Targets", "", "| target | measured | result | context |", "|---|---|---|---|"]
     lines += [f"| {t['target']} | {t['measured']} | {_mark(t['met'])} | {t['context']} |" for t in results["targets"]]
+    lines += ["", TOLERANCE_RULE]
     dense_only = seeds_without_sparse_block(results)
     if dense_only:
         from_seeds = "" if len(seeds) == 1 else " from " + ", ".join(f"seed {seed}" for seed in dense_only)

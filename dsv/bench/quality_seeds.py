@@ -14,11 +14,11 @@ import shlex
 import statistics
 from pathlib import Path
 
-from dsv.bench.quality import FVD_TOLERANCE, LOSS_TOLERANCE, MODES, fvd_seeds
+from dsv.bench.quality import FVD_TOLERANCE, LOSS_TOLERANCE, MODES, TOLERANCE_RULE, fvd_seeds, meets_tolerance
 
 # What two reports must share to be one comparison: the training setting and the FVD's sampling.
 COMPARED = ("recipe", "overrides", "model", "steps", "batch_size", "videos", "sample_steps")
-# A target is resolved where the 95% t-interval of the mean per-seed gap lies on one side of its tolerance.
+# A target is resolved where the 95% t-interval of the mean per-seed gap lies on one side of its bound.
 CONFIDENCE = 0.95
 
 
@@ -103,19 +103,19 @@ def over_seeds(per_seed: dict[str, dict[str, float]]) -> dict:
 
 def resolution(gap: float, standard_error: float | None, tolerance: float, seeds: int) -> str:
     """Whether the `CONFIDENCE` t-interval `gap ± t · standard_error` (the mean of `seeds` per-seed gaps and its
-    standard error) lies inside `[-tolerance, tolerance]` (resolved within), outside it (resolved outside) or across
-    its edge (not resolved)."""
+    standard error) lies at or under the bound `+tolerance` (resolved: met), above it (resolved: missed) or across
+    it (not resolved); lower is better, so the bound is one-sided (`TOLERANCE_RULE`)."""
     from scipy.stats import t as student_t
 
     if standard_error is None or seeds < 2:
         return "not resolved (one seed)"
     half_width = float(student_t.ppf(0.5 + CONFIDENCE / 2, seeds - 1)) * standard_error
     low, high = gap - half_width, gap + half_width
-    if -tolerance <= low and high <= tolerance:
-        return "resolved: within"
-    if high < -tolerance or low > tolerance:
-        return "resolved: outside"
-    return f"not resolved: {low:+.1%}…{high:+.1%} crosses ±{tolerance:.0%}"
+    if meets_tolerance(high, tolerance):
+        return f"resolved: met ({low:+.1%}…{high:+.1%})"
+    if not meets_tolerance(low, tolerance):
+        return f"resolved: missed ({low:+.1%}…{high:+.1%})"
+    return f"not resolved: {low:+.1%}…{high:+.1%} crosses +{tolerance:.0%}"
 
 
 def targets(loss: dict, fvd: dict | None) -> list[dict]:
@@ -127,7 +127,7 @@ def targets(loss: dict, fvd: dict | None) -> list[dict]:
         return {"target": f"DSV {what} within {tolerance:.0%} of dense",
                 "measured": f"{gap['of_means']:+.2%} over {len(stats['seeds'])} seeds (per seed "
                             + ", ".join(f"{g:+.2%}" for g in gap["per_seed"]) + ")",
-                "met": abs(gap["of_means"]) <= tolerance,
+                "met": bool(meets_tolerance(gap["of_means"], tolerance)),
                 "spread": "-" if error is None else f"mean of the per-seed gaps {gap['mean_of_gaps']:+.2%} ± "
                                                     f"{error:.2%} (standard error)",
                 "resolution": resolution(gap["mean_of_gaps"], error, tolerance, len(stats["seeds"]))}
@@ -176,7 +176,7 @@ def render(reports: list[tuple[str, dict]], rows: dict[str, dict], loss: dict, f
     lines += [f"| {t['target']} | {t['measured']} | {'met' if t['met'] else '**missed**'} | {t['spread']} | "
               f"{t['resolution']} |" for t in judged]
     lines += ["", f"Judged on the gap of the means over seeds (as `dsv bench quality`); resolved: the {CONFIDENCE:.0%} "
-              "t-interval of the mean of the per-seed gaps lies on one side of the tolerance.", "",
+              "t-interval of the mean of the per-seed gaps lies on one side of the bound. " + TOLERANCE_RULE, "",
               "## Held-out loss per seed", "",
               "| seed | report | dense | DSV | window | DSV vs dense | window vs dense |",
               "|---|---|---|---|---|---|---|"]

@@ -57,10 +57,11 @@ def test_the_targets_are_judged_on_the_means_over_seeds_with_the_per_seed_spread
 
 def test_resolution_says_whether_the_seeds_decide_the_tolerance():
     # 95% t-quantiles: 12.71 with 2 seeds, 2.78 with 5.
-    assert resolution(0.002, 0.0025, 0.01, 5) == "resolved: within"  # ±0.69%
-    assert resolution(0.002, 0.0025, 0.01, 2) == "not resolved: -3.0%…+3.4% crosses ±1%"  # ±3.2%
-    assert resolution(0.03, 0.005, 0.01, 5) == "resolved: outside"
-    assert resolution(-0.03, 0.005, 0.01, 5) == "resolved: outside"
+    assert resolution(0.002, 0.0025, 0.01, 5) == "resolved: met (-0.5%…+0.9%)"  # ±0.69%
+    assert resolution(0.002, 0.0025, 0.01, 2) == "not resolved: -3.0%…+3.4% crosses +1%"  # ±3.2%
+    assert resolution(0.03, 0.005, 0.01, 5) == "resolved: missed (+1.6%…+4.4%)"
+    # Lower is better: DSV resolved below dense by more than the tolerance meets the bound.
+    assert resolution(-0.03, 0.005, 0.01, 5) == "resolved: met (-4.4%…-1.6%)"
     assert resolution(0.0, None, 0.01, 1) == "not resolved (one seed)"
 
 
