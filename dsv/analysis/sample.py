@@ -12,7 +12,7 @@ from dsv.analysis.checkpointed_model import load_model
 from dsv.analysis.noise_budgets import NoiseLevelBudgets, calibrate_noise_level_budgets, noise_level_budgets
 from dsv.modules.dit import VideoDiT, sample_euler
 from dsv.train.config import Config
-from dsv.train.video_io import WRITE_SUFFIXES, write_video
+from dsv.train.video_io import check_writable, write_video
 
 
 def to_uint8_grid(videos: torch.Tensor, columns: int) -> torch.Tensor:
@@ -119,15 +119,13 @@ def sample_videos(checkpoint: str, out: str, num: int = 4, steps: int = 25, seed
     attention and report both sampling times and the PSNR/SSIM of these samples against the dense ones. With
     `calibration` (`{"kept_mass": ..., "clips": ...}`), each step runs at budgets calibrated for its noise level
     (`dsv.analysis.noise_budgets`), summarised in the result.
-    Bad arguments (`num` or `steps` below 1, an `out` suffix the writer does not take) raise ValueError before
-    any sampling."""
+    Bad arguments (`num` or `steps` below 1, an `out` the writer cannot write here: another suffix, or .mp4
+    without PyAV) raise ValueError before any sampling."""
     if num < 1:
         raise ValueError(f"num must be >= 1 (samples to write), got {num}")
     if steps < 1:
         raise ValueError(f"steps must be >= 1 (Euler steps; 0 would write the initial noise), got {steps}")
-    if Path(out).suffix.lower() not in WRITE_SUFFIXES:
-        raise ValueError(f"unsupported output suffix {Path(out).suffix!r} in {out}; supported: "
-                         f"{', '.join(WRITE_SUFFIXES)}")
+    check_writable(out)
     videos, seconds, facts = _generate(checkpoint, num, steps, seed, device, attention_mode, calibration)
     write_video(to_uint8_grid(videos, columns=min(num, 4)), Path(out), fps=fps)
     result = {"out": out, "seconds": seconds, **facts}

@@ -119,10 +119,7 @@ def write_video(frames: torch.Tensor, path: str | os.PathLike, fps: float = 8) -
     """
     path = Path(path)
     suffix = path.suffix.lower()
-    if suffix not in WRITE_SUFFIXES:
-        raise ValueError(
-            f"write_video: unsupported suffix {path.suffix!r} in {path}; supported: {', '.join(WRITE_SUFFIXES)}"
-        )
+    check_writable(path)
     is_tensor = isinstance(frames, torch.Tensor)
     if not is_tensor or frames.dtype != torch.uint8 or frames.dim() != 4 or frames.shape[-1] != 3:
         desc = f"{frames.dtype} {tuple(frames.shape)}" if is_tensor else type(frames).__name__
@@ -152,6 +149,23 @@ def write_video(frames: torch.Tensor, path: str | os.PathLike, fps: float = 8) -
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def check_writable(path: str | os.PathLike) -> None:
+    """ValueError unless ``write_video`` can write ``path``'s format here: a suffix it does not take, or .mp4
+    without an encoder (no PyAV, or an FFmpeg build with none of ``_MP4_CODECS``). Callers that compute for
+    minutes before writing check first, so nothing computed is lost to a missing encoder."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in WRITE_SUFFIXES:
+        raise ValueError(
+            f"write_video: unsupported suffix {path.suffix!r} in {path}; supported: {', '.join(WRITE_SUFFIXES)}"
+        )
+    if suffix == ".mp4":
+        try:
+            _pick_mp4_codec()
+        except (ModuleNotFoundError, RuntimeError) as err:
+            raise ValueError(f"{err}; cannot write {path} here (a .gif can be)") from err
 
 
 def _scaled_size(width: int, height: int, short_side: int | None) -> tuple[int, int]:

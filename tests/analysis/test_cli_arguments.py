@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import dsv.analysis.sample
+import dsv.train.video_io
 from dsv.analysis.observations import observe_checkpoint
 from dsv.analysis.profile import profile_checkpoint
 from dsv.analysis.sample import sample_videos
@@ -78,7 +79,12 @@ def test_sample_checks_its_arguments_before_sampling(runs, tmp_path, capsys, mon
         assert f"argument {option}: expected an integer >= 1" in capsys.readouterr().err
     assert main(["sample", "--checkpoint", checkpoint, "--out", str(tmp_path / "s.avi"), "--num", "1",
                  "--steps", "1"]) == 2
-    assert "unsupported output suffix '.avi'" in capsys.readouterr().err
+    assert "unsupported suffix '.avi'" in capsys.readouterr().err
+    # .mp4 where PyAV is missing (as on a host with OpenCV alone): refused before sampling, not after.
+    monkeypatch.setattr(dsv.train.video_io, "av", None)
+    assert main(["sample", "--checkpoint", checkpoint, "--out", str(tmp_path / "s.mp4"), "--num", "1",
+                 "--steps", "1"]) == 2
+    assert ".mp4 needs PyAV (pip install av)" in capsys.readouterr().err
     for kwargs, match in (({"steps": 0}, "steps must be >= 1"), ({"num": 0}, "num must be >= 1")):
         with pytest.raises(ValueError, match=match):
             sample_videos(checkpoint, str(tmp_path / "s.gif"), **kwargs)

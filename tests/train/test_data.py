@@ -109,6 +109,18 @@ def test_write_video_errors(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_mp4_without_an_encoder_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    frames = _moving_frames(2, 16, 16)
+    monkeypatch.setattr(video_io, "av", None)  # a host with OpenCV alone decodes, but cannot encode .mp4
+    with pytest.raises(ValueError, match=r"\.mp4 needs PyAV .*cannot write .*clip\.mp4 here \(a \.gif can be\)"):
+        video_io.check_writable(tmp_path / "clip.mp4")
+    with pytest.raises(ValueError, match="needs PyAV"):
+        write_video(frames, tmp_path / "clip.mp4")
+    video_io.check_writable(tmp_path / "clip.gif")
+    write_video(frames, tmp_path / "clip.gif")
+    assert [p.name for p in tmp_path.iterdir()] == ["clip.gif"]
+
+
 def test_read_video_errors_name_the_path(tmp_path: Path) -> None:
     missing = tmp_path / "missing.mp4"
     with pytest.raises(FileNotFoundError, match="missing.mp4"):
