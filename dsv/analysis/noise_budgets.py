@@ -122,18 +122,24 @@ class _BudgetProbe:
         self.measured[layer.layer_index] = (keep_blocks.double() / num_blocks, mass)
 
 
+# What the calibration's dense forwards change on a layer: the step budget, the observer, the last shape and
+# backend (which the speed model reads) and the path and reason the trainer and `dsv sample` report.
+_MEASURING_RESTORES = ("_step_budget", "observer", "_last_shape", "_last_backend", "backend_reason", "last_path")
+
+
 @contextlib.contextmanager
 def _measuring(layers: list) -> Iterator[None]:
-    """Every layer dense (`set_step_budget`) while the calibration measures; afterwards each layer's step budget,
-    observer and last shape (which the speed model reads) as they were."""
-    saved = [(layer._step_budget, layer.observer, layer._last_shape) for layer in layers]
+    """Every layer dense (`set_step_budget`) while the calibration measures; afterwards each layer's
+    `_MEASURING_RESTORES` as they were."""
+    saved = [{name: getattr(layer, name) for name in _MEASURING_RESTORES} for layer in layers]
     try:
         for layer in layers:
             layer.set_step_budget([1.0] * layer.heads, sparse=False)
         yield
     finally:
-        for layer, (budget, observer, shape) in zip(layers, saved):
-            layer._step_budget, layer.observer, layer._last_shape = budget, observer, shape
+        for layer, attributes in zip(layers, saved):
+            for name, value in attributes.items():
+                setattr(layer, name, value)
 
 
 @torch.no_grad()

@@ -212,16 +212,25 @@ def test_the_layers_are_restored_when_calibration_or_sampling_fails(runs, monkey
     layers[0].set_step_budget([0.5] * layers[0].heads, sparse=True)
     observer = object()
     layers[1].observer = observer
-    before = [(layer._step_budget, layer.observer, layer._last_shape) for layer in layers]
+    for layer in layers:  # as after a sparse sampling step: the calibration's dense forwards would overwrite it
+        layer.last_path = "sparse:reference"
+
+    def state():
+        return [{name: getattr(layer, name) for name in noise_budgets._MEASURING_RESTORES} for layer in layers]
+
+    before = state()
+    assert {"last_path", "_last_backend", "_last_shape", "_step_budget", "observer"} <= set(before[0])
+    model.train()
+    calibrate_noise_level_budgets(model, _clips(cfg), 0.5, levels=LEVELS, iterations=2)
+    assert state() == before and model.training
 
     def fail(self, layer, hidden, q, k, grid):
         raise RuntimeError("probe failed")
 
     monkeypatch.setattr(noise_budgets._BudgetProbe, "__call__", fail)
-    model.train()
     with pytest.raises(RuntimeError, match="probe failed"):
         calibrate_noise_level_budgets(model, _clips(cfg), 0.5, levels=LEVELS)
-    assert [(layer._step_budget, layer.observer, layer._last_shape) for layer in layers] == before
+    assert state() == before
     assert model.training
     layers[1].observer = None
     heads = layers[0].heads
