@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -726,7 +727,8 @@ def _save(fig, path: Path) -> None:
 # ------------------------------------------------------------------------------------------------- report
 
 
-def _mark(met: bool | None) -> str:
+def result_mark(met: bool | None) -> str:
+    """A target's result column: met, **missed**, or n/a where it is not judged (None)."""
     return "n/a" if met is None else ("met" if met else "**missed**")
 
 
@@ -1029,7 +1031,8 @@ def render_report(results: dict) -> str:
              "## Commands", "", "```", results["command"], "```", "", "Training (run by the command above):", "",
              "```", *results["train_commands"].values(), "```", "",
              "## Targets", "", "| target | measured | result | context |", "|---|---|---|---|"]
-    lines += [f"| {t['target']} | {t['measured']} | {_mark(t['met'])} | {t['context']} |" for t in results["targets"]]
+    lines += [f"| {t['target']} | {t['measured']} | {result_mark(t['met'])} | {t['context']} |"
+              for t in results["targets"]]
     lines += ["", TOLERANCE_RULE]
     dense_only = seeds_without_sparse_block(results)
     if dense_only:
@@ -1160,6 +1163,32 @@ def _version(package: str) -> str:
         return "absent"
 
 
+def source_sha256() -> str:
+    """SHA-256 (64 hex digits) over the sorted relative paths (``dsv/...``) and bytes of every ``dsv/**/*.py``
+    of the imported ``dsv`` package: tells code versions apart where no git checkout travels with the run (an
+    installed package, a copied tree). Any edit changes it, a docstring's too."""
+    import dsv
+
+    root = Path(dsv.__file__).parent
+    digest = hashlib.sha256()
+    for relative, path in sorted((path.relative_to(root.parent).as_posix(), path) for path in root.rglob("*.py")):
+        data = path.read_bytes()
+        # Path and length delimit each file, so that no two trees hash one stream of bytes.
+        digest.update(f"{relative}\0{len(data)}\0".encode())
+        digest.update(data)
+    return digest.hexdigest()
+
+
+def code_version() -> dict:
+    """``{"dsv": the installed package's version, or None where it runs uninstalled, "source_sha256":
+    source_sha256()}``."""
+    try:
+        version = importlib.metadata.version("dsv")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    return {"dsv": version, "source_sha256": source_sha256()}
+
+
 def sample_runs(run_dirs: dict[str, Path], num: int, args, device: torch.device,
                 timed: bool) -> tuple[dict, dict]:
     """Samples of every run of one seed (``run_dirs``: folder by mode, the dense control's too if trained)
@@ -1232,7 +1261,7 @@ def run(args) -> int:
     from dsv.analysis.profile import profile_checkpoint
     from dsv.eval import load_i3d
     from dsv.train.checkpoint import checkpoint_step
-    from dsv.train.config import apply_overrides
+    from dsv.train.config import apply_overrides, config_to_dict
     from dsv.train.data import build_dataset
     from dsv.train.recipes import get_recipe
     from dsv.train.trainer import resolve_device
@@ -1379,6 +1408,9 @@ def run(args) -> int:
         "torch": torch.__version__, "triton": _version("triton"), "gpus": len(gpus),
         "runs_per_gpu": args.runs_per_gpu,
         "recipe": args.recipe, "overrides": args.set,
+        # The resolved config and the code that ran: a recipe default changed between code versions shows here,
+        # not in the recipe and overrides (`dsv bench quality-seeds` compares them).
+        "config": config_to_dict(cfg), "code": code_version(),
         "model": (f"{model.depth} blocks, hidden {model.hidden} ({model.heads} heads), {cfg.data.frames}×"
                   f"{cfg.data.size}×{cfg.data.size} px, patch {'×'.join(map(str, model.patch))} → grid "
                   f"{'×'.join(map(str, grid))} = {math.prod(grid)} tokens, "

@@ -14,10 +14,25 @@ import shlex
 import statistics
 from pathlib import Path
 
-from dsv.bench.quality import FVD_TOLERANCE, LOSS_TOLERANCE, MODES, TOLERANCE_RULE, fvd_seeds, meets_tolerance
+from dsv.bench.quality import (
+    FVD_TOLERANCE,
+    LOSS_TOLERANCE,
+    MODES,
+    TOLERANCE_RULE,
+    fvd_seeds,
+    meets_tolerance,
+    no_sparse_block_text,
+    result_mark,
+    seeds_without_sparse_block,
+)
 
 # What two reports must share to be one comparison: the training setting and the FVD's sampling.
 COMPARED = ("recipe", "overrides", "model", "steps", "batch_size", "videos", "sample_steps")
+# Resolved-config fields that differ between reports of one setting: each report trains its own seeds into its own
+# folder.
+PER_REPORT_CONFIG_FIELDS = ("train.seed", "train.out_dir")
+# What `seeds_without_sparse_block` reads: reports written before the bench recorded them per seed lack them.
+SPARSE_BLOCK_RECORDS = ("mean_sparse_blocks_in_stage2_by_seed", "final_sparse_blocks_by_seed")
 # A target is resolved where the 95% t-interval of the mean per-seed gap lies on one side of its bound.
 CONFIDENCE = 0.95
 
@@ -49,9 +64,45 @@ def sampling_seed(results: dict) -> int:
     return int(words[words.index("--seed") + 1]) if "--seed" in words else 0
 
 
+def flat_config(config: dict, prefix: str = "") -> dict:
+    """A results.json's resolved config (`dsv.train.config.config_to_dict`'s form, `{"attention": {"cube": [4, 4,
+    4], ...}, ...}`) by dotted key: `{"attention.cube": [4, 4, 4], ...}`."""
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(flat_config(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def config_difference(config: dict, expected: dict) -> tuple[str, str, str] | None:
+    """The first dotted key (in the configs' field order) where ``config`` differs from ``expected``, not counting
+    `PER_REPORT_CONFIG_FIELDS`, with both values as text ("absent" where a config lacks the field: written by a
+    code version without it); None where they agree."""
+    values, expected_values = flat_config(config), flat_config(expected)
+    for key in dict.fromkeys([*expected_values, *values]):
+        if key in PER_REPORT_CONFIG_FIELDS:
+            continue
+        value, expected_value = (repr(v[key]) if key in v else "absent" for v in (values, expected_values))
+        if value != expected_value:
+            return key, value, expected_value
+    return None
+
+
+def checked_without_config(reports: list[tuple[str, dict]]) -> list[str]:
+    """The reports whose setting `check_comparable` checked by recipe and overrides only, not by the resolved
+    config: those without a "config" (written before results.json recorded it), or all where the first has
+    none (the one every other is compared with)."""
+    if "config" not in reports[0][1]:
+        return [name for name, _ in reports]
+    return [name for name, results in reports if "config" not in results]
+
+
 def check_comparable(reports: list[tuple[str, dict]]) -> None:
-    """ValueError unless every report has the first one's setting (`COMPARED`, and the sampling seed) and no
-    training seed is in two reports."""
+    """ValueError unless every report has the first one's setting (`COMPARED`, the sampling seed, and the
+    resolved config but for `PER_REPORT_CONFIG_FIELDS` where both record it) and no training seed is in two
+    reports."""
     first_name, first = reports[0]
     for name, results in reports[1:]:
         for key, value, expected in [*((key, results[key], first[key]) for key in COMPARED),
@@ -59,6 +110,14 @@ def check_comparable(reports: list[tuple[str, dict]]) -> None:
             if value != expected:
                 raise ValueError(f"{name} and {first_name} are not one comparison: {key} {value!r} against "
                                  f"{expected!r}")
+        # The recipe and overrides name a setting only within one code version: a recipe default changed
+        # between versions shows in the resolved config alone.
+        if "config" in results and "config" in first:
+            difference = config_difference(results["config"], first["config"])
+            if difference is not None:
+                key, value, expected = difference
+                raise ValueError(f"{name} and {first_name} are not one comparison: config {key} {value} against "
+                                 f"{expected}")
     seen: dict[str, str] = {}
     for name, results in reports:
         for seed in map(str, results["seeds"]):
@@ -68,12 +127,15 @@ def check_comparable(reports: list[tuple[str, dict]]) -> None:
 
 
 def seed_rows(reports: list[tuple[str, dict]]) -> dict[str, dict]:
-    """Per training seed: the report it is in, each mode's late-run mean held-out loss and, where its models were
-    sampled, each set's FVD (None where they were not: reports before the FVD covered every seed scored the first
-    seed's models only)."""
+    """Per training seed: the report it is in, each mode's late-run mean held-out loss, where its models were
+    sampled each set's FVD (None where they were not: reports before the FVD covered every seed scored the first
+    seed's models only), and whether its DSV run had no sparse block (`seeds_without_sparse_block`: it trained
+    dense attention; None where the report did not record it per seed)."""
     rows = {}
     for name, results in reports:
         scored = fvd_seeds(results)
+        recorded = all(key in results for key in SPARSE_BLOCK_RECORDS)
+        dense_only = seeds_without_sparse_block(results) if recorded else []
         for seed, late in results["late_means"]["per_seed"].items():
             if seed not in scored:
                 fvd = None
@@ -81,7 +143,8 @@ def seed_rows(reports: list[tuple[str, dict]]) -> dict[str, dict]:
                 fvd = {s: entry["fvd"] for s, entry in results["fvd_by_seed"][seed].items()}
             else:
                 fvd = {s: entry["fvd"] for s, entry in results["fvd"].items()}
-            rows[seed] = {"report": name, "loss": {mode: late[mode] for mode in MODES}, "fvd": fvd}
+            rows[seed] = {"report": name, "loss": {mode: late[mode] for mode in MODES}, "fvd": fvd,
+                          "no_sparse_block": seed in dense_only if recorded else None}
     return rows
 
 
@@ -118,42 +181,59 @@ def resolution(gap: float, standard_error: float | None, tolerance: float, seeds
     return f"not resolved: {low:+.1%}…{high:+.1%} crosses +{tolerance:.0%}"
 
 
-def targets(loss: dict, fvd: dict | None) -> list[dict]:
-    """The loss, FVD and window targets on the means over seeds, each with the per-seed spread."""
+def targets(loss: dict, fvd: dict | None, rows: dict[str, dict]) -> list[dict]:
+    """The loss, FVD and window targets on the means over seeds, each with the per-seed spread. A seed whose DSV
+    run had no sparse block (`seed_rows`' "no_sparse_block") trained dense attention: as in `dsv bench quality`,
+    the targets whose means include it are n/a (met None), their numbers kept and the seeds named."""
+    dense_only = [seed for seed in loss["seeds"] if rows[seed]["no_sparse_block"]]
+
+    def not_judged(seeds: list[str]) -> str:
+        return (f"; not judged: DSV ran no sparse block in seed{'s' if len(seeds) > 1 else ''} {', '.join(seeds)}, "
+                "so the means compare dense attention with dense attention there (run-to-run noise)") if seeds else ""
 
     def gap_row(what: str, stats: dict, mode: str, tolerance: float) -> dict:
         gap = stats["gaps"][mode]
         error = gap["standard_error"]
+        unjudged = [seed for seed in stats["seeds"] if seed in dense_only]
         return {"target": f"DSV {what} within {tolerance:.0%} of dense",
                 "measured": f"{gap['of_means']:+.2%} over {len(stats['seeds'])} seeds (per seed "
-                            + ", ".join(f"{g:+.2%}" for g in gap["per_seed"]) + ")",
-                "met": bool(meets_tolerance(gap["of_means"], tolerance)),
+                            + ", ".join(f"{g:+.2%}" for g in gap["per_seed"]) + ")" + not_judged(unjudged),
+                "met": None if unjudged else bool(meets_tolerance(gap["of_means"], tolerance)),
                 "spread": "-" if error is None else f"mean of the per-seed gaps {gap['mean_of_gaps']:+.2%} ± "
                                                     f"{error:.2%} (standard error)",
-                "resolution": resolution(gap["mean_of_gaps"], error, tolerance, len(stats["seeds"]))}
+                "resolution": "-" if unjudged else resolution(gap["mean_of_gaps"], error, tolerance,
+                                                              len(stats["seeds"]))}
 
-    rows = [gap_row("held-out loss", loss, "dsv", LOSS_TOLERANCE)]
+    judged = [gap_row("held-out loss", loss, "dsv", LOSS_TOLERANCE)]
     if fvd is not None:
-        rows.append(gap_row("FVD", fvd, "dsv", FVD_TOLERANCE))
+        judged.append(gap_row("FVD", fvd, "dsv", FVD_TOLERANCE))
     worse = {"loss": loss["means"]["window"] > max(loss["means"]["dense"], loss["means"]["dsv"])}
     if fvd is not None:
         worse["FVD"] = fvd["means"]["window"] > max(fvd["means"]["dense"], fvd["means"]["dsv"])
     window_seeds = {"loss": loss, "FVD": fvd}
-    rows.append({"target": "window worse than both (held-out loss and FVD)",
-                 "measured": "; ".join(
-                     f"{what}: window {window_seeds[what]['gaps']['window']['of_means']:+.2%}, DSV "
-                     f"{window_seeds[what]['gaps']['dsv']['of_means']:+.2%} against dense" for what in worse),
-                 "met": all(worse.values()),
-                 "spread": "; ".join(f"{what}: window worst in {_worst_count(window_seeds[what])} of "
-                                     f"{len(window_seeds[what]['seeds'])} seeds" for what in worse),
-                 "resolution": "-"})
-    return rows
+    # Its loss uses every seed's DSV run (the FVD a subset of them): judged only where that target is.
+    judged.append({"target": "window worse than both (held-out loss and FVD)",
+                   "measured": "; ".join(
+                       f"{what}: window {window_seeds[what]['gaps']['window']['of_means']:+.2%}, DSV "
+                       f"{window_seeds[what]['gaps']['dsv']['of_means']:+.2%} against dense" for what in worse)
+                   + not_judged(dense_only),
+                   "met": None if dense_only else all(worse.values()),
+                   "spread": "; ".join(f"{what}: window worst in {_worst_count(window_seeds[what])} of "
+                                       f"{len(window_seeds[what]['seeds'])} seeds" for what in worse),
+                   "resolution": "-"})
+    return judged
 
 
 def _worst_count(stats: dict) -> int:
     """Seeds where window is above both dense and DSV (its per-seed gap above 0 and above DSV's)."""
     window, dsv = stats["gaps"]["window"]["per_seed"], stats["gaps"]["dsv"]["per_seed"]
     return sum(w > max(0.0, d) for w, d in zip(window, dsv))
+
+
+def code_column(results: dict) -> str:
+    """A report's code version in the reports table: the first 10 hex digits of its sources' hash, "-" where
+    results.json predates recording it."""
+    return results["code"]["source_sha256"][:10] if "code" in results else "-"
 
 
 def render(reports: list[tuple[str, dict]], rows: dict[str, dict], loss: dict, fvd: dict | None,
@@ -166,15 +246,26 @@ def render(reports: list[tuple[str, dict]], rows: dict[str, dict], loss: dict, f
              f"({first['sample_steps']} Euler steps, sampling seed {sampling_seed(first)}) against the same "
              f"{first['videos']} held-out clips in every report. Loss: each seed's mean held-out loss over its "
              "late evaluations, as in each report.", "",
-             "| report | date | machine | training seeds | FVD of seeds |", "|---|---|---|---|---|"]
-    lines += [f"| {name} | {results.get('date', '-')} | {results.get('machine', '-')} | "
+             "| report | date | machine | code | training seeds | FVD of seeds |", "|---|---|---|---|---|---|"]
+    lines += [f"| {name} | {results.get('date', '-')} | {results.get('machine', '-')} | {code_column(results)} | "
               f"{', '.join(map(str, results['seeds']))} | {', '.join(fvd_seeds(results))} |"
               for name, results in reports]
+    recipe_only = checked_without_config(reports)
+    if recipe_only:
+        lines += ["", "Checked by recipe and overrides only (no resolved config to compare: written before `dsv bench "
+                  "quality` recorded it, so a recipe default changed between code versions would go unseen): "
+                  f"{', '.join(recipe_only)}."]
+    else:
+        lines += ["", f"Every report's resolved config is the first's (but for {', '.join(PER_REPORT_CONFIG_FIELDS)})."]
+    hashes = {results["code"]["source_sha256"] for _, results in reports if "code" in results}
+    if len(hashes) > 1:
+        lines += ["", f"The reports come from {len(hashes)} code versions (the code column: the hash of the dsv "
+                  "sources, which any edit changes, a docstring's too): information, not a refusal."]
     lines += ["", "## Targets on the means over seeds", "",
               "| target | measured | result | spread over seeds | resolved by this many seeds? |",
               "|---|---|---|---|---|"]
-    lines += [f"| {t['target']} | {t['measured']} | {'met' if t['met'] else '**missed**'} | {t['spread']} | "
-              f"{t['resolution']} |" for t in judged]
+    lines += [f"| {t['target']} | {t['measured']} | {result_mark(t['met'])} | {t['spread']} | {t['resolution']} |"
+              for t in judged]
     lines += ["", f"Judged on the gap of the means over seeds (as `dsv bench quality`); resolved: the {CONFIDENCE:.0%} "
               "t-interval of the mean of the per-seed gaps lies on one side of the bound. " + TOLERANCE_RULE, "",
               "## Held-out loss per seed", "",
@@ -188,6 +279,17 @@ def render(reports: list[tuple[str, dict]], rows: dict[str, dict], loss: dict, f
     means = loss["means"]
     lines.append(f"| mean over seeds | | {means['dense']:.4f} | {means['dsv']:.4f} | {means['window']:.4f} | "
                  f"{loss['gaps']['dsv']['of_means']:+.2%} | {loss['gaps']['window']['of_means']:+.2%} |")
+    dense_only = {name: [seed for seed, row in rows.items() if row["report"] == name and row["no_sparse_block"]]
+                  for name, _ in reports}
+    if any(dense_only.values()):
+        lines += ["", "Seeds whose DSV run trained dense attention (the targets whose means include them say n/a): "
+                  + "; ".join(f"{name}: {no_sparse_block_text(results, dense_only[name])}"
+                              for name, results in reports if dense_only[name]) + "."]
+    unrecorded = [name for name, _ in reports
+                  if any(row["no_sparse_block"] is None for row in rows.values() if row["report"] == name)]
+    if unrecorded:
+        lines += ["", "Reports that do not record per seed whether DSV ran a sparse block (written before `dsv bench "
+                  f"quality` recorded it), their seeds judged as if it did: {', '.join(unrecorded)}."]
     if fvd is not None:
         sets = list(fvd["means"])
         lines += ["", "## FVD per seed", "", "| seed | " + " | ".join(sets) + " |", "|---|" + "---|" * len(sets)]
@@ -213,11 +315,12 @@ def run(args) -> int:
     loss = over_seeds({seed: row["loss"] for seed, row in rows.items()})
     scored = {seed: row["fvd"] for seed, row in rows.items() if row["fvd"] is not None}
     fvd = over_seeds(scored) if scored else None
-    judged = targets(loss, fvd)
+    judged = targets(loss, fvd, rows)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(
-        {"reports": [name for name, _ in reports], "seeds": rows, "loss": loss, "fvd": fvd, "targets": judged},
-        indent=1))
+        {"reports": [name for name, _ in reports],
+         "checked_by_recipe_and_overrides_only": checked_without_config(reports), "seeds": rows, "loss": loss,
+         "fvd": fvd, "targets": judged}, indent=1))
     command = shlex.join(["dsv", "bench", "quality-seeds", "--results", *map(str, args.results), "--out", "OUT"])
     report = render(reports, rows, loss, fvd, judged, command)
     (args.out / "report.md").write_text(report)

@@ -4,6 +4,7 @@ on the real I3D, sparse sampling, observations, and one report whose numbers are
 import argparse
 import json
 import math
+import re
 import sys
 import time
 
@@ -97,6 +98,9 @@ def test_quality_bench_writes_a_complete_report(quality_run):
     results = json.loads((out / "results.json").read_text())
     numbers = dict(finite_numbers(results))
     assert len(numbers) > 100
+    # The resolved config (the first seed's) and the code version: what `dsv bench quality-seeds` compares.
+    assert results["config"]["train"]["seed"] == results["seeds"][0] and results["config"]["model"]["depth"] == 2
+    assert re.fullmatch(r"[0-9a-f]{64}", results["code"]["source_sha256"]) and "dsv" in results["code"]
     # Written when training ends, before the evaluation: the same held-out table as the final results.
     assert json.loads((out / "training.json").read_text())["heldout"] == results["heldout"]
     # Token-level vs key-cube selection on the trained model: recall grows with the kept fraction.

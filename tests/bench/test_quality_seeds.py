@@ -11,23 +11,47 @@ from dsv.bench.quality_seeds import check_comparable, over_seeds, resolution, se
 from dsv.cli import main
 
 COMMAND = "dsv bench quality --recipe quality_gpu --set data.frames=32 --out OUT --seed 0"
+# A resolved config (`config_to_dict`'s form) cut to the fields the tests change.
+CONFIG = {"attention": {"cube": [4, 4, 4], "dispatch_margin": 0.1}, "train": {"seed": 1, "out_dir": "runs/a"}}
 
 
 def _report(seeds: dict[str, tuple[float, float, float]], fvd: dict[str, tuple[float, float, float]] | None,
-            all_seeds_sampled: bool = True, **changes) -> dict:
+            all_seeds_sampled: bool = True, without_sparse_block: tuple[str, ...] = (), **changes) -> dict:
     """A results.json of `dsv bench quality`: per seed (dense, dsv, window) late-mean losses and FVDs; without
-    `all_seeds_sampled`, the form written before the FVD covered every seed (the first seed's FVD alone)."""
+    `all_seeds_sampled`, the form written before the FVD covered every seed (the first seed's FVD alone). Every
+    seed's DSV run had 3 of 12 blocks sparse in stage 2, but those of `without_sparse_block`: 0.04 on average and
+    none at the end (no sparse block)."""
     per_seed = {seed: dict(zip(("dense", "dsv", "window"), losses)) for seed, losses in seeds.items()}
     fvd_by_seed = {seed: {set_name: {"fvd": value} for set_name, value in zip(("dense", "dsv", "window"), values)}
                    for seed, values in (fvd or {}).items()}
     results = {"recipe": "quality_gpu", "overrides": ["data.frames=32"], "model": "12 blocks", "steps": 1000,
                "batch_size": 8, "videos": 64, "sample_steps": 25, "command": COMMAND, "date": "2026-12-01",
                "machine": "NVIDIA H200", "seeds": [int(s) for s in seeds], "late_means": {"per_seed": per_seed},
-               "fvd": next(iter(fvd_by_seed.values()))}
+               "fvd": next(iter(fvd_by_seed.values())), "dsv": {"final_sparsity": [0.5] * 12},
+               "switch_step_by_seed": dict.fromkeys(seeds, 100),
+               "mean_sparse_blocks_in_stage2_by_seed": {s: 0.04 if s in without_sparse_block else 3.0 for s in seeds},
+               "final_sparse_blocks_by_seed": {s: [] if s in without_sparse_block else [0, 1, 2] for s in seeds}}
     if all_seeds_sampled:
         results["fvd_by_seed"] = fvd_by_seed
     results.update(changes)
     return results
+
+
+def _with_config(**fields) -> dict:
+    """`CONFIG` with ``fields`` (`section={field: value}`) replaced."""
+    return {section: {**values, **fields.get(section, {})} for section, values in CONFIG.items()}
+
+
+def _quality_seeds(tmp_path, reports: dict[str, dict]) -> tuple[str, dict]:
+    """`dsv bench quality-seeds` over ``reports`` (folder name → results.json) written under ``tmp_path``:
+    its report.md and results.json."""
+    for name, results in reports.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(results))
+    out = tmp_path / "out"
+    assert main(["bench", "quality-seeds", "--results", *(str(tmp_path / name) for name in reports),
+                 "--out", str(out)]) == 0
+    return (out / "report.md").read_text(), json.loads((out / "results.json").read_text())
 
 
 def test_the_targets_are_judged_on_the_means_over_seeds_with_the_per_seed_spread():
@@ -47,7 +71,7 @@ def test_the_targets_are_judged_on_the_means_over_seeds_with_the_per_seed_spread
     assert loss["gaps"]["dsv"]["standard_error"] == pytest.approx(statistics.stdev(per_seed) / math.sqrt(3))
     assert fvd["seeds"] == ["1", "3"] and fvd["gaps"]["dsv"]["of_means"] == pytest.approx(300 / 300 - 1)
 
-    loss_row, fvd_row, window_row = targets(loss, fvd)
+    loss_row, fvd_row, window_row = targets(loss, fvd, rows)
     assert loss_row["met"] and "+0.25% over 3 seeds" in loss_row["measured"]
     assert fvd_row["met"] and "per seed -10.00%, +5.00%" in fvd_row["measured"]
     # Window: loss +1.0% (worse than both), FVD +3.3% against DSV's 0%: worse in both on the means.
@@ -95,3 +119,98 @@ def test_the_command_writes_the_report_and_refuses_a_folder_without_results(tmp_
     assert [t["met"] for t in written["targets"]] == [True, True, True]
     assert main(["bench", "quality-seeds", "--results", str(tmp_path), "--out", str(out)]) == 2
     assert "no results.json of `dsv bench quality` there" in capsys.readouterr().err
+
+
+def test_reports_whose_resolved_configs_differ_are_refused_by_the_first_key_that_differs(tmp_path):
+    """The recipe and overrides alike, the configs not: a recipe default changed between code versions."""
+    base = ("a", _report({"1": (1.0, 1.0, 1.0)}, {"1": (1, 1, 1)}, config=CONFIG))
+    # Written by a code version before the field existed: absent from its config.
+    before_the_field = {**CONFIG, "attention": {"cube": [4, 4, 4]}}
+    for config, message in ((_with_config(attention={"dispatch_margin": 0.0}),
+                             "attention.dispatch_margin 0.0 against 0.1"),
+                            (before_the_field, "attention.dispatch_margin absent against 0.1"),
+                            (_with_config(attention={"cube": [2, 2, 2]}, train={"seed": 5}),
+                             r"attention.cube \[2, 2, 2\] against \[4, 4, 4\]")):
+        with pytest.raises(ValueError, match=f"b and a are not one comparison: config {message}$"):
+            check_comparable([base, ("b", _report({"2": (1.0, 1.0, 1.0)}, {"2": (1, 1, 1)}, config=config))])
+    # Each report's own training seeds and folder are not the setting.
+    other_run = _with_config(train={"seed": 2, "out_dir": "runs/b"})
+    report, written = _quality_seeds(tmp_path, {
+        "a": base[1], "b": _report({"2": (1.0, 1.0, 1.0)}, {"2": (1, 1, 1)}, config=other_run)})
+    assert "Every report's resolved config is the first's (but for train.seed, train.out_dir)." in report
+    assert "Checked by recipe and overrides only" not in report
+    assert written["checked_by_recipe_and_overrides_only"] == []
+
+
+def test_reports_without_a_config_are_checked_by_recipe_and_overrides_only(tmp_path):
+    # Written before results.json held the config: accepted, the report names them.
+    with_config = _report({"1": (1.0, 1.0, 1.0)}, {"1": (1, 1, 1)}, config=CONFIG)
+    without = _report({"2": (1.0, 1.0, 1.0)}, {"2": (1, 1, 1)})
+    check_comparable([("a", with_config), ("b", without)])
+    (tmp_path / "one").mkdir()
+    report, written = _quality_seeds(tmp_path / "one", {"a": with_config, "b": without})
+    assert "Checked by recipe and overrides only (no resolved config to compare: written before `dsv bench " \
+           "quality` recorded it, so a recipe default changed between code versions would go unseen): b." in report
+    assert written["checked_by_recipe_and_overrides_only"] == ["b"]
+    # The first report, the one every other is compared with, without a config: none is compared by config.
+    (tmp_path / "two").mkdir()
+    report, _ = _quality_seeds(tmp_path / "two", {"b": without, "a": with_config})
+    assert "would go unseen): b, a." in report
+
+
+def test_a_seed_whose_dsv_run_had_no_sparse_block_leaves_the_targets_that_include_it_unjudged(tmp_path):
+    """Seed 2's DSV run trained dense attention: the loss and window targets, whose means include it, are n/a
+    with their numbers kept; the FVD, which sampled seeds 1 and 3 only, is judged."""
+    a = _report({"1": (1.0, 1.02, 1.01), "2": (2.0, 1.98, 2.04)}, {"1": (100, 90, 120)}, all_seeds_sampled=False,
+                without_sparse_block=("2",))
+    b = _report({"3": (1.0, 1.01, 0.99)}, {"3": (200, 210, 190)})
+    rows = seed_rows([("a", a), ("b", b)])
+    assert [rows[seed]["no_sparse_block"] for seed in "123"] == [False, True, False]
+    loss = over_seeds({seed: row["loss"] for seed, row in rows.items()})
+    fvd = over_seeds({seed: row["fvd"] for seed, row in rows.items() if row["fvd"] is not None})
+    loss_row, fvd_row, window_row = targets(loss, fvd, rows)
+    assert (loss_row["met"], fvd_row["met"], window_row["met"]) == (None, True, None)
+    not_judged = ("; not judged: DSV ran no sparse block in seed 2, so the means compare dense attention with dense "
+                  "attention there (run-to-run noise)")
+    assert loss_row["measured"] == "+0.25% over 3 seeds (per seed +2.00%, -1.00%, +1.00%)" + not_judged
+    assert loss_row["resolution"] == "-" and loss_row["spread"].startswith("mean of the per-seed gaps +0.67% ± ")
+    assert window_row["measured"].endswith(not_judged) and "not judged" not in fvd_row["measured"]
+    # Among the FVD's seeds too: every target n/a.
+    sampled = _report({"1": (1.0, 1.02, 1.01), "2": (2.0, 1.98, 2.04)}, {"1": (100, 90, 120), "2": (100, 95, 99)},
+                      without_sparse_block=("2",))
+    report, written = _quality_seeds(tmp_path, {"a": sampled, "b": b})
+    assert [t["met"] for t in written["targets"]] == [None] * 3 and written["seeds"]["2"]["no_sparse_block"]
+    assert report.count("| n/a |") == 3 and "| met |" not in report and "| **missed** |" not in report
+    assert ("Seeds whose DSV run trained dense attention (the targets whose means include them say n/a): a: DSV ran "
+            "no sparse block in seed 2 (on average 0.04 of 12 blocks sparse in stage 2).") in report
+
+
+def test_reports_without_the_sparse_blocks_per_seed_are_judged_and_named(tmp_path):
+    # Results written before the bench recorded each seed's sparse blocks (the 2026-11-29 two-seed reports).
+    old = _report({"1": (1.0, 1.0, 1.0)}, {"1": (1, 1, 1)})
+    for key in ("mean_sparse_blocks_in_stage2_by_seed", "final_sparse_blocks_by_seed"):
+        del old[key]
+    report, written = _quality_seeds(tmp_path, {"old": old, "new": _report({"2": (1.0, 1.0, 1.0)}, {"2": (1, 1, 1)})})
+    assert written["seeds"]["1"]["no_sparse_block"] is None and written["seeds"]["2"]["no_sparse_block"] is False
+    assert [t["met"] for t in written["targets"]] == [True, True, False]
+    assert ("Reports that do not record per seed whether DSV ran a sparse block (written before `dsv bench quality` "
+            "recorded it), their seeds judged as if it did: old.") in report
+
+
+def test_the_reports_table_names_each_reports_code_version(tmp_path):
+    first, second = "0123456789" + "a" * 54, "fedcba9876" + "b" * 54
+    reports = {"a": _report({"1": (1.0, 1.0, 1.0)}, {"1": (1, 1, 1)}, code={"dsv": "0.1.0", "source_sha256": first}),
+               "b": _report({"2": (1.0, 1.0, 1.0)}, {"2": (1, 1, 1)}, code={"dsv": None, "source_sha256": first}),
+               "c": _report({"3": (1.0, 1.0, 1.0)}, {"3": (1, 1, 1)})}
+    (tmp_path / "same").mkdir()
+    report, _ = _quality_seeds(tmp_path / "same", reports)
+    assert "| report | date | machine | code | training seeds | FVD of seeds |" in report
+    assert "| a | 2026-12-01 | NVIDIA H200 | 0123456789 | 1 | 1 |" in report
+    assert "| c | 2026-12-01 | NVIDIA H200 | - | 3 | 3 |" in report
+    assert "The reports come from" not in report  # one version where recorded
+    reports["b"]["code"]["source_sha256"] = second
+    (tmp_path / "two").mkdir()
+    report, _ = _quality_seeds(tmp_path / "two", reports)
+    assert "| b | 2026-12-01 | NVIDIA H200 | fedcba9876 | 2 | 2 |" in report
+    assert ("The reports come from 2 code versions (the code column: the hash of the dsv sources, which any edit "
+            "changes, a docstring's too): information, not a refusal.") in report
