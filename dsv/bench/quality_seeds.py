@@ -12,6 +12,7 @@ import json
 import math
 import shlex
 import statistics
+import warnings
 from pathlib import Path
 
 from dsv.bench.quality import (
@@ -28,9 +29,10 @@ from dsv.bench.quality import (
 
 # What two reports must share to be one comparison: the training setting and the FVD's sampling.
 COMPARED = ("recipe", "overrides", "model", "steps", "batch_size", "videos", "sample_steps")
-# Resolved-config fields that differ between reports of one setting: each report trains its own seeds into its own
-# folder.
-PER_REPORT_CONFIG_FIELDS = ("train.seed", "train.out_dir")
+# Resolved-config fields that do not change what a run learns: the training seed (each report trains its own),
+# and where and how often it logs, checkpoints and which device and threads it runs on.
+CONFIG_FIELDS_NOT_COMPARED = ("train.seed", "train.device", "train.out_dir", "train.log_every", "train.ckpt_every",
+                              "train.keep_checkpoints", "train.tensorboard", "train.threads", "train.max_minutes")
 # What `seeds_without_sparse_block` reads: reports written before the bench recorded them per seed lack them.
 SPARSE_BLOCK_RECORDS = ("mean_sparse_blocks_in_stage2_by_seed", "final_sparse_blocks_by_seed")
 # A target is resolved where the 95% t-interval of the mean per-seed gap lies on one side of its bound.
@@ -77,32 +79,37 @@ def flat_config(config: dict, prefix: str = "") -> dict:
 
 
 def config_difference(config: dict, expected: dict) -> tuple[str, str, str] | None:
-    """The first dotted key (in the configs' field order) where ``config`` differs from ``expected``, not counting
-    `PER_REPORT_CONFIG_FIELDS`, with both values as text ("absent" where a config lacks the field: written by a
-    code version without it); None where they agree."""
-    values, expected_values = flat_config(config), flat_config(expected)
-    for key in dict.fromkeys([*expected_values, *values]):
-        if key in PER_REPORT_CONFIG_FIELDS:
-            continue
-        value, expected_value = (repr(v[key]) if key in v else "absent" for v in (values, expected_values))
-        if value != expected_value:
-            return key, value, expected_value
+    """The first dotted key (in the configs' field order) where ``config`` differs from ``expected`` in value, not
+    counting `CONFIG_FIELDS_NOT_COMPARED`, with both values as text; None where they agree. Both are read as the
+    trainer reads a stored config (`config_from_dict`): a field a config lacks (written before it existed) takes
+    the value its run had (`VALUES_BEFORE_FIELDS`, today's default otherwise), and a field this code does not know
+    raises ValueError."""
+    from dsv.train.config import config_from_dict, config_to_dict
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # config_from_dict's note on fields filled in: the comparison says it
+        values, expected_values = (flat_config(config_to_dict(config_from_dict(c))) for c in (config, expected))
+    for key, expected_value in expected_values.items():
+        if key not in CONFIG_FIELDS_NOT_COMPARED and values[key] != expected_value:
+            return key, repr(values[key]), repr(expected_value)
     return None
+
+
+def first_with_config(reports: list[tuple[str, dict]]) -> tuple[str, dict] | None:
+    """The first report that records its resolved config: the one the others' configs are compared with."""
+    return next(((name, results) for name, results in reports if "config" in results), None)
 
 
 def checked_without_config(reports: list[tuple[str, dict]]) -> list[str]:
     """The reports whose setting `check_comparable` checked by recipe and overrides only, not by the resolved
-    config: those without a "config" (written before results.json recorded it), or all where the first has
-    none (the one every other is compared with)."""
-    if "config" not in reports[0][1]:
-        return [name for name, _ in reports]
+    config: those without a "config" (written before results.json recorded it)."""
     return [name for name, results in reports if "config" not in results]
 
 
 def check_comparable(reports: list[tuple[str, dict]]) -> None:
-    """ValueError unless every report has the first one's setting (`COMPARED`, the sampling seed, and the
-    resolved config but for `PER_REPORT_CONFIG_FIELDS` where both record it) and no training seed is in two
-    reports."""
+    """ValueError unless every report has the first one's setting (`COMPARED` and the sampling seed), every
+    report that records its resolved config has the first such report's (`config_difference`), and no training
+    seed is in two reports."""
     first_name, first = reports[0]
     for name, results in reports[1:]:
         for key, value, expected in [*((key, results[key], first[key]) for key in COMPARED),
@@ -110,14 +117,20 @@ def check_comparable(reports: list[tuple[str, dict]]) -> None:
             if value != expected:
                 raise ValueError(f"{name} and {first_name} are not one comparison: {key} {value!r} against "
                                  f"{expected!r}")
-        # The recipe and overrides name a setting only within one code version: a recipe default changed
-        # between versions shows in the resolved config alone.
-        if "config" in results and "config" in first:
-            difference = config_difference(results["config"], first["config"])
-            if difference is not None:
-                key, value, expected = difference
-                raise ValueError(f"{name} and {first_name} are not one comparison: config {key} {value} against "
-                                 f"{expected}")
+    # The recipe and overrides name a setting only within one code version: a recipe default changed between
+    # versions shows in the resolved config alone.
+    reference = first_with_config(reports)
+    for name, results in reports:
+        if reference is None or "config" not in results or name == reference[0]:
+            continue
+        try:
+            difference = config_difference(results["config"], reference[1]["config"])
+        except ValueError as err:
+            raise ValueError(f"{name} and {reference[0]}: their configs do not read as this code's ({err})") from err
+        if difference is not None:
+            key, value, expected = difference
+            raise ValueError(f"{name} and {reference[0]} are not one comparison: config {key} {value} against "
+                             f"{expected}")
     seen: dict[str, str] = {}
     for name, results in reports:
         for seed in map(str, results["seeds"]):
@@ -256,7 +269,8 @@ def render(reports: list[tuple[str, dict]], rows: dict[str, dict], loss: dict, f
                   "quality` recorded it, so a recipe default changed between code versions would go unseen): "
                   f"{', '.join(recipe_only)}."]
     else:
-        lines += ["", f"Every report's resolved config is the first's (but for {', '.join(PER_REPORT_CONFIG_FIELDS)})."]
+        lines += ["", "Every report's resolved config is the first's (but for "
+                  f"{', '.join(CONFIG_FIELDS_NOT_COMPARED)})."]
     hashes = {results["code"]["source_sha256"] for _, results in reports if "code" in results}
     if len(hashes) > 1:
         lines += ["", f"The reports come from {len(hashes)} code versions (the code column: the hash of the dsv "

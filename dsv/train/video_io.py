@@ -165,7 +165,7 @@ def check_writable(path: str | os.PathLike) -> None:
         try:
             _pick_mp4_codec()
         except (ModuleNotFoundError, RuntimeError) as err:
-            raise ValueError(f"{err}; cannot write {path} here (a .gif can be)") from err
+            raise ValueError(f"cannot write {path} here: {err}") from err
 
 
 def _scaled_size(width: int, height: int, short_side: int | None) -> tuple[int, int]:

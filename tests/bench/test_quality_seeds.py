@@ -39,7 +39,7 @@ def _report(seeds: dict[str, tuple[float, float, float]], fvd: dict[str, tuple[f
 
 def _with_config(**fields) -> dict:
     """`CONFIG` with ``fields`` (`section={field: value}`) replaced."""
-    return {section: {**values, **fields.get(section, {})} for section, values in CONFIG.items()}
+    return {section: {**CONFIG.get(section, {}), **fields.get(section, {})} for section in {**CONFIG, **fields}}
 
 
 def _quality_seeds(tmp_path, reports: dict[str, dict]) -> tuple[str, dict]:
@@ -77,6 +77,18 @@ def test_the_targets_are_judged_on_the_means_over_seeds_with_the_per_seed_spread
     # Window: loss +1.0% (worse than both), FVD +3.3% against DSV's 0%: worse in both on the means.
     assert window_row["met"] and "loss: window worst in 1 of 3 seeds; FVD: window worst in 1 of 2 seeds" == \
         window_row["spread"]
+
+
+def test_dsv_below_dense_by_more_than_the_tolerance_meets_the_targets_over_seeds():
+    reports = [("a", _report({"1": (1.0, 0.95, 1.0), "2": (1.0, 0.96, 1.0)},
+                             {"1": (100, 80, 110), "2": (100, 85, 90)}))]
+    rows = seed_rows(reports)
+    loss = over_seeds({seed: row["loss"] for seed, row in rows.items()})
+    fvd = over_seeds({seed: row["fvd"] for seed, row in rows.items()})
+    loss_row, fvd_row, _ = targets(loss, fvd, rows)
+    # -4.5% in loss and -17.5% in FVD: beyond the tolerances on the better side, so met.
+    assert loss_row["met"] is True and loss_row["measured"].startswith("-4.50% over 2 seeds")
+    assert fvd_row["met"] is True and fvd_row["measured"].startswith("-17.50% over 2 seeds")
 
 
 def test_resolution_says_whether_the_seeds_decide_the_tolerance():
@@ -124,20 +136,26 @@ def test_the_command_writes_the_report_and_refuses_a_folder_without_results(tmp_
 def test_reports_whose_resolved_configs_differ_are_refused_by_the_first_key_that_differs(tmp_path):
     """The recipe and overrides alike, the configs not: a recipe default changed between code versions."""
     base = ("a", _report({"1": (1.0, 1.0, 1.0)}, {"1": (1, 1, 1)}, config=CONFIG))
-    # Written by a code version before the field existed: absent from its config.
+    # Written by a code version before the field existed: absent from its config, read as the value its run had.
     before_the_field = {**CONFIG, "attention": {"cube": [4, 4, 4]}}
     for config, message in ((_with_config(attention={"dispatch_margin": 0.0}),
                              "attention.dispatch_margin 0.0 against 0.1"),
-                            (before_the_field, "attention.dispatch_margin absent against 0.1"),
+                            (before_the_field, "attention.dispatch_margin 0.0 against 0.1"),
                             (_with_config(attention={"cube": [2, 2, 2]}, train={"seed": 5}),
-                             r"attention.cube \[2, 2, 2\] against \[4, 4, 4\]")):
+                             r"attention.cube \(2, 2, 2\) against \(4, 4, 4\)")):
         with pytest.raises(ValueError, match=f"b and a are not one comparison: config {message}$"):
             check_comparable([base, ("b", _report({"2": (1.0, 1.0, 1.0)}, {"2": (1, 1, 1)}, config=config))])
-    # Each report's own training seeds and folder are not the setting.
-    other_run = _with_config(train={"seed": 2, "out_dir": "runs/b"})
+    # A field this code does not know (a newer version's): refused, not compared field by field.
+    with pytest.raises(ValueError, match=r"b and a: their configs do not read as this code's .*unknown fields"):
+        check_comparable([base, ("b", _report({"2": (1.0, 1.0, 1.0)}, {"2": (1, 1, 1)},
+                                               config=_with_config(attention={"new_knob": 1})))])
+    # Values compare as values (a recipe literal 0 against 0.0); each report's own training seed, folder and
+    # logging are not the setting.
+    other_run = _with_config(train={"seed": 2, "out_dir": "runs/b", "log_every": 7}, optim={"weight_decay": 0.0})
     report, written = _quality_seeds(tmp_path, {
-        "a": base[1], "b": _report({"2": (1.0, 1.0, 1.0)}, {"2": (1, 1, 1)}, config=other_run)})
-    assert "Every report's resolved config is the first's (but for train.seed, train.out_dir)." in report
+        "a": _report({"1": (1.0, 1.0, 1.0)}, {"1": (1, 1, 1)}, config=_with_config(optim={"weight_decay": 0})),
+        "b": _report({"2": (1.0, 1.0, 1.0)}, {"2": (1, 1, 1)}, config=other_run)})
+    assert "Every report's resolved config is the first's (but for train.seed, train.device, train.out_dir" in report
     assert "Checked by recipe and overrides only" not in report
     assert written["checked_by_recipe_and_overrides_only"] == []
 
@@ -152,10 +170,13 @@ def test_reports_without_a_config_are_checked_by_recipe_and_overrides_only(tmp_p
     assert "Checked by recipe and overrides only (no resolved config to compare: written before `dsv bench " \
            "quality` recorded it, so a recipe default changed between code versions would go unseen): b." in report
     assert written["checked_by_recipe_and_overrides_only"] == ["b"]
-    # The first report, the one every other is compared with, without a config: none is compared by config.
+    # The first report without a config: the others that have one are compared with the first of them.
     (tmp_path / "two").mkdir()
     report, _ = _quality_seeds(tmp_path / "two", {"b": without, "a": with_config})
-    assert "would go unseen): b, a." in report
+    assert "would go unseen): b." in report
+    other = _report({"3": (1.0, 1.0, 1.0)}, {"3": (1, 1, 1)}, config=_with_config(attention={"cube": [2, 2, 2]}))
+    with pytest.raises(ValueError, match="c and a are not one comparison: config attention.cube"):
+        check_comparable([("b", without), ("a", with_config), ("c", other)])
 
 
 def test_a_seed_whose_dsv_run_had_no_sparse_block_leaves_the_targets_that_include_it_unjudged(tmp_path):
