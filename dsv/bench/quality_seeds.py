@@ -66,16 +66,10 @@ def sampling_seed(results: dict) -> int:
     return int(words[words.index("--seed") + 1]) if "--seed" in words else 0
 
 
-def flat_config(config: dict, prefix: str = "") -> dict:
-    """A results.json's resolved config (`dsv.train.config.config_to_dict`'s form, `{"attention": {"cube": [4, 4,
-    4], ...}, ...}`) by dotted key: `{"attention.cube": [4, 4, 4], ...}`."""
-    flat = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            flat.update(flat_config(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
+def flat_config(config: dict) -> dict:
+    """A resolved config (`dsv.train.config.config_to_dict`'s form: sections of plain fields, `{"attention":
+    {"cube": (4, 4, 4), ...}, ...}`) by dotted key: `{"attention.cube": (4, 4, 4), ...}`."""
+    return {f"{section}.{field}": value for section, fields in config.items() for field, value in fields.items()}
 
 
 def config_difference(config: dict, expected: dict) -> tuple[str, str, str] | None:
