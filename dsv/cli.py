@@ -61,7 +61,8 @@ def _profile(args) -> int:
     from dsv.analysis.profile import profile_checkpoint
 
     result = profile_checkpoint(args.checkpoint, args.out, device=args.device, clips=args.clips, theta=args.theta,
-                                granularity_keep=tuple(args.granularity), noise_levels=tuple(args.noise_levels))
+                                granularity_keep=tuple(args.granularity), noise_levels=tuple(args.noise_levels),
+                                window=args.window)
     print(result["table"])
     print("wrote: " + ", ".join(result["files"]))
     return 0
@@ -170,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="also measure at each of these noise levels t in [0, 1] (1: pure noise) the sparsity and "
                               "the recall of each sparse block's selection at its dispatched budget, as sparse "
                               "sampling runs it")
+    profile.add_argument("--window", action="store_true",
+                         help="also the attention mass inside the window baseline's boxes (attention.window_frac) "
+                              "against the exact top key blocks and the run's own selection at the same budget")
     profile.set_defaults(func=_profile)
 
     from dsv.analysis import observations

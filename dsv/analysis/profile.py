@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from dsv.analysis.checkpointed_model import load_model  # noqa: E402
-from dsv.ops import head_sparsity, index_recall, keep_blocks_from_sparsity  # noqa: E402
+from dsv.ops import head_sparsity, index_recall, keep_blocks_from_sparsity, oracle_index, window_index  # noqa: E402
 from dsv.ops.measure import jittered_query_rows, recall_at_equal_keep  # noqa: E402
 from dsv.train.data import build_dataset  # noqa: E402
 
@@ -21,19 +22,25 @@ class _Recorder:
     """Observer for every DSVAttention: exact sparsity and the recall of the layer's own selection, at a budget
     from this measurement (comparable across layers whatever their state) or, with `own_budgets`, at the
     layer's dispatched budget (what it keeps when it runs sparse, as in sampling); with `granularity_keep`,
-    also the oracle recall of token-level vs block-level selection at equal kept fractions. Every statistic
-    of a call uses the same ``jittered_query_rows`` (about one row in ``stride``), drawn afresh per call from a
-    generator seeded with ``seed``."""
+    also the oracle recall of token-level vs block-level selection at equal kept fractions; with `window`, in
+    every layer the attention mass inside the window baseline's boxes (`attention.window_frac`) beside the mass
+    the exact top key blocks and (DSV layers) the layer's own selection keep at the window's budget. Every
+    statistic of a call uses the same ``jittered_query_rows`` (about one row in ``stride``), drawn afresh per
+    call from a generator seeded with ``seed``."""
 
     def __init__(self, theta: float, stride: int, granularity_keep: tuple[float, ...] = (), seed: int = 0,
-                 own_budgets: bool = False):
+                 own_budgets: bool = False, window: bool = False):
         self.theta, self.stride = theta, stride
         self.granularity_keep = granularity_keep
         self.own_budgets = own_budgets
+        self.window = window
         self.generator = torch.Generator().manual_seed(seed)
         self.sparsity: dict[int, list[torch.Tensor]] = {}
         self.recall: dict[int, list[torch.Tensor]] = {}
         self.granularity: dict[tuple[float, int], list[float]] = {}
+        # {"window" | "oracle" | "selection": {layer: [[H] recall per call]]}, and the window's kept fraction.
+        self.at_window_budget: dict[str, dict[int, list[torch.Tensor]]] = {}
+        self.window_kept: float | None = None
 
     def __call__(self, layer, hidden, q, k, grid) -> None:
         rows = jittered_query_rows(q.shape[2], self.stride, self.generator, device=q.device)
@@ -44,6 +51,8 @@ class _Recorder:
                 self.granularity.setdefault((keep, kv_block), []).append(float(recall.mean()))
         sparsity = head_sparsity(q, k, rows, self.theta, scale=layer.scale)
         self.sparsity.setdefault(layer.layer_index, []).append(sparsity.float().cpu())
+        if self.window:
+            self._record_window_budget(layer, hidden, q, k, grid, rows)
         if layer.cfg.mode == "dense":
             return
         # Budget from this measurement (and the layer's recall boost), so that recall is comparable across
@@ -54,6 +63,25 @@ class _Recorder:
         index = layer.compute_index(hidden, q, k, grid, keep_blocks=keep_blocks)
         recall = index_recall(q, k, index, rows, scale=layer.scale).mean(0)
         self.recall.setdefault(layer.layer_index, []).append(recall.float().cpu())
+
+    def _record_window_budget(self, layer, hidden, q, k, grid, rows) -> None:
+        """Why a fixed local pattern does or does not lose against a learned one on this model: the mass the
+        window's boxes hold against the most any selection of as many key blocks can hold (the exact top
+        blocks per query cube) and what the layer's predictor picks with that many blocks."""
+        cfg = layer.cfg
+        batch, heads, seq_len = q.shape[:3]
+        window = window_index(tuple(grid), cfg.cube, cfg.key_block, batch, heads, cfg.window_frac)
+        window = dataclasses.replace(window, indices=window.indices.to(q.device), counts=window.counts.to(q.device))
+        blocks = window.indices.shape[-1]  # every cube's box holds the same number of key blocks
+        self.window_kept = blocks / -(-seq_len // cfg.key_block)
+        keep = torch.full((heads,), blocks, dtype=torch.int32)
+        indices = {"window": window,
+                   "oracle": oracle_index(q, k, keep.to(q.device), cfg.group_size, cfg.key_block, scale=layer.scale)}
+        if cfg.mode == "dsv":
+            indices["selection"] = layer.compute_index(hidden, q, k, grid, keep_blocks=keep)
+        for name, index in indices.items():
+            recall = index_recall(q, k, index, rows, scale=layer.scale).mean(0)
+            self.at_window_budget.setdefault(name, {}).setdefault(layer.layer_index, []).append(recall.float().cpu())
 
 
 def heatmap(matrix: torch.Tensor, title: str, path: Path, vmin: float, vmax: float) -> None:
@@ -98,6 +126,25 @@ def _plot_by_noise_level(by_level: list[dict], sparse_blocks: list[int], path: P
     plt.close(fig)
 
 
+WINDOW_BUDGET_COLUMNS = {"window": "window's boxes", "oracle": "exact top blocks",
+                         "selection": "predictor's selection"}
+
+
+def window_budget_lines(window_budget: dict, theta: float) -> list[str]:
+    """Markdown: per block the attention mass that the window baseline's boxes, the exact top key blocks and (DSV
+    runs) the layer's own selection keep, all with the window's number of key blocks per query cube."""
+    names = [name for name in WINDOW_BUDGET_COLUMNS if name in window_budget]
+    means = {name: sum(window_budget[name]) / len(window_budget[name]) for name in names}
+    lines = ["", f"Attention mass kept at the window baseline's budget ({window_budget['kept_fraction']:.0%} of the "
+             f"key blocks per query cube, window_frac {window_budget['window_frac']:.3g}), mean over heads; θ = "
+             f"{theta}. Mean over blocks: " + ", ".join(f"{WINDOW_BUDGET_COLUMNS[n]} {means[n]:.3f}" for n in names)
+             + ".", "", "| block | " + " | ".join(WINDOW_BUDGET_COLUMNS[n] for n in names) + " |",
+             "|---|" + "---|" * len(names)]
+    lines += [f"| {i} | " + " | ".join(f"{window_budget[n][i]:.3f}" for n in names) + " |"
+              for i in range(len(window_budget["window"]))]
+    return lines
+
+
 def check_clips_and_theta(clips: int, theta: float | None) -> None:
     """ValueError unless ``clips >= 1`` and ``theta`` is None (the run's) or a critical mass in (0, 1]."""
     if isinstance(clips, bool) or not isinstance(clips, int) or clips < 1:
@@ -118,9 +165,12 @@ def heldout_clips(cfg, clips: int) -> torch.Tensor:
 @torch.no_grad()
 def profile_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clips: int = 8,
                        theta: float | None = None, stride: int = 4,
-                       granularity_keep: tuple[float, ...] = (), noise_levels: tuple[float, ...] = ()) -> dict:
+                       granularity_keep: tuple[float, ...] = (), noise_levels: tuple[float, ...] = (),
+                       window: bool = False) -> dict:
     """Sparsity and recall of every layer of a checkpoint on ``clips`` held-out clips, each at a random noise
-    level; with ``noise_levels``, also per level (every clip noised to that t) each layer's sparsity and, for
+    level; with ``window``, also every layer's attention mass inside the window baseline's boxes against the
+    exact top key blocks and (DSV runs) the layer's own selection at the window's budget; with ``noise_levels``,
+    also per level (every clip noised to that t) each layer's sparsity and, for
     the layers that run sparse, the recall of their selection at their dispatched budget: the keys sparse
     sampling keeps at its step of that t (approximately: sampling's inputs are the model's own trajectory,
     these are held-out clips noised to t, the same distribution at t = 1 only)."""
@@ -145,7 +195,7 @@ def profile_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clip
         for layer in model.controller.layers:
             layer.observer = None
 
-    recorder = _Recorder(theta, stride, granularity_keep)
+    recorder = _Recorder(theta, stride, granularity_keep, window=window)
     observed_forward(t, recorder)
     sparse_blocks = [i for i, layer in enumerate(model.controller.layers) if layer.runs_sparse()]
     by_level = []
@@ -187,6 +237,12 @@ def profile_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clip
             cube = sum(recorder.granularity[(keep, group)]) / len(recorder.granularity[(keep, group)])
             lines.append(f"| {keep:.2f} | {token:.3f} | {cube:.3f} |")
             granularity.append({"kept_fraction": keep, "token_level": token, "key_cubes": cube, "cube_tokens": group})
+    at_window = {name: _mean_by_layer(by_layer).mean(1).tolist()
+                 for name, by_layer in recorder.at_window_budget.items()}
+    window_budget = None
+    if at_window:
+        window_budget = {"kept_fraction": recorder.window_kept, "window_frac": cfg.attention.window_frac, **at_window}
+        lines += window_budget_lines(window_budget, theta)
     if by_level:
         lines += ["", "By noise level (every clip noised to t; t = 1 is pure noise, sampling runs from 1 to 0): mean "
                   "sparsity, and the attention mass kept by each sparse block's selection at its dispatched budget "
@@ -202,7 +258,7 @@ def profile_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clip
     (out / "profile.md").write_text("\n".join(lines) + "\n")
     result = {"step": step, "theta": theta, "clips": x0.shape[0], "sparsity": sparsity.tolist(),
               "recall": None if recall is None else recall.tolist(), "granularity": granularity,
-              "sparse_blocks": sparse_blocks, "by_noise_level": by_level}
+              "sparse_blocks": sparse_blocks, "by_noise_level": by_level, "window_budget": window_budget}
     (out / "profile.json").write_text(json.dumps(result, indent=1))
     files += ["profile.md", "profile.json"]
     return {**result, "files": [str(out / f) for f in files], "table": "\n".join(lines)}

@@ -64,6 +64,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dsv.analysis.profile import WINDOW_BUDGET_COLUMNS, window_budget_lines
 from dsv.cli import EXIT_UNFINISHED, kept_mass, positive_float, positive_int
 
 MODES = ("dense", "dsv", "window")
@@ -888,7 +889,8 @@ def targets(results: dict) -> list[dict]:
          "context": "; ".join(part for part in (
              not_judged(dense_only), f"window keeps {results['window_keep']:.0%} of the keys", "DSV at the end keeps "
              + ("none (no sparse block)" if facts["final_keep_in_sparse_blocks"] is None else
-                f"{facts['final_keep_in_sparse_blocks']:.0%} in its sparse blocks")) if part)},
+                f"{facts['final_keep_in_sparse_blocks']:.0%} in its sparse blocks"),
+             window_budget_words(results.get("window_budget"))) if part)},
         {"target": f"predictor recall ≥ {RECALL_TARGET:.0%} of the critical mass θ = {facts['theta']} in sparse blocks",
          "measured": "no sparse block" if recall is None else
                      (f"training: {facts['recall_in_sparse_blocks']:.3f} mass kept = {recall:.1%} of θ; held-out "
@@ -898,6 +900,20 @@ def targets(results: dict) -> list[dict]:
                     "over sparse blocks and heads; held-out: `dsv profile` on held-out clips, recall in those "
                     f"blocks {results['profile_recall_in_sparse_blocks']}; met only if both are"},
     ]
+
+
+def window_budget_words(window_budget: dict | None) -> str | None:
+    """The window target's reason in numbers: on held-out clips, the attention mass inside the window's boxes
+    against the exact top key blocks (and DSV's predictor) at the same budget, mean over blocks and heads."""
+    if not window_budget:
+        return None
+    parts = []
+    for model, measured in window_budget.items():
+        named = ", ".join(f"{WINDOW_BUDGET_COLUMNS[name]} {statistics.fmean(measured[name]):.3f}"
+                          for name in WINDOW_BUDGET_COLUMNS if name in measured)
+        parts.append(f"{model} model: {named}")
+    return ("attention mass at the window's budget on held-out clips (mean over blocks and heads): "
+            + "; ".join(parts))
 
 
 def _fmt(value, digits: int = 3) -> str:
@@ -1128,6 +1144,9 @@ def render_report(results: dict) -> str:
                   "| kept fraction | token-level | key cubes |", "|---|---|---|"]
         lines += [f"| {g['kept_fraction']:.2f} | {g['token_level']:.3f} | {g['key_cubes']:.3f} |"
                   for g in results["granularity"]]
+    for model, measured in (results.get("window_budget") or {}).items():
+        lines += ["", f"## The window baseline's budget on the {model} model"]
+        lines += window_budget_lines(measured, results["dsv"]["theta"])
     lines += ["", "## Files", "",
               ", ".join(["report.md", "results.json", "training.json", *FIGURES]) + "; wall seconds per phase: "
               + ", ".join(f"{k} {v:.0f}" for k, v in results["wall_seconds"].items()) + "."]
@@ -1381,7 +1400,10 @@ def run(args) -> int:
     # kept fractions, on the attention maps of this trained model) and the recall of the sparse blocks' own
     # selection at fixed noise levels (what sparse sampling keeps at its steps).
     profiled = profile_checkpoint(dsv_run, str(out / "profile"), device=str(device), clips=args.observe_clips,
-                                  granularity_keep=GRANULARITY_KEEP, noise_levels=NOISE_LEVELS)
+                                  granularity_keep=GRANULARITY_KEEP, noise_levels=NOISE_LEVELS, window=True)
+    # Why the window does or does not lose: how much of the dense model's attention its boxes hold.
+    profiled_dense = profile_checkpoint(str(runs_dir / "dense"), str(out / "profile_dense"), device=str(device),
+                                        clips=args.observe_clips, window=True)
     profile_recall = [round(statistics.fmean(profiled["recall"][i]), 3) for i in facts["final_sparse_blocks"]]
     wall["observations"] = time.perf_counter() - phase
 
@@ -1438,6 +1460,7 @@ def run(args) -> int:
         "train_step_reference": str(args.train_step_json) if reference else None,
         "observations": {k: observed[k] for k in ("power_law", "locality", "sparsity", "neighbours", "step", "grid")},
         "granularity": profiled["granularity"],
+        "window_budget": {"dense": profiled_dense["window_budget"], "DSV": profiled["window_budget"]},
         "by_noise_level": {"sparse_blocks": profiled["sparse_blocks"], "levels": profiled["by_noise_level"]},
         "observe_clips": args.observe_clips,
     }

@@ -147,6 +147,30 @@ def test_profile_by_noise_level_measures_each_sparse_blocks_own_selection_at_eac
     assert "no block runs sparse" in stage1["table"]
 
 
+def test_profile_window_compares_the_window_boxes_with_the_best_and_the_runs_selection_at_their_budget(runs, tmp_path):
+    """`dsv profile --window`: in every block, the mass inside the window baseline's boxes, the exact top key
+    blocks and (a DSV run) its predictor's selection, each with the window's number of key blocks; the rest of
+    the profile as without it."""
+    for run, names in (("stage2", ["window", "oracle", "selection"]), ("dense", ["window", "oracle"])):
+        out = tmp_path / run
+        assert main(["profile", "--checkpoint", str(runs / run), "--out", str(out), "--clips", "2", "--device", "cpu",
+                     "--window"]) == 0
+        written = json.loads((out / "profile.json").read_text())
+        budget = written["window_budget"]
+        assert [n for n in ("window", "oracle", "selection") if n in budget] == names
+        assert 0 < budget["kept_fraction"] < 1 and budget["window_frac"] == pytest.approx(2 / 3)
+        for name in names:
+            assert len(budget[name]) == len(written["sparsity"]) and all(0 < r <= 1 for r in budget[name])
+        # The exact top blocks hold at least what the boxes hold (float32 sums: 1e-6).
+        assert all(best >= box - 1e-6 for best, box in zip(budget["oracle"], budget["window"]))
+        table = (out / "profile.md").read_text()
+        assert "Attention mass kept at the window baseline's budget" in table
+        assert table.count("\n| 0 | ") == 2  # block 0 in the main table and in the window table
+        plain = profile_checkpoint(str(runs / run), str(tmp_path / f"{run}-plain"), device="cpu", clips=2)
+        assert plain["window_budget"] is None and "window baseline" not in plain["table"]
+        assert (plain["sparsity"], plain["recall"]) == (written["sparsity"], written["recall"])
+
+
 def test_own_budget_selection_is_the_one_the_sparse_layer_attends_with(runs):
     """What the profile by noise level measures is the selection sparse sampling uses: compute_index at the
     dispatched budget gives the index the layer's attention receives in the same forward."""

@@ -8,7 +8,7 @@ import torch
 
 from dsv.analysis.observations import grid_coords
 from dsv.analysis.profile import _Recorder
-from dsv.ops import head_sparsity, index_recall
+from dsv.ops import head_sparsity, index_recall, window_index
 from dsv.ops.grouping import cube_permutation
 from dsv.ops.measure import jittered_query_rows, oracle_index, recall_at_equal_keep
 
@@ -99,3 +99,56 @@ def test_recorder_with_own_budgets_asks_the_layer_for_its_dispatched_selection()
     assert isinstance(asked[0], torch.Tensor) and asked[0].shape == (heads,) and asked[1] is None
     # The same rows (same seed) and the same selection: the same recall.
     assert torch.equal(measured.recall[0][0], own.recall[0][0])
+
+
+def _distance_attention(grid, cube, heads=2, alpha=3.0, key_positions=None):
+    """q, k in grouped order whose scores (scale 1) are -alpha·|p_q - p_k|² plus a per-row constant: attention
+    to the nearest tokens of the grid, or, with `key_positions` (a permutation of the raster), to wherever the
+    permutation moved each key's position."""
+    perm, _ = cube_permutation(grid, cube)
+    coords = grid_coords(grid).double()
+    key_coords = coords if key_positions is None else coords[key_positions]
+    q = torch.cat([coords, torch.ones(len(coords), 1, dtype=torch.float64)], 1)[perm]
+    k = torch.cat([2 * alpha * key_coords, -alpha * (key_coords**2).sum(1, keepdim=True)], 1)[perm]
+    return (q.expand(1, heads, *q.shape).contiguous(), k.expand(1, heads, *k.shape).contiguous())
+
+
+def _window_layer(grid, cube, heads, selection):
+    group = math.prod(cube)
+    return SimpleNamespace(
+        cfg=SimpleNamespace(group_size=group, key_block=group, keep_floor_blocks=1, mode="dsv", cube=cube,
+                            window_frac=0.5),
+        scale=1.0, layer_index=0, keep_boost=torch.zeros(heads), budget_margin=lambda boost: boost,
+        compute_index=lambda hidden, q, k, grid, keep_blocks: selection.append(keep_blocks) or oracle_index(
+            q, k, keep_blocks, group, group, scale=1.0),
+    )
+
+
+def test_window_budget_measures_the_window_boxes_against_the_best_selection_of_as_many_blocks():
+    # 4x16x16 grid, 2x4x4 cubes, window_frac 0.5: each cube's box is 2x8x8 tokens = 4 of the 32 key cubes.
+    grid, cube, heads = (4, 16, 16), (2, 4, 4), 2
+    group, seq_len = math.prod(cube), math.prod(grid)
+    window = window_index(grid, cube, group, 1, heads, 0.5)
+    assert window.indices.shape[-1] == 4
+    all_rows = torch.arange(seq_len)
+    for key_positions, local in ((None, True), (torch.randperm(seq_len, generator=torch.Generator().manual_seed(0)),
+                                                False)):
+        q, k = _distance_attention(grid, cube, heads, key_positions=key_positions)
+        asked = []
+        recorder = _Recorder(theta=0.9, stride=1, window=True)  # stride 1: every row, so the values are exact
+        recorder(_window_layer(grid, cube, heads, asked), None, q, k, grid)
+        measured = {name: recorder.at_window_budget[name][0][0] for name in ("window", "oracle", "selection")}
+        assert recorder.window_kept == pytest.approx(4 / 32)
+        # The layer's selection was asked for the window's number of key blocks in every head.
+        assert asked[0].tolist() == [4] * heads
+        # Recorded values are index_recall of the window's own index (float64 inputs: float32 rounding only).
+        exact = index_recall(q, k, window, all_rows, scale=1.0).mean(0).float()
+        assert torch.allclose(measured["window"], exact, atol=1e-6)
+        # The exact top blocks keep at least as much as any index of as many blocks per cube, the box included.
+        assert bool((measured["oracle"] >= measured["window"] - 1e-6).all())
+        # Measured: local 0.966 (box) vs 0.988 (best), the box missing the frame next to its cube; moved keys
+        # 0.125 vs 0.340. The bounds sit between the two cases with room for either to move.
+        if local:  # attention to neighbours: the box holds nearly what the best selection holds
+            assert bool((measured["window"] >= 0.95 * measured["oracle"]).all()), measured
+        else:  # keys moved across the grid: the box holds about its share of the keys, the best selection more
+            assert bool((measured["window"] < 0.5 * measured["oracle"]).all()), measured

@@ -112,6 +112,17 @@ def test_quality_bench_writes_a_complete_report(quality_run):
         values = [g[level] for g in granularity]
         assert all(0 < v <= 1 for v in values) and values == sorted(values), (level, values)
     assert "## Selection granularity" in (out / "report.md").read_text()
+    # The window's boxes against the best selection of as many key blocks, on the dense and the DSV model.
+    budget = results["window_budget"]
+    assert [sorted(budget[m]) for m in ("dense", "DSV")] == [
+        sorted(["kept_fraction", "window_frac", "window", "oracle"]),
+        sorted(["kept_fraction", "window_frac", "window", "oracle", "selection"])]
+    for measured in budget.values():
+        assert measured["kept_fraction"] == pytest.approx(results["window_keep"])
+        assert all(0 < box <= best + 1e-6 <= 1 + 1e-6 for box, best in zip(measured["window"], measured["oracle"]))
+    window_row = next(t for t in results["targets"] if t["target"].startswith("window"))
+    assert "dense model: window's boxes " in window_row["context"]
+    assert "## The window baseline's budget on the dense model" in (out / "report.md").read_text()
     # The sparse blocks' own selection at each profiled noise level, as sparse sampling runs them.
     by_level = results["by_noise_level"]
     assert by_level["sparse_blocks"] == [0, 1]
