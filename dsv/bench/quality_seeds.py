@@ -27,8 +27,9 @@ from dsv.bench.quality import (
     seeds_without_sparse_block,
 )
 
-# What two reports must share to be one comparison: the training setting and the FVD's sampling.
-COMPARED = ("recipe", "overrides", "model", "steps", "batch_size", "videos", "sample_steps")
+# What two reports must share to be one comparison: the training setting and the FVD's sampling (and the overrides
+# that change what a run learns, `learning_overrides`).
+COMPARED = ("recipe", "model", "steps", "batch_size", "videos", "sample_steps")
 # Resolved-config fields that do not change what a run learns: the training seed (each report trains its own),
 # and where and how often it logs, checkpoints and which device and threads it runs on.
 CONFIG_FIELDS_NOT_COMPARED = ("train.seed", "train.device", "train.out_dir", "train.log_every", "train.ckpt_every",
@@ -53,7 +54,8 @@ def load_reports(paths: list[Path]) -> list[tuple[str, dict]]:
         if not file.is_file():
             raise FileNotFoundError(f"--results {path}: no results.json of `dsv bench quality` there")
         results = json.loads(file.read_text())
-        missing = [key for key in (*COMPARED, "command", "seeds", "late_means", "fvd") if key not in results]
+        required = (*COMPARED, "overrides", "command", "seeds", "late_means", "fvd")
+        missing = [key for key in required if key not in results]
         if missing:
             raise ValueError(f"--results {path}: not a `dsv bench quality` results.json (no {', '.join(missing)})")
         reports.append((file.parent.name, results))
@@ -70,6 +72,12 @@ def flat_config(config: dict) -> dict:
     """A resolved config (`dsv.train.config.config_to_dict`'s form: sections of plain fields, `{"attention":
     {"cube": (4, 4, 4), ...}, ...}`) by dotted key: `{"attention.cube": (4, 4, 4), ...}`."""
     return {f"{section}.{field}": value for section, fields in config.items() for field, value in fields.items()}
+
+
+def learning_overrides(overrides: list[str]) -> list[str]:
+    """A report's `--set key=value` overrides less those of `CONFIG_FIELDS_NOT_COMPARED` (how often a run saves,
+    for one): two reports whose overrides differ only there trained the same runs."""
+    return [override for override in overrides if override.split("=", 1)[0] not in CONFIG_FIELDS_NOT_COMPARED]
 
 
 def config_difference(config: dict, expected: dict) -> tuple[str, str, str] | None:
@@ -101,12 +109,14 @@ def checked_without_config(reports: list[tuple[str, dict]]) -> list[str]:
 
 
 def check_comparable(reports: list[tuple[str, dict]]) -> None:
-    """ValueError unless every report has the first one's setting (`COMPARED` and the sampling seed), every
-    report that records its resolved config has the first such report's (`config_difference`), and no training
-    seed is in two reports."""
+    """ValueError unless every report has the first one's setting (`COMPARED`, `learning_overrides` and the
+    sampling seed), every report that records its resolved config has the first such report's
+    (`config_difference`), and no training seed is in two reports."""
     first_name, first = reports[0]
     for name, results in reports[1:]:
         for key, value, expected in [*((key, results[key], first[key]) for key in COMPARED),
+                                     ("overrides", learning_overrides(results["overrides"]),
+                                      learning_overrides(first["overrides"])),
                                      ("sampling seed (--seed)", sampling_seed(results), sampling_seed(first))]:
             if value != expected:
                 raise ValueError(f"{name} and {first_name} are not one comparison: {key} {value!r} against "

@@ -112,6 +112,16 @@ def test_reports_of_other_settings_or_a_seed_twice_are_refused():
         check_comparable([base, ("b", _report({"1": (1.0, 1.0, 1.0)}, {"1": (1, 1, 1)}))])
 
 
+def test_overrides_that_do_not_change_what_a_run_learns_are_one_comparison():
+    """Saving more often is not another setting; a learning override beside it still is."""
+    base = ("a", _report({"1": (1.0, 1.0, 1.0)}, {"1": (1, 1, 1)}))
+    saving = ["data.frames=32", "train.ckpt_every=250", "train.keep_checkpoints=5"]
+    check_comparable([base, ("b", _report({"2": (1.0, 1.0, 1.0)}, {"2": (1, 1, 1)}, overrides=saving))])
+    with pytest.raises(ValueError, match="b and a are not one comparison: overrides"):
+        check_comparable([base, ("b", _report({"2": (1.0, 1.0, 1.0)}, {"2": (1, 1, 1)},
+                                               overrides=[*saving, "optim.lr=0.001"]))])
+
+
 def test_the_command_writes_the_report_and_refuses_a_folder_without_results(tmp_path, capsys):
     for name, report in (("a", _report({"1": (1.0, 1.02, 1.03), "2": (1.0, 0.99, 1.01)},
                                        {"1": (100, 104, 110), "2": (100, 97, 108)})),
