@@ -391,7 +391,9 @@ def run_curves(records: list[dict]) -> dict:
             "stage": [r["stage"] for r in logged], "steps_per_s": [r["steps_per_s"] for r in logged],
             "sparse_blocks": [r["sparse_blocks"] for r in logged],
             "sparsity": per_layer("sparsity"), "recall": per_layer("recall"), "final_layers": logged[-1]["layers"],
-            "heldout": [[r["step"], r["heldout_loss"]] for r in records if "heldout_loss" in r]}
+            "heldout": [[r["step"], r["heldout_loss"]] for r in records if "heldout_loss" in r],
+            # The weights' moving average (train.ema_decay), where the run kept one.
+            "heldout_ema": [[r["step"], r["heldout_loss_ema"]] for r in records if "heldout_loss_ema" in r]}
 
 
 def _mean_of_measured(values: list[float | None]) -> float | None:
@@ -400,9 +402,10 @@ def _mean_of_measured(values: list[float | None]) -> float | None:
     return statistics.fmean(measured) if measured else None
 
 
-def heldout_table(curves: dict[str, dict]) -> list[dict]:
-    """Held-out loss of every mode at each step all runs evaluated, ascending."""
-    by_mode = {mode: dict(map(tuple, c["heldout"])) for mode, c in curves.items()}
+def heldout_table(curves: dict[str, dict], key: str = "heldout") -> list[dict]:
+    """Held-out loss of every mode at each step all runs evaluated, ascending (``key`` "heldout_ema": that of
+    the weights' moving average)."""
+    by_mode = {mode: dict(map(tuple, c.get(key, []))) for mode, c in curves.items()}
     common = sorted(set.intersection(*(set(steps) for steps in by_mode.values())))
     return [{"step": step, **{mode: by_mode[mode][step] for mode in curves}} for step in common]
 
@@ -866,8 +869,12 @@ def targets(results: dict) -> list[dict]:
     init = "" if results["same_initial_weights"] else (
         "; the DSV model's initial DiT weights differ from dense's (its predictors draw from the same RNG "
         "stream at construction), so the gap includes an initialisation difference")
+    late_ema = results.get("late_means_ema")  # absent from results written before the bench read it
+    loss_ema = (f"the weights' moving average (train.ema_decay), the same evaluations: DSV {late_ema['dsv_gap']:+.2%}, "
+                f"window {late_ema['window_gap']:+.2%} against dense" if late_ema else "")
     loss = loss_target(late, results["heldout_by_seed"], results["switch_step_by_seed"],
-                       "; ".join(part for part in (not_judged(dense_only), stage2, loss_control) if part) + init)
+                       "; ".join(part for part in (not_judged(dense_only), stage2, loss_control, loss_ema) if part)
+                       + init)
     if dense_only:
         loss["met"] = None
     recall = facts["recall_of_critical_mass"]
@@ -1018,6 +1025,28 @@ def budget_lines(sampling: dict) -> list[str]:
     return lines
 
 
+def ema_heldout_lines(results: dict) -> list[str]:
+    """The held-out loss of the weights' moving average (train.ema_decay) at the same evaluations: the late means'
+    gaps (per seed where there are several) and every evaluation of the first seed; none where the runs kept
+    no average."""
+    late, by_seed = results.get("late_means_ema"), results.get("heldout_ema_by_seed")
+    if not late:
+        return []
+    first = next(iter(by_seed))  # the seed whose every evaluation is listed, as for the weights' loss
+    per_seed = (" (means over seeds; per seed " + ", ".join(f"{seed} {p['dsv_gap']:+.2%}"
+                                                          for seed, p in late["per_seed"].items()) + ")"
+                if len(by_seed) > 1 else "")
+    lines = ["", "Held-out loss of the weights' moving average (train.ema_decay), at the same evaluations: late "
+             f"means DSV {late['dsv_gap']:+.2%}, window {late['window_gap']:+.2%} against dense{per_seed}"
+             + ". The average replaces the trained weights only (DSV's predictors and dispatch stay the run's own) and "
+             "starts from the initial weights, so its early rows lag the run"
+             + (f"; every evaluation of seed {first}:" if len(by_seed) > 1 else ":"), "",
+             "| step | dense | DSV | window | DSV vs dense |", "|---|---|---|---|---|"]
+    lines += [f"| {r['step']} | {r['dense']:.4f} | {r['dsv']:.4f} | {r['window']:.4f} | "
+              f"{r['dsv'] / r['dense'] - 1:+.2%} |" for r in by_seed[first]]
+    return lines
+
+
 def render_report(results: dict) -> str:
     facts, sampling = results["dsv"], results["sampling"]
     seeds, late = results["seeds"], results["late_means"]
@@ -1077,6 +1106,7 @@ def render_report(results: dict) -> str:
               f"{r['dsv'] / r['dense'] - 1:+.2%} |"
               + (f" {r[CONTROL]:.4f} | {r[CONTROL] / r['dense'] - 1:+.2%} |" if control else "")
               for r in results["heldout"]]
+    lines += ema_heldout_lines(results)
     lines += ["", *training_speed_lines(results), "", "## FVD (samples.png)", "",
               (f"Kinetics-400 I3D logits, {results['videos']} samples per run ({results['sample_steps']} Euler steps, "
                f"the same noise for every run) against {results['videos']} held-out real clips; bootstrap: "
@@ -1359,14 +1389,20 @@ def run(args) -> int:
     final_sparse_by_seed = {seed: [i for i, layer in enumerate(c["dsv"]["final_layers"]) if layer["sparse"]]
                             for seed, c in curves_by_seed.items()}
     late = seed_late_means(heldout_by_seed, cfg.train.steps)
+    # The weights' moving average (train.ema_decay) where every run kept one: the same evaluations, less of the
+    # step-to-step swing of the weights at a constant learning rate.
+    ema_by_seed = {seed: heldout_table(c, "heldout_ema") for seed, c in curves_by_seed.items()}
+    if not all(t and t[-1]["step"] == cfg.train.steps for t in ema_by_seed.values()):
+        ema_by_seed = None
+    late_ema = seed_late_means(ema_by_seed, cfg.train.steps) if ema_by_seed else None
     wall["training"] = time.perf_counter() - phase
     # Progress on stdout as each phase ends, and the training's numbers on disk: a run cut short in the
     # evaluation still leaves what it measured.
     (out / "training.json").write_text(json.dumps(
         {"seeds": seeds, "heldout": table, "heldout_by_seed": heldout_by_seed, "switch_step_by_seed": switch_by_seed,
          "mean_sparse_blocks_in_stage2_by_seed": sparse_by_seed, "final_sparse_blocks_by_seed": final_sparse_by_seed,
-         "late_means": late, "train_seconds": train_seconds, "train_placement": placement,
-         "curves": curves}, indent=1))
+         "late_means": late, "heldout_ema_by_seed": ema_by_seed, "late_means_ema": late_ema,
+         "train_seconds": train_seconds, "train_placement": placement, "curves": curves}, indent=1))
     print(f"[quality] training done in {wall['training']:.0f} s; held-out loss at step {table[-1]['step']} by "
           "seed: " + json.dumps({seed: {k: v for k, v in t[-1].items() if k != "step"}
                                  for seed, t in heldout_by_seed.items()})
@@ -1452,6 +1488,7 @@ def run(args) -> int:
         "switch_step_by_seed": switch_by_seed, "mean_sparse_blocks_in_stage2_by_seed": sparse_by_seed,
         "final_sparse_blocks_by_seed": final_sparse_by_seed,
         "dense_control": args.dense_control, "late_means": late, "dsv": facts,
+        "heldout_ema_by_seed": ema_by_seed, "late_means_ema": late_ema,
         "window_keep": window_keep_fraction(cfg, grid),
         "videos": real.shape[0], "sample_steps": args.sample_steps, "bootstrap": args.bootstrap, "fvd": fvd,
         "fvd_by_seed": fvd_by_seed,

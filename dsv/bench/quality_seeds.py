@@ -31,9 +31,11 @@ from dsv.bench.quality import (
 # that change what a run learns, `learning_overrides`).
 COMPARED = ("recipe", "model", "steps", "batch_size", "videos", "sample_steps")
 # Resolved-config fields that do not change what a run learns: the training seed (each report trains its own),
-# and where and how often it logs, checkpoints and which device and threads it runs on.
+# where and how often it logs, checkpoints and which device and threads it runs on, and whether it evaluates a
+# moving average of its weights beside them (the weights are the same with and without: tests/train).
 CONFIG_FIELDS_NOT_COMPARED = ("train.seed", "train.device", "train.out_dir", "train.log_every", "train.ckpt_every",
-                              "train.keep_checkpoints", "train.tensorboard", "train.threads", "train.max_minutes")
+                              "train.keep_checkpoints", "train.tensorboard", "train.threads", "train.max_minutes",
+                              "train.ema_decay")
 # What `seeds_without_sparse_block` reads: reports written before the bench recorded them per seed lack them.
 SPARSE_BLOCK_RECORDS = ("mean_sparse_blocks_in_stage2_by_seed", "final_sparse_blocks_by_seed")
 # A target is resolved where the 95% t-interval of the mean per-seed gap lies on one side of its bound.
@@ -160,7 +162,10 @@ def seed_rows(reports: list[tuple[str, dict]]) -> dict[str, dict]:
                 fvd = {s: entry["fvd"] for s, entry in results["fvd_by_seed"][seed].items()}
             else:
                 fvd = {s: entry["fvd"] for s, entry in results["fvd"].items()}
+            late_ema = (results.get("late_means_ema") or {}).get("per_seed", {}).get(seed)
             rows[seed] = {"report": name, "loss": {mode: late[mode] for mode in MODES}, "fvd": fvd,
+                          "loss_ema": None if late_ema is None else {mode: late_ema[mode] for mode in MODES},
+                          "ema_decay": None if late_ema is None else results["config"]["train"]["ema_decay"],
                           "no_sparse_block": seed in dense_only if recorded else None}
     return rows
 
@@ -198,10 +203,11 @@ def resolution(gap: float, standard_error: float | None, tolerance: float, seeds
     return f"not resolved: {low:+.1%}…{high:+.1%} crosses +{tolerance:.0%}"
 
 
-def targets(loss: dict, fvd: dict | None, rows: dict[str, dict]) -> list[dict]:
+def targets(loss: dict, fvd: dict | None, rows: dict[str, dict], loss_ema: dict | None = None) -> list[dict]:
     """The loss, FVD and window targets on the means over seeds, each with the per-seed spread. A seed whose DSV
     run had no sparse block (`seed_rows`' "no_sparse_block") trained dense attention: as in `dsv bench quality`,
-    the targets whose means include it are n/a (met None), their numbers kept and the seeds named."""
+    the targets whose means include it are n/a (met None), their numbers kept and the seeds named. ``loss_ema``
+    (the seeds whose runs kept a moving average of their weights) adds the loss target's reading on it."""
     dense_only = [seed for seed in loss["seeds"] if rows[seed]["no_sparse_block"]]
 
     def not_judged(seeds: list[str]) -> str:
@@ -222,6 +228,9 @@ def targets(loss: dict, fvd: dict | None, rows: dict[str, dict]) -> list[dict]:
                                                               len(stats["seeds"]))}
 
     judged = [gap_row("held-out loss", loss, "dsv", LOSS_TOLERANCE)]
+    if loss_ema is not None:
+        judged.append(gap_row(f"held-out loss of the weights' moving average (train.ema_decay={loss_ema['ema_decay']})",
+                              loss_ema, "dsv", LOSS_TOLERANCE))
     if fvd is not None:
         judged.append(gap_row("FVD", fvd, "dsv", FVD_TOLERANCE))
     worse = {"loss": loss["means"]["window"] > max(loss["means"]["dense"], loss["means"]["dsv"])}
@@ -254,7 +263,7 @@ def code_column(results: dict) -> str:
 
 
 def render(reports: list[tuple[str, dict]], rows: dict[str, dict], loss: dict, fvd: dict | None,
-           judged: list[dict], command: str) -> str:
+           judged: list[dict], command: str, loss_ema: dict | None = None) -> str:
     first = reports[0][1]
     lines = [f"# Quality over training seeds: {len(rows)} seeds from {len(reports)} reports", "",
              "```", command, "```", "",
@@ -297,6 +306,21 @@ def render(reports: list[tuple[str, dict]], rows: dict[str, dict], loss: dict, f
     means = loss["means"]
     lines.append(f"| mean over seeds | | {means['dense']:.4f} | {means['dsv']:.4f} | {means['window']:.4f} | "
                  f"{loss['gaps']['dsv']['of_means']:+.2%} | {loss['gaps']['window']['of_means']:+.2%} |")
+    if loss_ema is not None:
+        others = (f" (not seeds {', '.join(loss_ema['other_decays'])}, whose runs averaged with another decay)"
+                  if loss_ema["other_decays"] else "")
+        lines += ["", f"The weights' moving average (train.ema_decay={loss_ema['ema_decay']}), at the same "
+                  f"evaluations, in the seeds whose runs kept one{others}:", "",
+                  "| seed | dense | DSV | window | DSV vs dense | window vs dense |",
+                  "|---|---|---|---|---|---|"]
+        for seed in loss_ema["seeds"]:
+            values = rows[seed]["loss_ema"]
+            lines.append(f"| {seed} | {values['dense']:.4f} | {values['dsv']:.4f} | {values['window']:.4f} | "
+                         f"{values['dsv'] / values['dense'] - 1:+.2%} | "
+                         f"{values['window'] / values['dense'] - 1:+.2%} |")
+        means = loss_ema["means"]
+        lines.append(f"| mean over seeds | {means['dense']:.4f} | {means['dsv']:.4f} | {means['window']:.4f} | "
+                     f"{loss_ema['gaps']['dsv']['of_means']:+.2%} | {loss_ema['gaps']['window']['of_means']:+.2%} |")
     dense_only = {name: [seed for seed, row in rows.items() if row["report"] == name and row["no_sparse_block"]]
                   for name, _ in reports}
     if any(dense_only.values()):
@@ -331,16 +355,22 @@ def run(args) -> int:
     check_comparable(reports)
     rows = seed_rows(reports)
     loss = over_seeds({seed: row["loss"] for seed, row in rows.items()})
+    # Averages of other decays measure other things: the seeds of the first decay found, the others named.
+    decays = list(dict.fromkeys(row["ema_decay"] for row in rows.values() if row["ema_decay"] is not None))
+    averaged = {seed: row["loss_ema"] for seed, row in rows.items() if decays and row["ema_decay"] == decays[0]}
+    loss_ema = ({**over_seeds(averaged), "ema_decay": decays[0],
+                 "other_decays": [seed for seed, row in rows.items() if row["ema_decay"] not in (None, decays[0])]}
+                if averaged else None)
     scored = {seed: row["fvd"] for seed, row in rows.items() if row["fvd"] is not None}
     fvd = over_seeds(scored) if scored else None
-    judged = targets(loss, fvd, rows)
+    judged = targets(loss, fvd, rows, loss_ema)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(
         {"reports": [name for name, _ in reports],
          "checked_by_recipe_and_overrides_only": checked_without_config(reports), "seeds": rows, "loss": loss,
-         "fvd": fvd, "targets": judged}, indent=1))
+         "loss_ema": loss_ema, "fvd": fvd, "targets": judged}, indent=1))
     command = shlex.join(["dsv", "bench", "quality-seeds", "--results", *map(str, args.results), "--out", "OUT"])
-    report = render(reports, rows, loss, fvd, judged, command)
+    report = render(reports, rows, loss, fvd, judged, command, loss_ema)
     (args.out / "report.md").write_text(report)
     print(report)
     return 0

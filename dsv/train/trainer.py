@@ -18,7 +18,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, distribute_tensor
 from tqdm import tqdm
 
 from dsv.modules.attention import model_parameters
@@ -59,7 +60,7 @@ def check_resumable_config(saved: Config, cfg: Config, ckpt: str | Path) -> None
         allowed = " and ".join(f"{section}.{{{', '.join(sorted(fields))}}}"
                                for section, fields in RESUMABLE_CHANGES.items())
         raise CheckpointError(f"checkpoint {ckpt} was made with another configuration (only {allowed} may change on "
-                              "resume): " + "; ".join(diff))
+                              "resume): " + "; ".join(diff) + " (to continue it, --set each to the checkpoint's value)")
 
 
 def _without_digest(source: dict) -> dict:
@@ -183,6 +184,10 @@ class Trainer:
         warmup = cfg.optim.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
+        # The weights' moving average (`train.ema_decay`): an fp32 copy of each optimised weight, sharded as it is.
+        trained = {id(p) for p in model_parameters(self.model)}
+        self._ema_weights = [(name, p) for name, p in self.model.named_parameters() if id(p) in trained]
+        self.ema = ([p.detach().float().clone() for _, p in self._ema_weights] if cfg.train.ema_decay else None)
         self.data = build_dataset(cfg.data)
         # Each data-parallel rank draws its own clips and noise; rank 0 draws what a single process would.
         self.data_gen = torch.Generator().manual_seed(cfg.train.seed + 1 + 1000 * self.dp_rank)
@@ -279,7 +284,18 @@ class Trainer:
             "dispatch_reasons": [layer.dispatch_reason for layer in self.controller.layers],
             # CPU sums split over threads round by the thread count: a resume compares it (`_restore`).
             "cpu_threads": torch.get_num_threads(),
+            "ema": None if self.ema is None else self._full_ema(),
         }
+
+    def _full_ema(self) -> dict[str, torch.Tensor] | None:
+        """The moving average's full tensors by weight name, on rank 0's CPU (every rank gathers: a collective);
+        None on the other ranks, as the gathered weights (only rank 0 saves)."""
+        full = {}
+        for (name, _), ema in zip(self._ema_weights, self.ema):
+            tensor = ema.full_tensor() if isinstance(ema, DTensor) else ema
+            if self.rank == 0:
+                full[name] = tensor.detach().to("cpu", copy=True)
+        return full if self.rank == 0 else None
 
     def save(self) -> Path:
         # Rank 0's copy of the replicated predictors and DSV state is saved for all ranks: if the replicas
@@ -376,6 +392,7 @@ class Trainer:
         if window is not None and window["steps"] > 0:
             self._window_loss = window["loss_sum"].to(self.device)
             self._window_steps = window["steps"]
+        self._restore_ema(ckpt, state.get("ema"))
         reasons = state.get("dispatch_reasons")  # absent from checkpoints saved before it was recorded
         if reasons is not None and len(reasons) == len(self.controller.layers):
             for layer, reason in zip(self.controller.layers, reasons):
@@ -388,6 +405,24 @@ class Trainer:
                           "uninterrupted one would (set train.threads to the saved count for that)", stacklevel=2)
         self.step = state["step"]
         self.controller.step = self.step
+
+    def _restore_ema(self, ckpt: Path, saved: dict[str, torch.Tensor] | None) -> None:
+        if self.ema is None:
+            return
+        names = [name for name, _ in self._ema_weights]
+        if saved is None or sorted(saved) != sorted(names):
+            # The configs matched (train.ema_decay included), so only an edited or foreign state gets here.
+            raise CheckpointError(f"checkpoint {ckpt} lacks the weights' moving average of train.ema_decay="
+                                  f"{self.cfg.train.ema_decay} (or holds it for other weights)")
+        with torch.no_grad():
+            for name, ema in zip(names, self.ema):
+                full = saved[name].to(ema.device, ema.dtype)
+                if full.shape != ema.shape:
+                    raise CheckpointError(f"checkpoint {ckpt}: the moving average of {name} is "
+                                          f"{tuple(full.shape)}, the weight {tuple(ema.shape)}")
+                if isinstance(ema, DTensor):
+                    full = distribute_tensor(full, ema.device_mesh, ema.placements)
+                ema.copy_(full)
 
     def _check_data(self, ckpt: Path, saved: list[dict] | None, saved_path: str | None) -> None:
         """Refuse to resume on other data than the checkpoint's (sources added, removed, cut or split
@@ -511,6 +546,8 @@ class Trainer:
                                      "loss is not finite on some rank; stopping before the optimizer applies it "
                                      "(the last checkpoint is intact)")
         self.optimizer.step()
+        if self.ema is not None:
+            self._update_ema()
         # Freed now, not before the next backward: the next forward's peak need not hold a model's worth
         # of old gradients (6 GiB at the 2.7B shape).
         self.optimizer.zero_grad(set_to_none=True)
@@ -518,6 +555,36 @@ class Trainer:
         events = self.controller.end_step()
         self.step += 1
         return {"loss": loss.detach(), "grad_norm": grad_norm, "events": events}
+
+    @torch.no_grad()
+    def _update_ema(self) -> None:
+        def local(tensors):  # the shards: every rank averages its own part of each weight
+            return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+
+        weights = [p.detach().float() if p.dtype != torch.float32 else p.detach() for _, p in self._ema_weights]
+        torch._foreach_lerp_(local(self.ema), local(weights), 1.0 - self.cfg.train.ema_decay)
+
+    @torch.no_grad()
+    def heldout_loss_of_ema(self) -> float:
+        """The held-out loss with the moving average in place of the weights, which are put back after."""
+        weights = [p for _, p in self._ema_weights]
+        kept = [p.detach().clone() for p in weights]
+        try:
+            for p, ema in zip(weights, self.ema):
+                p.copy_(ema)
+            self._drop_gathered_weights()
+            return self.heldout_loss()
+        finally:
+            for p, value in zip(weights, kept):
+                p.copy_(value)
+            self._drop_gathered_weights()
+
+    def _drop_gathered_weights(self) -> None:
+        """FSDP2 reads a sharded weight only when it gathers it: a group still gathered from the last forward (the
+        root after a forward, in torch releases before mid-2025) would run with the old values."""
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     @torch.no_grad()
     def heldout_loss(self) -> float:
@@ -648,11 +715,15 @@ class Trainer:
                 timed_steps, t_start = 0, time.perf_counter()
                 last = record
             if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
-                held = self.heldout_loss()
-                self._log({"step": self.step, "heldout_loss": held})
-                self._print(f"step {self.step:5d} | held-out loss {held:.4f} | per-block state:\n"
-                            + self._describe_layers(self.controller.summary()))
-                last["heldout_loss"] = held
+                held = {"heldout_loss": self.heldout_loss()}
+                if self.ema is not None:
+                    held["heldout_loss_ema"] = self.heldout_loss_of_ema()
+                self._log({"step": self.step, **held})
+                ema_text = (f" (moving average of the weights {held['heldout_loss_ema']:.4f})"
+                            if self.ema is not None else "")
+                self._print(f"step {self.step:5d} | held-out loss {held['heldout_loss']:.4f}{ema_text} | per-block "
+                            "state:\n" + self._describe_layers(self.controller.summary()))
+                last.update(held)
             saved = self.step % cfg.ckpt_every == 0 or self.step == cfg.steps
             if saved:
                 self._save_and_tell()

@@ -51,7 +51,7 @@ TINY = [
     "attention.profile_every_stage1=2", "attention.profile_every_stage2=2", "attention.sparse_threshold=0.0",
     "attention.min_stage1_steps=0", "attention.max_stage1_steps=2",
     "train.steps=6", "train.batch_size=2", "train.log_every=2", "train.eval_every=3", "train.ckpt_every=6",
-    "train.tensorboard=false", "optim.warmup_steps=0", "optim.lr=2e-3",
+    "train.tensorboard=false", "optim.warmup_steps=0", "optim.lr=2e-3", "train.ema_decay=0.5",
 ]
 
 
@@ -105,6 +105,17 @@ def test_quality_bench_writes_a_complete_report(quality_run):
     assert re.fullmatch(r"[0-9a-f]{64}", results["code"]["source_sha256"]) and "dsv" in results["code"]
     # Written when training ends, before the evaluation: the same held-out table as the final results.
     assert json.loads((out / "training.json").read_text())["heldout"] == results["heldout"]
+    # The weights' moving average at the same evaluations, its late means beside the weights' own.
+    ema = results["heldout_ema_by_seed"][str(results["seeds"][0])]
+    assert [r["step"] for r in ema] == [r["step"] for r in results["heldout"]] == [3, 6]
+    assert any(r[mode] != w[mode] for r, w in zip(ema, results["heldout"]) for mode in ("dense", "dsv", "window"))
+    late_ema = results["late_means_ema"]  # the second half of 6 steps: the evaluation of step 6 alone
+    assert {mode: late_ema[mode] for mode in ("dense", "dsv", "window")} == {
+        mode: ema[-1][mode] for mode in ("dense", "dsv", "window")}
+    loss_row = next(t for t in results["targets"] if t["target"].startswith("DSV held-out loss"))
+    assert f"the weights' moving average (train.ema_decay), the same evaluations: DSV {late_ema['dsv_gap']:+.2%}" \
+        in loss_row["context"]
+    assert "Held-out loss of the weights' moving average" in (out / "report.md").read_text()
     # Token-level vs key-cube selection on the trained model: recall grows with the kept fraction.
     granularity = results["granularity"]
     assert [g["kept_fraction"] for g in granularity] == [0.1, 0.25, 0.5]

@@ -112,6 +112,27 @@ def test_reports_of_other_settings_or_a_seed_twice_are_refused():
         check_comparable([base, ("b", _report({"1": (1.0, 1.0, 1.0)}, {"1": (1, 1, 1)}))])
 
 
+def test_the_weights_moving_average_is_judged_over_the_seeds_that_kept_one(tmp_path):
+    """A report from before `train.ema_decay` joins the weights' reading only; the average's row uses the others."""
+    averaged = {"per_seed": {"2": {"dense": 1.0, "dsv": 1.004, "window": 1.02},
+                             "3": {"dense": 1.0, "dsv": 0.998, "window": 1.01}}}
+    report, written = _quality_seeds(tmp_path, {
+        "a": _report({"1": (1.0, 1.03, 1.0)}, {"1": (1, 1, 1)}),
+        "b": _report({"2": (1.0, 1.01, 1.0), "3": (1.0, 0.99, 1.0)}, {"2": (1, 1, 1), "3": (1, 1, 1)},
+                     late_means_ema=averaged, config=_with_config(train={"ema_decay": 0.99})),
+        # Another decay averages over other steps: not pooled with the first one's.
+        "c": _report({"4": (1.0, 1.0, 1.0)}, {"4": (1, 1, 1)}, config=_with_config(train={"ema_decay": 0.9}),
+                     late_means_ema={"per_seed": {"4": {"dense": 1.0, "dsv": 1.5, "window": 1.0}}})})
+    rows = {t["target"]: t for t in written["targets"]}
+    weights = rows["DSV held-out loss within 1% of dense"]
+    average = rows["DSV held-out loss of the weights' moving average (train.ema_decay=0.99) within 1% of dense"]
+    assert weights["measured"].startswith("+0.75% over 4 seeds")
+    assert average["measured"].startswith("+0.10% over 2 seeds (per seed +0.40%, -0.20%)") and average["met"]
+    assert written["loss_ema"]["seeds"] == ["2", "3"] and written["seeds"]["1"]["loss_ema"] is None
+    assert written["loss_ema"]["other_decays"] == ["4"] and "(not seeds 4, whose runs averaged with another" in report
+    assert "| mean over seeds | 1.0000 | 1.0010 | 1.0150 | +0.10% | +1.50% |" in report
+
+
 def test_overrides_that_do_not_change_what_a_run_learns_are_one_comparison():
     """Saving more often is not another setting; a learning override beside it still is."""
     base = ("a", _report({"1": (1.0, 1.0, 1.0)}, {"1": (1, 1, 1)}))

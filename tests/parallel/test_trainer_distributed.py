@@ -11,7 +11,8 @@ import torch
 from tests.parallel import run_distributed
 from tests.train.test_training import TINY
 
-SCHEDULE = ["attention.max_stage1_steps=2", "train.ckpt_every=2", "train.threads=1"]
+# With the weights' moving average: its shards are averaged, gathered, saved and restored per rank.
+SCHEDULE = ["attention.max_stage1_steps=2", "train.ckpt_every=2", "train.threads=1", "train.ema_decay=0.5"]
 
 
 def _train(rank: int, world: int, root: str, extra: list[str]) -> dict:
@@ -30,9 +31,20 @@ def _train(rank: int, world: int, root: str, extra: list[str]) -> dict:
     for run in ("straight", "resumed"):
         trainer = Trainer(config(run, 4), resume=True, quiet=True)
         weights, state = trainer.full_state()
+        # The loss of the sharded model holding the saved average, for the one logged at the last step.
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        from dsv.train.checkpoint import load_checkpoint
+
+        saved_weights, saved_state, _ = load_checkpoint(Path(root) / run)
+        set_model_state_dict(trainer.model, {**saved_weights, **saved_state["ema"]},
+                             options=StateDictOptions(full_state_dict=True))
+        loss_of_saved_ema = trainer.heldout_loss()
         layers = trainer.controller.layers
         results[run] = {
             "weights": weights if rank == 0 else None,
+            "ema": state["ema"],
+            "loss_of_saved_ema": loss_of_saved_ema,
             "rng": state["rng_per_rank"],
             "predictor": [p.detach().clone() for layer in layers for p in layer.predictor.parameters()],
             "sparsity": [layer.sparsity_ema.clone() for layer in layers],
@@ -57,6 +69,24 @@ def test_two_rank_training_resumes_exactly(tmp_path, extra):
     assert set(straight["weights"]) == set(resumed["weights"])
     for name, value in straight["weights"].items():
         assert bitwise_equal(value, resumed["weights"][name]), name
+    assert straight["ema"] and set(straight["ema"]) <= set(straight["weights"])
+    for name, value in straight["ema"].items():
+        assert torch.equal(value, resumed["ema"][name]), name
+    assert any(not torch.equal(value, straight["weights"][name]) for name, value in straight["ema"].items())
+    held = {run: [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+                  if "heldout_loss" in line] for run in ("straight", "resumed")}
+    assert held["straight"] == held["resumed"]
+    assert held["straight"][-1]["heldout_loss_ema"] == straight["loss_of_saved_ema"] != held["straight"][-1][
+        "heldout_loss"]
+    assert ranks[1]["straight"]["ema"] is None  # gathered on every rank, kept on rank 0 alone
+    # The shards were averaged: the average left the initial weights (the same seed builds them again).
+    from dsv.train.config import apply_overrides
+    from dsv.train.recipes import get_recipe
+    from dsv.train.trainer import build_model
+
+    initial = dict(build_model(apply_overrides(get_recipe("debug_cpu"), TINY + SCHEDULE + extra),
+                               torch.device("cpu")).named_parameters())
+    assert any(not torch.equal(value, initial[name]) for name, value in straight["ema"].items())
     # Every rank's random state was saved and restored (data-parallel ranks draw different data; the
     # ranks of one context-parallel group share their samples).
     same_data = torch.equal(straight["rng"][0]["data_generator"], straight["rng"][1]["data_generator"])

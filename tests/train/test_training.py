@@ -155,6 +155,55 @@ def test_resume_continues_the_run_exactly(tmp_path, predictor_keys):
         assert any(not torch.equal(straight_w[n], all_keys_w[n]) for n in predictor_names)
 
 
+def test_the_weights_moving_average_is_evaluated_resumed_exactly_and_leaves_training_alone(tmp_path):
+    decay = 0.8
+    schedule = ["attention.max_stage1_steps=4", "train.ckpt_every=6", "train.eval_every=3",
+                f"train.ema_decay={decay}"]
+    Trainer(tiny_config(tmp_path / "plain", "train.steps=12", *schedule[:-1]), quiet=True).run()
+    trainer = Trainer(tiny_config(tmp_path / "straight", "train.steps=12", *schedule), quiet=True)
+    names = [name for name, _ in trainer._ema_weights]
+    assert names and not any(".predictor." in name for name in names)  # predictors step themselves
+    params = dict(trainer.model.named_parameters())
+    expected = {name: params[name].detach().clone() for name in names}
+    train_step = trainer.train_step
+
+    def step_and_average():
+        out = train_step()
+        for name in names:
+            expected[name] = decay * expected[name] + (1 - decay) * params[name].detach()
+        return out
+
+    trainer.train_step = step_and_average
+    trainer.run()
+    Trainer(tiny_config(tmp_path / "resumed", "train.steps=6", *schedule), quiet=True).run()
+    Trainer(tiny_config(tmp_path / "resumed", "train.steps=12", *schedule), resume=True, quiet=True).run()
+
+    plain_w, _ = final_state(tmp_path / "plain", *schedule[:-1])
+    straight_w, straight_s = final_state(tmp_path / "straight", *schedule)
+    resumed_w, resumed_s = final_state(tmp_path / "resumed", *schedule)
+    # fp32 lerp against multiply-add: a few ulps per step over 12 steps.
+    for name in names:
+        torch.testing.assert_close(straight_s["ema"][name], expected[name], rtol=1e-5, atol=1e-6)
+        assert torch.equal(straight_s["ema"][name], resumed_s["ema"][name]), name
+    assert any(not torch.equal(straight_s["ema"][n], straight_w[n]) for n in names)
+    # Averaging and evaluating the average change nothing the run learns: the weights are the plain run's.
+    for name, value in plain_w.items():
+        assert bitwise_equal(value, straight_w[name]), name
+    held = {run: [r for r in read_metrics(tmp_path / run) if "heldout_loss" in r]
+            for run in ("plain", "straight", "resumed")}
+    assert [r["step"] for r in held["straight"]] == [3, 6, 9, 12]
+    assert [r["heldout_loss"] for r in held["straight"]] == [r["heldout_loss"] for r in held["plain"]]
+    assert all("heldout_loss_ema" not in r for r in held["plain"])
+    assert held["straight"] == held["resumed"]
+    # The logged average's loss is that of a model holding the averaged weights.
+    check = Trainer(tiny_config(tmp_path / "straight", "train.steps=12", *schedule), resume=True, quiet=True)
+    check.model.load_state_dict({**straight_w, **straight_s["ema"]})
+    assert check.heldout_loss() == held["straight"][-1]["heldout_loss_ema"] != held["straight"][-1]["heldout_loss"]
+    check.close()
+    with pytest.raises(ValueError, match=r"train.ema_decay must be in \[0, 1\)"):
+        tiny_config(tmp_path, "train.ema_decay=1")
+
+
 def test_compiled_blocks_train_like_eager_through_the_switch_and_resume(tmp_path):
     """model.compile compiles each block in place: same losses and weights as eager (aot_eager on the CPU:
     the graph's own ops, so fp32 sums agree to rounding), the same checkpoint keys, and a resume."""
