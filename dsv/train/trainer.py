@@ -116,6 +116,14 @@ def build_model(cfg: Config, device: torch.device) -> torch.nn.Module:
     return VideoDiT(m, cfg.attention).to(device)
 
 
+def ema_decay_at(step: int, decay: float) -> float:
+    """The moving average's decay in the update after `step` optimizer steps: `decay`, less while `(1 + step) /
+    (10 + step)` is smaller (as diffusers' EMAModel warms up): a fixed 0.99 would still hold 13% of the initial
+    weights at step 200, where a quality_gpu run's held-out loss of its average was 2.3× that of its weights
+    on one H200."""
+    return min(decay, (1 + step) / (10 + step))
+
+
 def heldout_targets(n: int, shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Fixed (t, noise) for the held-out loss: t spread evenly over (0, 1), noise from a fixed seed."""
     gen = torch.Generator().manual_seed(seed)
@@ -562,7 +570,7 @@ class Trainer:
             return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
 
         weights = [p.detach().float() if p.dtype != torch.float32 else p.detach() for _, p in self._ema_weights]
-        torch._foreach_lerp_(local(self.ema), local(weights), 1.0 - self.cfg.train.ema_decay)
+        torch._foreach_lerp_(local(self.ema), local(weights), 1.0 - ema_decay_at(self.step, self.cfg.train.ema_decay))
 
     @torch.no_grad()
     def heldout_loss_of_ema(self) -> float:
