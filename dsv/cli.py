@@ -51,6 +51,7 @@ def _sample(args) -> int:
                          "add --noise-level-budgets")
     result = sample_videos(args.checkpoint, args.out, num=args.num, steps=args.steps, seed=args.seed,
                            device=args.device, attention_mode=args.attention_mode, compare_dense=args.compare_dense,
+                           average_weights=args.average_weights,
                            calibration=({"kept_mass": args.kept_mass, "clips": args.calibration_clips or 8}
                                         if args.noise_level_budgets else None))
     print(json.dumps(result, indent=1, allow_nan=False))
@@ -147,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--seed", type=int, default=0)
     sample.add_argument("--device", default="auto")
     sample.add_argument("--attention-mode", default=None, help="override the attention mode (e.g. dense)")
+    sample.add_argument("--average-weights", action="store_true",
+                        help="sample the moving average of the trained weights (runs with train.ema_decay > 0)")
     sample.add_argument("--compare-dense", action="store_true",
                         help="also sample the same noise densely: times and PSNR/SSIM against dense")
     sample.add_argument("--noise-level-budgets", action="store_true",

@@ -12,9 +12,12 @@ from dsv.train.config import Config
 from dsv.train.trainer import build_model, resolve_device
 
 
-def load_model(path: str, device: str = "auto", attention_mode: str | None = None) -> tuple[VideoDiT, Config, int]:
+def load_model(path: str, device: str = "auto", attention_mode: str | None = None,
+               average_weights: bool = False) -> tuple[VideoDiT, Config, int]:
     """Return `(model in eval mode, config, step)`. `attention_mode` swaps the attention mode (e.g. run a
-    DSV-trained model densely); the predictors' weights are then left out when the new mode has none. The
+    DSV-trained model densely); the predictors' weights are then left out when the new mode has none.
+    `average_weights` puts the moving average of the trained weights (`train.ema_decay`) in their place (a
+    DSV model keeps its own predictors and dispatch); a ValueError where the run kept none. The
     blocks run eager whatever `model.compile` the run trained with (the returned config says so): profiling
     and observations read attention through Python hooks, which a compiled block cannot run, and a few
     sampling steps do not repay a compile.
@@ -27,6 +30,11 @@ def load_model(path: str, device: str = "auto", attention_mode: str | None = Non
     weights, state, manifest = load_checkpoint(ckpt)
     cfg = checkpoint_config(manifest, ckpt)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, compile=""))
+    if average_weights:
+        if not state.get("ema"):
+            raise ValueError(f"average_weights: checkpoint {ckpt} keeps no moving average of its weights (trained "
+                             f"with train.ema_decay={cfg.train.ema_decay}); load its trained weights instead")
+        weights = {**weights, **state["ema"]}
     trained_mode = cfg.attention.mode
     if attention_mode == "dsv" and trained_mode != "dsv":
         others = "oracle, window or dense" if trained_mode == "oracle" else "window or dense"

@@ -72,17 +72,18 @@ def calibrate_for_sampling(model: VideoDiT, cfg: Config, kept_mass: float, sampl
 
 
 def _generate(checkpoint: str, num: int, steps: int, seed: int, device: str, attention_mode: str | None,
-              calibration: dict | None = None) -> tuple[torch.Tensor, float, dict]:
-    """`(videos [N, C, T, H, W] float32 on the CPU, sampling seconds, facts)` from one checkpoint; with
-    `calibration` (`kept_mass` and `clips` of `calibrate_for_sampling`; its clips and noise derive from the sampling
-    seed), at noise-level budgets."""
-    model, cfg, step = load_model(checkpoint, device, attention_mode)
+              calibration: dict | None = None, average_weights: bool = False) -> tuple[torch.Tensor, float, dict]:
+    """`(videos [N, C, T, H, W] float32 on the CPU, sampling seconds, facts)` from one checkpoint (its weights'
+    moving average with `average_weights`); with `calibration` (`kept_mass` and `clips` of
+    `calibrate_for_sampling`; its clips and noise derive from the sampling seed), at noise-level budgets."""
+    model, cfg, step = load_model(checkpoint, device, attention_mode, average_weights)
     budgets = None if calibration is None else calibrate_for_sampling(model, cfg, sampling_batch=num, seed=seed,
                                                                        **calibration)
     warm_up(model, cfg, num, seed, budgets)
     videos, seconds = generate(model, cfg, num, steps, seed, budgets)
     # With budgets, `sparse_blocks` are the dispatched ones; the blocks each level ran sparse are in the summary.
-    facts = {"checkpoint_step": step, "mode": cfg.attention.mode, "attention_paths": attention_paths(model),
+    facts = {"checkpoint_step": step, "mode": cfg.attention.mode, "average_weights": average_weights,
+             "attention_paths": attention_paths(model),
              "sparse_blocks": model.controller.sparse_layers()}
     if budgets is not None:
         facts["noise_level_budgets"] = budgets.summary()
@@ -114,11 +115,12 @@ def similarity(videos: torch.Tensor, reference: torch.Tensor) -> dict:
 
 def sample_videos(checkpoint: str, out: str, num: int = 4, steps: int = 25, seed: int = 0,
                   device: str = "auto", attention_mode: str | None = None, fps: int = 8,
-                  compare_dense: bool = False, calibration: dict | None = None) -> dict:
+                  compare_dense: bool = False, calibration: dict | None = None, average_weights: bool = False) -> dict:
     """Write `num` samples as one video grid. With `compare_dense`, also sample the same noise with dense
     attention and report both sampling times and the PSNR/SSIM of these samples against the dense ones. With
     `calibration` (`{"kept_mass": ..., "clips": ...}`), each step runs at budgets calibrated for its noise level
-    (`dsv.analysis.noise_budgets`), summarised in the result.
+    (`dsv.analysis.noise_budgets`), summarised in the result. With `average_weights`, the run's moving average of
+    its weights (`train.ema_decay`) samples, the dense comparison's too.
     Bad arguments (`num` or `steps` below 1, an `out` the writer cannot write here: another suffix, or .mp4
     without PyAV) raise ValueError before any sampling."""
     if num < 1:
@@ -126,11 +128,13 @@ def sample_videos(checkpoint: str, out: str, num: int = 4, steps: int = 25, seed
     if steps < 1:
         raise ValueError(f"steps must be >= 1 (Euler steps; 0 would write the initial noise), got {steps}")
     check_writable(out)
-    videos, seconds, facts = _generate(checkpoint, num, steps, seed, device, attention_mode, calibration)
+    videos, seconds, facts = _generate(checkpoint, num, steps, seed, device, attention_mode, calibration,
+                                       average_weights)
     write_video(to_uint8_grid(videos, columns=min(num, 4)), Path(out), fps=fps)
     result = {"out": out, "seconds": seconds, **facts}
     if compare_dense:
-        dense, dense_seconds, _ = _generate(checkpoint, num, steps, seed, device, "dense")
+        dense, dense_seconds, _ = _generate(checkpoint, num, steps, seed, device, "dense",
+                                            average_weights=average_weights)
         result.update({"dense_seconds": dense_seconds, "speedup_vs_dense": dense_seconds / seconds,
                        **similarity(videos, dense)})
     return result

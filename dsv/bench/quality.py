@@ -95,6 +95,11 @@ SAMPLING_KEPT_MASS = 0.97
 CALIBRATION_CLIPS = 8  # training clips the noise-level budgets are calibrated on
 
 
+def average_set(mode: str) -> str:
+    """The name of the samples of a run's moving average of its weights (`train.ema_decay`): FVD rows."""
+    return f"{mode}, average of the weights"
+
+
 def budgets_set(kept_mass: float) -> str:
     """The name of the DSV model's samples at noise-level budgets keeping `kept_mass` (FVD rows, sample grid)."""
     return f"dsv, budgets keeping {kept_mass:g} of the mass"
@@ -872,6 +877,11 @@ def targets(results: dict) -> list[dict]:
     late_ema = results.get("late_means_ema")  # absent from results written before the bench read it
     loss_ema = (f"the weights' moving average (train.ema_decay), the same evaluations: DSV {late_ema['dsv_gap']:+.2%}, "
                 f"window {late_ema['window_gap']:+.2%} against dense" if late_ema else "")
+    # The same comparison between the runs' moving averages of their weights, where every run kept one.
+    fvd_ema = (f"the weights' moving averages: DSV {fvd[average_set('dsv')]['fvd']:.1f}, dense "
+               f"{fvd[average_set('dense')]['fvd']:.1f}: "
+               f"{fvd[average_set('dsv')]['fvd'] / fvd[average_set('dense')]['fvd'] - 1:+.1%}{over}"
+               if all(average_set(mode) in fvd for mode in ("dense", "dsv")) else "")
     loss = loss_target(late, results["heldout_by_seed"], results["switch_step_by_seed"],
                        "; ".join(part for part in (not_judged(dense_only), stage2, loss_control, loss_ema) if part)
                        + init)
@@ -886,7 +896,8 @@ def targets(results: dict) -> list[dict]:
          "measured": fvd_measured,
          "met": None if fvd_dense_only else bool(meets_tolerance(fvd_gap, FVD_TOLERANCE)),
          "context": "; ".join(part for part in (f"{results['videos']} videos per set", spread,
-                                                not_judged(fvd_dense_only), stage2, fvd_control) if part)},
+                                                not_judged(fvd_dense_only), stage2, fvd_control, fvd_ema)
+                                 if part)},
         {"target": "window worse than both (held-out loss and FVD)",
          "measured": f"loss {window:.4f} (mean of {_late_steps(late)}{', then over seeds' if several else ''}), "
                      f"FVD {fvd['window']['fvd']:.1f}{' (mean over seeds)' if fvd_several else ''}",
@@ -1254,6 +1265,10 @@ def sample_runs(run_dirs: dict[str, Path], num: int, args, device: torch.device,
         # Only DSV's sparse-vs-dense sampling is compared in time; the other runs are sampled once.
         repeats = args.timing_repeats if mode == "dsv" and timed else 1
         samples[mode], passes = timed_samples(model, cfg, num, args.sample_steps, args.seed, repeats)
+        if cfg.train.ema_decay:  # the same noise through the run's moving average of its weights
+            averaged, _, _ = load_model(str(run_dir), str(device), average_weights=True)
+            samples[average_set(mode)], _ = timed_samples(averaged, cfg, num, args.sample_steps, args.seed, 1)
+            del averaged
         if mode == "dsv":
             dense_view, _, _ = load_model(str(run_dir), str(device), attention_mode="dense")
             samples["dsv, dense sampling"], dense_passes = timed_samples(

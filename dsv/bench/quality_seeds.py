@@ -20,6 +20,7 @@ from dsv.bench.quality import (
     LOSS_TOLERANCE,
     MODES,
     TOLERANCE_RULE,
+    average_set,
     fvd_seeds,
     meets_tolerance,
     no_sparse_block_text,
@@ -203,11 +204,13 @@ def resolution(gap: float, standard_error: float | None, tolerance: float, seeds
     return f"not resolved: {low:+.1%}…{high:+.1%} crosses +{tolerance:.0%}"
 
 
-def targets(loss: dict, fvd: dict | None, rows: dict[str, dict], loss_ema: dict | None = None) -> list[dict]:
+def targets(loss: dict, fvd: dict | None, rows: dict[str, dict], loss_ema: dict | None = None,
+            fvd_ema: dict | None = None) -> list[dict]:
     """The loss, FVD and window targets on the means over seeds, each with the per-seed spread. A seed whose DSV
     run had no sparse block (`seed_rows`' "no_sparse_block") trained dense attention: as in `dsv bench quality`,
     the targets whose means include it are n/a (met None), their numbers kept and the seeds named. ``loss_ema``
-    (the seeds whose runs kept a moving average of their weights) adds the loss target's reading on it."""
+    and ``fvd_ema`` (the seeds whose runs kept a moving average of their weights, of one decay) add the loss and
+    FVD targets' readings on it."""
     dense_only = [seed for seed in loss["seeds"] if rows[seed]["no_sparse_block"]]
 
     def not_judged(seeds: list[str]) -> str:
@@ -233,6 +236,9 @@ def targets(loss: dict, fvd: dict | None, rows: dict[str, dict], loss_ema: dict 
                               loss_ema, "dsv", LOSS_TOLERANCE))
     if fvd is not None:
         judged.append(gap_row("FVD", fvd, "dsv", FVD_TOLERANCE))
+    if fvd_ema is not None:
+        judged.append(gap_row(f"FVD of the weights' moving average (train.ema_decay={fvd_ema['ema_decay']})",
+                              fvd_ema, "dsv", FVD_TOLERANCE))
     worse = {"loss": loss["means"]["window"] > max(loss["means"]["dense"], loss["means"]["dsv"])}
     if fvd is not None:
         worse["FVD"] = fvd["means"]["window"] > max(fvd["means"]["dense"], fvd["means"]["dsv"])
@@ -363,12 +369,16 @@ def run(args) -> int:
                 if averaged else None)
     scored = {seed: row["fvd"] for seed, row in rows.items() if row["fvd"] is not None}
     fvd = over_seeds(scored) if scored else None
-    judged = targets(loss, fvd, rows, loss_ema)
+    # The FVD of the averages: the seeds of that decay whose report sampled every run's average.
+    fvd_averaged = {seed: {mode: rows[seed]["fvd"][average_set(mode)] for mode in MODES} for seed in averaged
+                    if rows[seed]["fvd"] and all(average_set(mode) in rows[seed]["fvd"] for mode in MODES)}
+    fvd_ema = {**over_seeds(fvd_averaged), "ema_decay": decays[0]} if fvd_averaged else None
+    judged = targets(loss, fvd, rows, loss_ema, fvd_ema)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(
         {"reports": [name for name, _ in reports],
          "checked_by_recipe_and_overrides_only": checked_without_config(reports), "seeds": rows, "loss": loss,
-         "loss_ema": loss_ema, "fvd": fvd, "targets": judged}, indent=1))
+         "loss_ema": loss_ema, "fvd": fvd, "fvd_ema": fvd_ema, "targets": judged}, indent=1))
     command = shlex.join(["dsv", "bench", "quality-seeds", "--results", *map(str, args.results), "--out", "OUT"])
     report = render(reports, rows, loss, fvd, judged, command, loss_ema)
     (args.out / "report.md").write_text(report)

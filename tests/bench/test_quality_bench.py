@@ -18,6 +18,7 @@ from dsv.bench.quality import (
     EXIT_UNFINISHED,
     SAMPLING_KEPT_MASS,
     _fvd_entries,
+    average_set,
     budgets_set,
     fvd_of_seeds,
     fvd_with_bootstrap,
@@ -116,6 +117,11 @@ def test_quality_bench_writes_a_complete_report(quality_run):
     assert f"the weights' moving average (train.ema_decay), the same evaluations: DSV {late_ema['dsv_gap']:+.2%}" \
         in loss_row["context"]
     assert "Held-out loss of the weights' moving average" in (out / "report.md").read_text()
+    # Each run's average sampled from the same noise: FVD rows beside the weights', compared in the FVD target.
+    for mode in ("dense", "dsv", "window", CONTROL):
+        assert math.isfinite(results["fvd"][f"{mode}, average of the weights"]["fvd"]), mode
+    fvd_row = next(t for t in results["targets"] if t["target"].startswith("DSV FVD"))
+    assert "the weights' moving averages: DSV " in fvd_row["context"]
     # Token-level vs key-cube selection on the trained model: recall grows with the kept fraction.
     granularity = results["granularity"]
     assert [g["kept_fraction"] for g in granularity] == [0.1, 0.25, 0.5]
@@ -155,7 +161,8 @@ def test_quality_bench_writes_a_complete_report(quality_run):
     # FVD: every set measured with a spread; after 6 steps the samples are far from real video, real clips are not.
     fvd = results["fvd"]
     assert set(fvd) == {"dense", "dsv", "dsv, dense sampling", budgets_set(SAMPLING_KEPT_MASS), "window", CONTROL,
-                        "real training clips"}
+                        "real training clips", *(f"{mode}, average of the weights"
+                                                 for mode in ("dense", "dsv", "window", CONTROL))}
     # The DSV model at noise-level budgets: every calibrated level reported, its sparse blocks keeping the mass.
     [budgets] = results["sampling"]["budgets"]
     assert budgets["kept_mass"] == SAMPLING_KEPT_MASS and budgets["seconds"] > 0 and 0 < budgets["ssim"] <= 1
@@ -370,8 +377,12 @@ def test_every_seeds_models_are_sampled_and_the_fvd_is_the_mean_over_seeds(quali
     args = argparse.Namespace(timing_repeats=2, sample_steps=2, seed=0, sampling_kept_mass=[0.5, 0.9])
     samples, sampling = sample_seeds(dirs, 2, args, torch.device("cpu"))
     assert list(samples) == ["a", "b"]
-    sets = ["dense", "dsv", "dsv, dense sampling", budgets_set(0.5), budgets_set(0.9), "window"]
+    # Each run's moving average of its weights too (the shared run keeps one: train.ema_decay in TINY).
+    sets = ["dense", average_set("dense"), "dsv", average_set("dsv"), "dsv, dense sampling", budgets_set(0.5),
+            budgets_set(0.9), "window", average_set("window")]
     assert all(list(s) == sets for s in samples.values())
+    assert torch.equal(samples["a"][average_set("dense")], samples["b"][average_set("window")])
+    assert not torch.equal(samples["a"][average_set("dense")], samples["a"]["dense"])
     # The same models from the same noise sample alike; only the first seed's DSV sampling is timed.
     assert torch.equal(samples["a"]["dense"], samples["b"]["window"]) and torch.equal(samples["a"]["dsv"],
                                                                                        samples["b"]["dsv"])

@@ -131,6 +131,21 @@ def test_the_weights_moving_average_is_judged_over_the_seeds_that_kept_one(tmp_p
     assert written["loss_ema"]["seeds"] == ["2", "3"] and written["seeds"]["1"]["loss_ema"] is None
     assert written["loss_ema"]["other_decays"] == ["4"] and "(not seeds 4, whose runs averaged with another" in report
     assert "| mean over seeds | 1.0000 | 1.0010 | 1.0150 | +0.10% | +1.50% |" in report
+    assert written["fvd_ema"] is None  # no report sampled the averages
+
+
+def test_the_fvd_of_the_weights_moving_average_is_judged_over_the_seeds_that_sampled_it(tmp_path):
+    averaged = {"per_seed": {seed: {"dense": 1.0, "dsv": 1.0, "window": 1.0} for seed in ("1", "2")}}
+    report = _report({"1": (1.0, 1.0, 1.0), "2": (1.0, 1.0, 1.0)}, {"1": (100, 104, 110), "2": (100, 90, 95)},
+                     late_means_ema=averaged, config=_with_config(train={"ema_decay": 0.99}))
+    for seed, values in (("1", (100, 120, 100)), ("2", (100, 100, 100))):  # seed 1's averages: DSV +20%
+        report["fvd_by_seed"][seed].update({f"{mode}, average of the weights": {"fvd": value}
+                                            for mode, value in zip(("dense", "dsv", "window"), values)})
+    _, written = _quality_seeds(tmp_path, {"a": report})
+    rows = {t["target"]: t for t in written["targets"]}
+    assert rows["DSV FVD within 5% of dense"]["measured"].startswith("-3.00% over 2 seeds")
+    average = rows["DSV FVD of the weights' moving average (train.ema_decay=0.99) within 5% of dense"]
+    assert average["measured"].startswith("+10.00% over 2 seeds (per seed +20.00%, +0.00%)") and not average["met"]
 
 
 def test_overrides_that_do_not_change_what_a_run_learns_are_one_comparison():

@@ -205,6 +205,16 @@ def test_the_weights_moving_average_is_evaluated_resumed_exactly_and_leaves_trai
     check.close()
     with pytest.raises(ValueError, match=r"train.ema_decay must be in \[0, 1\)"):
         tiny_config(tmp_path, "train.ema_decay=1")
+    # Sampling from the average: the loaded model holds it; a run without one says so.
+    from dsv.analysis.checkpointed_model import load_model
+
+    averaged, _, _ = load_model(str(tmp_path / "straight"), "cpu", average_weights=True)
+    assert all(torch.equal(p, straight_s["ema"][n]) for n, p in averaged.named_parameters() if n in names)
+    with pytest.raises(ValueError, match="keeps no moving average of its weights"):
+        load_model(str(tmp_path / "plain"), "cpu", average_weights=True)
+    assert main(["sample", "--checkpoint", str(tmp_path / "straight"), "--out", str(tmp_path / "a.gif"), "--num", "1",
+                 "--steps", "1", "--average-weights"]) == 0
+    assert (tmp_path / "a.gif").stat().st_size > 0
 
 
 def test_compiled_blocks_train_like_eager_through_the_switch_and_resume(tmp_path):
