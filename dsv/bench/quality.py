@@ -95,9 +95,12 @@ SAMPLING_KEPT_MASS = 0.97
 CALIBRATION_CLIPS = 8  # training clips the noise-level budgets are calibrated on
 
 
+AVERAGE_SUFFIX = ", average of the weights"
+
+
 def average_set(mode: str) -> str:
     """The name of the samples of a run's moving average of its weights (`train.ema_decay`): FVD rows."""
-    return f"{mode}, average of the weights"
+    return mode + AVERAGE_SUFFIX
 
 
 def budgets_set(kept_mass: float) -> str:
@@ -557,15 +560,17 @@ def fvd_with_bootstrap(real: np.ndarray, generated_by_seed: dict[str, dict[str, 
 def _fvd_entries(point: dict[str, float], boot: dict[str, list[float]]) -> dict:
     """Per set: the point FVD, the bootstrap draws' std and 5-95% range, and beside a ``dense`` set the draws'
     ratio to it (5-95% and the share that meets ``FVD_TOLERANCE``: at most ``1 + FVD_TOLERANCE``; results written
-    before the one-sided rule stored the share within ±``FVD_TOLERANCE`` as ``share_within_tolerance``)."""
+    before the one-sided rule stored the share within ±``FVD_TOLERANCE`` as ``share_within_tolerance``). A
+    run's moving average of its weights (``average_set``) is compared with dense's average, not its weights."""
     result = {}
     for name, values in boot.items():
         entry = {"fvd": point[name]}
+        reference = average_set("dense") if name.endswith(AVERAGE_SUFFIX) else "dense"
         if values:
             entry.update(std=float(np.std(values)), p05=float(np.percentile(values, 5)),
                          p95=float(np.percentile(values, 95)))
-            if "dense" in boot and name != "dense":
-                ratio = np.array(values) / np.maximum(np.array(boot["dense"]), 1e-12)
+            if reference in boot and name != reference:
+                ratio = np.array(values) / np.maximum(np.array(boot[reference]), 1e-12)
                 entry.update(ratio_to_dense_p05=float(np.percentile(ratio, 5)),
                              ratio_to_dense_p95=float(np.percentile(ratio, 95)),
                              share_at_most_tolerance=float(meets_tolerance(ratio - 1, FVD_TOLERANCE).mean()))
@@ -877,11 +882,19 @@ def targets(results: dict) -> list[dict]:
     late_ema = results.get("late_means_ema")  # absent from results written before the bench read it
     loss_ema = (f"the weights' moving average (train.ema_decay), the same evaluations: DSV {late_ema['dsv_gap']:+.2%}, "
                 f"window {late_ema['window_gap']:+.2%} against dense" if late_ema else "")
+    if late_ema and "control_gap" in late_ema:
+        loss_ema += f", dense control {late_ema['control_gap']:+.2%}"
     # The same comparison between the runs' moving averages of their weights, where every run kept one.
-    fvd_ema = (f"the weights' moving averages: DSV {fvd[average_set('dsv')]['fvd']:.1f}, dense "
-               f"{fvd[average_set('dense')]['fvd']:.1f}: "
-               f"{fvd[average_set('dsv')]['fvd'] / fvd[average_set('dense')]['fvd'] - 1:+.1%}{over}"
-               if all(average_set(mode) in fvd for mode in ("dense", "dsv")) else "")
+    fvd_ema = ""
+    if all(average_set(mode) in fvd for mode in ("dense", "dsv")):
+        averaged_dsv, averaged_dense = fvd[average_set("dsv")], fvd[average_set("dense")]
+        fvd_ema = (f"the weights' moving averages: DSV {averaged_dsv['fvd']:.1f}, dense {averaged_dense['fvd']:.1f}: "
+                   f"{averaged_dsv['fvd'] / averaged_dense['fvd'] - 1:+.1%}{over}, paired bootstrap "
+                   f"{averaged_dsv.get('ratio_to_dense_p05', float('nan')):.3f}–"
+                   f"{averaged_dsv.get('ratio_to_dense_p95', float('nan')):.3f} (5–95%)")
+        if results["dense_control"] and average_set(CONTROL) in fvd:
+            fvd_ema += (f"; dense control's average vs dense's: "
+                        f"{fvd[average_set(CONTROL)]['fvd'] / averaged_dense['fvd'] - 1:+.1%}")
     loss = loss_target(late, results["heldout_by_seed"], results["switch_step_by_seed"],
                        "; ".join(part for part in (not_judged(dense_only), stage2, loss_control, loss_ema) if part)
                        + init)

@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 
 from dsv.bench.quality import (
+    AVERAGE_SUFFIX,
     FVD_TOLERANCE,
     LOSS_TOLERANCE,
     MODES,
@@ -166,7 +167,9 @@ def seed_rows(reports: list[tuple[str, dict]]) -> dict[str, dict]:
             late_ema = (results.get("late_means_ema") or {}).get("per_seed", {}).get(seed)
             rows[seed] = {"report": name, "loss": {mode: late[mode] for mode in MODES}, "fvd": fvd,
                           "loss_ema": None if late_ema is None else {mode: late_ema[mode] for mode in MODES},
-                          "ema_decay": None if late_ema is None else results["config"]["train"]["ema_decay"],
+                          # "unknown" where a report lacks its config: not pooled with a known decay.
+                          "ema_decay": None if late_ema is None else (results.get("config") or {}).get(
+                              "train", {}).get("ema_decay", "unknown"),
                           "no_sparse_block": seed in dense_only if recorded else None}
     return rows
 
@@ -269,7 +272,7 @@ def code_column(results: dict) -> str:
 
 
 def render(reports: list[tuple[str, dict]], rows: dict[str, dict], loss: dict, fvd: dict | None,
-           judged: list[dict], command: str, loss_ema: dict | None = None) -> str:
+           judged: list[dict], command: str, loss_ema: dict | None = None, fvd_ema: dict | None = None) -> str:
     first = reports[0][1]
     lines = [f"# Quality over training seeds: {len(rows)} seeds from {len(reports)} reports", "",
              "```", command, "```", "",
@@ -346,9 +349,21 @@ def render(reports: list[tuple[str, dict]], rows: dict[str, dict], loss: dict, f
         lines.append("| mean over seeds | " + " | ".join(f"{fvd['means'][s]:.1f}" for s in sets) + " |")
         lines.append("| mean vs dense | " + " | ".join(
             "-" if s == "dense" else f"{fvd['gaps'][s]['of_means']:+.1%}" for s in sets) + " |")
-        partial = sorted({s for seed in fvd["seeds"] for s in rows[seed]["fvd"]} - set(sets))
+        partial = sorted({s for seed in fvd["seeds"] for s in rows[seed]["fvd"] if not s.endswith(AVERAGE_SUFFIX)}
+                         - set(sets))
         if partial:
             lines += ["", f"FVD sets not in every seed's report (left out of the means): {', '.join(partial)}."]
+        if fvd_ema is not None:
+            lines += ["", f"The runs' moving averages of their weights (train.ema_decay={fvd_ema['ema_decay']}), "
+                      "sampled from the same noise:", "", "| seed | dense | DSV | window | DSV vs dense |",
+                      "|---|---|---|---|---|"]
+            for seed in fvd_ema["seeds"]:
+                f = rows[seed]["fvd"]
+                lines.append(f"| {seed} | " + " | ".join(f"{f[average_set(m)]:.1f}" for m in MODES)
+                             + f" | {f[average_set('dsv')] / f[average_set('dense')] - 1:+.1%} |")
+            means = fvd_ema["means"]
+            lines.append(f"| mean over seeds | {means['dense']:.1f} | {means['dsv']:.1f} | {means['window']:.1f} | "
+                         f"{fvd_ema['gaps']['dsv']['of_means']:+.1%} |")
         unscored = [seed for seed, row in rows.items() if row["fvd"] is None]
         if unscored:
             lines += ["", "Seeds whose models no report sampled (the FVD's seeds exclude them): "
@@ -367,7 +382,9 @@ def run(args) -> int:
     loss_ema = ({**over_seeds(averaged), "ema_decay": decays[0],
                  "other_decays": [seed for seed, row in rows.items() if row["ema_decay"] not in (None, decays[0])]}
                 if averaged else None)
-    scored = {seed: row["fvd"] for seed, row in rows.items() if row["fvd"] is not None}
+    # The averages' FVD has rows of its own (one decay, compared with dense's average): not in the weights' table.
+    scored = {seed: {name: value for name, value in row["fvd"].items() if not name.endswith(AVERAGE_SUFFIX)}
+              for seed, row in rows.items() if row["fvd"] is not None}
     fvd = over_seeds(scored) if scored else None
     # The FVD of the averages: the seeds of that decay whose report sampled every run's average.
     fvd_averaged = {seed: {mode: rows[seed]["fvd"][average_set(mode)] for mode in MODES} for seed in averaged
@@ -380,7 +397,7 @@ def run(args) -> int:
          "checked_by_recipe_and_overrides_only": checked_without_config(reports), "seeds": rows, "loss": loss,
          "loss_ema": loss_ema, "fvd": fvd, "fvd_ema": fvd_ema, "targets": judged}, indent=1))
     command = shlex.join(["dsv", "bench", "quality-seeds", "--results", *map(str, args.results), "--out", "OUT"])
-    report = render(reports, rows, loss, fvd, judged, command, loss_ema)
+    report = render(reports, rows, loss, fvd, judged, command, loss_ema, fvd_ema)
     (args.out / "report.md").write_text(report)
     print(report)
     return 0

@@ -54,9 +54,10 @@ class TrainConfig:
     # the step in progress and stops; `--resume` continues it exactly (a job's time limit, a shared machine).
     max_minutes: float = 0.0
     # Decay per step of an exponential moving average of the model's weights, evaluated on the held-out clips
-    # beside the weights themselves (0: none; warmed up over the first steps, `trainer.ema_decay_at`). At a
-    # constant learning rate the weights' held-out loss moves by several percent from one evaluation to the
-    # next; the average's follows the trend.
+    # beside the weights themselves (0: none). It warms up, `trainer.ema_decay_at`: (1 + step) / (10 + step)
+    # until that reaches ema_decay (0.99 at step 890; a decay the run's steps never reach acts as that bound).
+    # At a constant learning rate the weights' held-out loss moves by several percent from one evaluation to
+    # the next; the average's follows the trend.
     ema_decay: float = 0.0
 
     def __post_init__(self) -> None:

@@ -97,8 +97,8 @@ def quality_gpu() -> Config:
     and -dense-control): at this size the targets sit inside the run-to-run noise. Much of that noise is the
     weights' own: at the constant learning rate a run's held-out loss moves by 4.6% (median; up to 19%) from
     one evaluation to the next in steps 600–1000 (six 8192-token seeds, 2026-12-01), so the runs also
-    evaluate a moving average of their weights (`train.ema_decay=0.99`, about the last 100 steps), which the
-    bench reports beside the weights' loss.
+    evaluate a moving average of their weights (`train.ema_decay=0.99`, warmed up: about the last 80–100 steps
+    at the late evaluations), which the bench reports beside the weights' loss.
     """
     return Config(
         model=ModelConfig(in_channels=3, patch=(1, 4, 4), hidden=384, depth=12, heads=6),

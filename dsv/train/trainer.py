@@ -117,11 +117,11 @@ def build_model(cfg: Config, device: torch.device) -> torch.nn.Module:
 
 
 def ema_decay_at(step: int, decay: float) -> float:
-    """The moving average's decay in the update after `step` optimizer steps: `decay`, less while `(1 + step) /
-    (10 + step)` is smaller (as diffusers' EMAModel warms up): a fixed 0.99 would still hold 13% of the initial
-    weights at step 200, where a quality_gpu run's held-out loss of its average was 2.3× that of its weights
-    on one H200."""
-    return min(decay, (1 + step) / (10 + step))
+    """The moving average's decay in the update after optimizer step `step` (0: the first): 0 there (the average
+    starts as the weights), then `decay`, less while `(1 + step) / (10 + step)` is smaller, as diffusers'
+    EMAModel warms up (0.99 is reached at step 890). A fixed 0.99 would still hold 13% of the initial weights at
+    step 200, where a quality_gpu run's held-out loss of its average was 2.3× that of its weights on one H200."""
+    return 0.0 if step == 0 else min(decay, (1 + step) / (10 + step))
 
 
 def heldout_targets(n: int, shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -146,6 +146,20 @@ def test_the_fvd_of_the_weights_moving_average_is_judged_over_the_seeds_that_sam
     assert rows["DSV FVD within 5% of dense"]["measured"].startswith("-3.00% over 2 seeds")
     average = rows["DSV FVD of the weights' moving average (train.ema_decay=0.99) within 5% of dense"]
     assert average["measured"].startswith("+10.00% over 2 seeds (per seed +20.00%, +0.00%)") and not average["met"]
+    report_md = (tmp_path / "out" / "report.md").read_text()
+    assert "| mean over seeds | 100.0 | 110.0 | 100.0 | +10.0% |" in report_md
+    # The weights' FVD table keeps to the weights' sets.
+    assert not any(name.endswith("average of the weights") for name in written["fvd"]["means"])
+
+
+def test_an_average_from_a_report_without_its_config_is_not_pooled_with_a_known_decay(tmp_path):
+    averaged = {"per_seed": {"2": {"dense": 1.0, "dsv": 1.0, "window": 1.0}}}
+    _, written = _quality_seeds(tmp_path, {
+        "a": _report({"1": (1.0, 1.0, 1.0)}, {"1": (1, 1, 1)}, config=_with_config(train={"ema_decay": 0.99}),
+                     late_means_ema={"per_seed": {"1": {"dense": 1.0, "dsv": 1.0, "window": 1.0}}}),
+        "b": _report({"2": (1.0, 1.0, 1.0)}, {"2": (1, 1, 1)}, late_means_ema=averaged)})
+    assert written["loss_ema"]["seeds"] == ["1"] and written["loss_ema"]["other_decays"] == ["2"]
+    assert written["seeds"]["2"]["ema_decay"] == "unknown"
 
 
 def test_overrides_that_do_not_change_what_a_run_learns_are_one_comparison():

@@ -12,7 +12,7 @@ from dsv.cli import EXIT_UNFINISHED, main
 from dsv.train.checkpoint import CheckpointError, list_checkpoints
 from dsv.train.config import apply_overrides
 from dsv.train.recipes import get_recipe
-from dsv.train.trainer import Trainer
+from dsv.train.trainer import Trainer, ema_decay_at
 
 # A model small enough for CI: 4 frames of 16×16 pixels, 1×2×2 patches → a 4×8×8 grid of 256 tokens.
 TINY = [
@@ -155,6 +155,14 @@ def test_resume_continues_the_run_exactly(tmp_path, predictor_keys):
         assert any(not torch.equal(straight_w[n], all_keys_w[n]) for n in predictor_names)
 
 
+def test_the_average_warms_up_as_diffusers_ema_model():
+    """diffusers' EMAModel (decay 0 at its first update, then (1 + step) / (10 + step) up to its decay)."""
+    assert ema_decay_at(0, 0.99) == 0.0  # the first update copies the weights
+    assert ema_decay_at(1, 0.99) == 2 / 11 and ema_decay_at(100, 0.99) == 101 / 110
+    assert ema_decay_at(889, 0.99) < 0.99 == ema_decay_at(890, 0.99) == ema_decay_at(5000, 0.99)
+    assert ema_decay_at(3, 0.2) == 0.2
+
+
 def test_the_weights_moving_average_is_evaluated_resumed_exactly_and_leaves_training_alone(tmp_path):
     decay = 0.5  # the warm-up's (1 + step) / (10 + step) below it for steps 0-7, above it from step 8
     schedule = ["attention.max_stage1_steps=4", "train.ckpt_every=6", "train.eval_every=3",
@@ -170,8 +178,7 @@ def test_the_weights_moving_average_is_evaluated_resumed_exactly_and_leaves_trai
     def step_and_average():
         step = trainer.step
         out = train_step()
-        # Warmed up as diffusers' EMAModel: the decay is (1 + step) / (10 + step) until that reaches train.ema_decay.
-        decay_now = min(decay, (1 + step) / (10 + step))
+        decay_now = ema_decay_at(step, decay)
         for name in names:
             expected[name] = decay_now * expected[name] + (1 - decay_now) * params[name].detach()
         return out
@@ -208,8 +215,9 @@ def test_the_weights_moving_average_is_evaluated_resumed_exactly_and_leaves_trai
     # Sampling from the average: the loaded model holds it; a run without one says so.
     from dsv.analysis.checkpointed_model import load_model
 
-    averaged, _, _ = load_model(str(tmp_path / "straight"), "cpu", average_weights=True)
-    assert all(torch.equal(p, straight_s["ema"][n]) for n, p in averaged.named_parameters() if n in names)
+    for mode in (None, "dense"):  # the average goes in before another mode's weights are picked
+        averaged, _, _ = load_model(str(tmp_path / "straight"), "cpu", mode, average_weights=True)
+        assert all(torch.equal(p, straight_s["ema"][n]) for n, p in averaged.named_parameters() if n in names)
     with pytest.raises(ValueError, match="keeps no moving average of its weights"):
         load_model(str(tmp_path / "plain"), "cpu", average_weights=True)
     assert main(["sample", "--checkpoint", str(tmp_path / "straight"), "--out", str(tmp_path / "a.gif"), "--num", "1",
