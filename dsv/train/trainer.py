@@ -195,7 +195,11 @@ class Trainer:
         # The weights' moving average (`train.ema_decay`): an fp32 copy of each optimised weight, sharded as it is.
         trained = {id(p) for p in model_parameters(self.model)}
         self._ema_weights = [(name, p) for name, p in self.model.named_parameters() if id(p) in trained]
-        self.ema = ([p.detach().float().clone() for _, p in self._ema_weights] if cfg.train.ema_decay else None)
+        if cfg.train.ema_decay and any(p.dtype != torch.float32 for _, p in self._ema_weights):
+            # The evaluation swaps weights and average: a lower-precision weight would round the average.
+            raise ValueError("train.ema_decay needs float32 weights (the trainer's own); got "
+                             f"{sorted({str(p.dtype) for _, p in self._ema_weights})}")
+        self.ema = ([p.detach().clone() for _, p in self._ema_weights] if cfg.train.ema_decay else None)
         self.data = build_dataset(cfg.data)
         # Each data-parallel rank draws its own clips and noise; rank 0 draws what a single process would.
         self.data_gen = torch.Generator().manual_seed(cfg.train.seed + 1 + 1000 * self.dp_rank)
@@ -569,23 +573,26 @@ class Trainer:
         def local(tensors):  # the shards: every rank averages its own part of each weight
             return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
 
-        weights = [p.detach().float() if p.dtype != torch.float32 else p.detach() for _, p in self._ema_weights]
+        weights = [p.detach() for _, p in self._ema_weights]
         torch._foreach_lerp_(local(self.ema), local(weights), 1.0 - ema_decay_at(self.step, self.cfg.train.ema_decay))
 
     @torch.no_grad()
     def heldout_loss_of_ema(self) -> float:
         """The held-out loss with the moving average in place of the weights, which are put back after."""
-        weights = [p for _, p in self._ema_weights]
-        kept = [p.detach().clone() for p in weights]
+        self._swap_weights_with_average()
         try:
-            for p, ema in zip(weights, self.ema):
-                p.copy_(ema)
-            self._drop_gathered_weights()
             return self.heldout_loss()
         finally:
-            for p, value in zip(weights, kept):
-                p.copy_(value)
-            self._drop_gathered_weights()
+            self._swap_weights_with_average()
+
+    def _swap_weights_with_average(self) -> None:
+        """Exchange each weight with its average, one tensor at a time (no second copy of the model; both fp32,
+        so two swaps restore the weights bitwise)."""
+        for (_, weight), ema in zip(self._ema_weights, self.ema):
+            held = weight.detach().clone()
+            weight.copy_(ema)
+            ema.copy_(held)
+        self._drop_gathered_weights()
 
     def _drop_gathered_weights(self) -> None:
         """FSDP2 reads a sharded weight only when it gathers it: a group still gathered from the last forward (the
