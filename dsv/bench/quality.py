@@ -1281,7 +1281,6 @@ def sample_runs(run_dirs: dict[str, Path], num: int, args, device: torch.device,
         if cfg.train.ema_decay:  # the same noise through the run's moving average of its weights
             averaged, _, _ = load_model(str(run_dir), str(device), average_weights=True)
             samples[average_set(mode)], _ = timed_samples(averaged, cfg, num, args.sample_steps, args.seed, 1)
-            del averaged
         if mode == "dsv":
             dense_view, _, _ = load_model(str(run_dir), str(device), attention_mode="dense")
             samples["dsv, dense sampling"], dense_passes = timed_samples(

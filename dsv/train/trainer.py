@@ -199,7 +199,7 @@ class Trainer:
             # The evaluation swaps weights and average: a lower-precision weight would round the average.
             raise ValueError("train.ema_decay needs float32 weights (the trainer's own); got "
                              f"{sorted({str(p.dtype) for _, p in self._ema_weights})}")
-        self.ema = ([p.detach().clone() for _, p in self._ema_weights] if cfg.train.ema_decay else None)
+        self.ema = [p.detach().clone() for _, p in self._ema_weights] if cfg.train.ema_decay else None
         self.data = build_dataset(cfg.data)
         # Each data-parallel rank draws its own clips and noise; rank 0 draws what a single process would.
         self.data_gen = torch.Generator().manual_seed(cfg.train.seed + 1 + 1000 * self.dp_rank)
@@ -573,7 +573,7 @@ class Trainer:
         def local(tensors):  # the shards: every rank averages its own part of each weight
             return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
 
-        weights = [p.detach() for _, p in self._ema_weights]
+        weights = [p for _, p in self._ema_weights]
         torch._foreach_lerp_(local(self.ema), local(weights), 1.0 - ema_decay_at(self.step, self.cfg.train.ema_decay))
 
     @torch.no_grad()
