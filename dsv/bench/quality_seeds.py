@@ -17,6 +17,7 @@ from pathlib import Path
 
 from dsv.bench.quality import (
     AVERAGE_SUFFIX,
+    CONTROL,
     FVD_TOLERANCE,
     LOSS_TOLERANCE,
     MODES,
@@ -170,8 +171,28 @@ def seed_rows(reports: list[tuple[str, dict]]) -> dict[str, dict]:
                           # "unknown" where a report lacks its config: not pooled with a known decay.
                           "ema_decay": None if late_ema is None else (results.get("config") or {}).get(
                               "train", {}).get("ema_decay", "unknown"),
-                          "no_sparse_block": seed in dense_only if recorded else None}
+                          "no_sparse_block": seed in dense_only if recorded else None,
+                          "control": control_readings(late, late_ema, fvd) if CONTROL in late else None}
     return rows
+
+
+def control_readings(late: dict, late_ema: dict | None, fvd: dict | None) -> dict:
+    """A seed's dense control (a second dense run of the same command) beside DSV, each as its gap to dense: the
+    late-mean loss of the weights and of their average, and the FVD of both (None where the report lacks one)."""
+
+    def gaps(values: dict | None, control: str, dsv: str) -> dict | None:
+        if not values or control not in values or dsv not in values:
+            return None
+        return {"control": values[control] / values[dense_key(control)] - 1,
+                "dsv": values[dsv] / values[dense_key(dsv)] - 1}
+
+    return {"loss": gaps(late, CONTROL, "dsv"), "loss_ema": gaps(late_ema, CONTROL, "dsv"),
+            "fvd": gaps(fvd, CONTROL, "dsv"), "fvd_ema": gaps(fvd, average_set(CONTROL), average_set("dsv"))}
+
+
+def dense_key(name: str) -> str:
+    """The dense reading a set compares with: dense's average for an average, dense's weights otherwise."""
+    return average_set("dense") if name.endswith(AVERAGE_SUFFIX) else "dense"
 
 
 def over_seeds(per_seed: dict[str, dict[str, float]]) -> dict:
@@ -368,7 +389,30 @@ def render(reports: list[tuple[str, dict]], rows: dict[str, dict], loss: dict, f
         if unscored:
             lines += ["", "Seeds whose models no report sampled (the FVD's seeds exclude them): "
                       f"{', '.join(unscored)}."]
+    lines += control_section(rows)
     return "\n".join(lines) + "\n"
+
+
+def control_section(rows: dict[str, dict]) -> list[str]:
+    """The seeds with a dense control: DSV's gap to dense beside the control's, for each reading. The control
+    trains the dense command again, so its gap is what the runs' nondeterminism alone makes of one seed."""
+    controlled = {seed: row["control"] for seed, row in rows.items() if row["control"]}
+    if not controlled:
+        return []
+    readings = (("loss", "loss"), ("loss_ema", "loss of the average"), ("fvd", "FVD"),
+                ("fvd_ema", "FVD of the averages"))
+
+    def cell(gap: dict | None, who: str) -> str:
+        return "-" if gap is None else f"{gap[who]:+.2%}"
+
+    lines = ["", "## Run-to-run noise: dense controls", "",
+             "A second dense run per seed from the same command (`--dense-control`): its gap to dense is what the "
+             "runs' nondeterminism alone makes of one seed, the floor under any per-seed gap of DSV. "
+             "Each reading as DSV vs dense / control vs dense (the averages against dense's average).", "",
+             "| seed | " + " | ".join(name for _, name in readings) + " |", "|---|" + "---|" * len(readings)]
+    lines += [f"| {seed} | " + " | ".join(f"{cell(c[key], 'dsv')} / {cell(c[key], 'control')}" for key, _ in readings)
+              + " |" for seed, c in controlled.items()]
+    return lines
 
 
 def run(args) -> int:

@@ -295,3 +295,30 @@ def test_the_reports_table_names_each_reports_code_version(tmp_path):
     assert "| b | 2026-12-01 | NVIDIA H200 | fedcba9876 | 2 | 2 |" in report
     assert ("The reports come from 2 code versions (the code column: the hash of the dsv sources, which any edit "
             "changes, a docstring's too): information, not a refusal.") in report
+
+
+def test_a_seeds_dense_control_is_shown_beside_dsvs_gap_in_every_reading(tmp_path):
+    """The control's gap is the per-seed noise floor: shown for the loss and FVD of the weights and of their
+    averages (against dense's average), "-" where the report lacks a reading, and no section without controls."""
+    per_seed = {"1": {"dense": 1.0, "dsv": 1.01, "window": 1.0, "dense-control": 1.04}}
+    averaged = {"per_seed": {"1": {"dense": 0.5, "dsv": 0.49, "window": 0.5, "dense-control": 0.52}}}
+    report = _report({"1": (1.0, 1.01, 1.0)}, {"1": (100, 110, 100)}, late_means={"per_seed": per_seed},
+                     late_means_ema=averaged, config=_with_config(train={"ema_decay": 0.99}))
+    report["fvd_by_seed"]["1"].update({"dense-control": {"fvd": 85.0}, "dense, average of the weights": {"fvd": 80.0},
+                                       "dsv, average of the weights": {"fvd": 72.0},
+                                       "dense-control, average of the weights": {"fvd": 88.0}})
+    plain = _report({"2": (1.0, 0.99, 1.0)}, {"2": (100, 100, 100)})
+    text, written = _quality_seeds(tmp_path, {"a": report, "b": plain})
+    assert written["seeds"]["2"]["control"] is None
+    control = written["seeds"]["1"]["control"]
+    assert math.isclose(control["loss"]["control"], 0.04) and math.isclose(control["loss_ema"]["dsv"], -0.02)
+    assert math.isclose(control["fvd"]["control"], -0.15) and math.isclose(control["fvd_ema"]["control"], 0.10)
+    assert "| 1 | +1.00% / +4.00% | -2.00% / +4.00% | +10.00% / -15.00% | -10.00% / +10.00% |" in text
+    # A report with a control but without averages or the control's FVD leaves those cells empty.
+    bare = _report({"3": (1.0, 1.0, 1.0)}, {"3": (100, 100, 100)}, late_means={"per_seed": {"3": {
+        "dense": 1.0, "dsv": 1.0, "window": 1.0, "dense-control": 0.98}}})
+    (tmp_path / "out").rename(tmp_path / "first")
+    text, _ = _quality_seeds(tmp_path, {"c": bare})
+    assert "| 3 | +0.00% / -2.00% | - / - | - / - | - / - |" in text
+    text, _ = _quality_seeds(tmp_path / "first", {"d": plain})
+    assert "dense controls" not in text
