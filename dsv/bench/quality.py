@@ -38,7 +38,10 @@ the step in progress and the checkpoint it then saves come on top), and the comm
 (``EXIT_UNFINISHED``) without evaluating; the same command with ``--resume`` continues the runs exactly, keeps
 the finished ones, and evaluates once all are done. ``runs/training_legs.json`` records each leg's runs
 before they start and each run's wall time as it ends, so that a leg cut short leaves those times unknown
-rather than missing from a sum.
+rather than missing from a sum. The evaluation keeps each sample set under ``samples/`` (``SampleStore``): a
+command with ``--resume`` that evaluates again (one cut short in its evaluation, or one adding
+``--sampling-kept-mass`` shares) reads back the sets made from the same checkpoints and settings and samples
+only the others; the report names the sets it read back.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -65,6 +69,7 @@ import numpy as np
 import torch
 
 from dsv.analysis.profile import WINDOW_BUDGET_COLUMNS, window_budget_lines
+from dsv.bench.sample_store import SampleStore, machine_name
 from dsv.cli import EXIT_UNFINISHED, kept_mass, positive_float, positive_int
 
 MODES = ("dense", "dsv", "window")
@@ -109,6 +114,8 @@ def budgets_set(kept_mass: float) -> str:
 
 
 LEGS_FILE = "training_legs.json"
+# The sample sets kept between commands of one output folder (`SampleStore`): large, not part of the report.
+SAMPLES_DIR = "samples"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -143,7 +150,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true",
                         help="continue the runs already under --out (stopped by --train-minutes or interrupted) from "
                              "their last checkpoints, keep the finished ones, start the missing ones; refused where a "
-                             "run was made with another configuration")
+                             "run was made with another configuration. The evaluation reads back the sample sets an "
+                             "earlier command made from the same checkpoints and settings (under --out/samples)")
     parser.add_argument("--sampling-kept-mass", type=kept_mass, nargs="+", default=[SAMPLING_KEPT_MASS],
                         metavar="MASS", help="also sample the DSV model at noise-level budgets keeping each of these "
                         "shares of the attention mass: time, PSNR/SSIM against dense sampling and FVD per share "
@@ -1071,6 +1079,15 @@ def ema_heldout_lines(results: dict) -> list[str]:
     return lines
 
 
+def reused_words(reused: list[str] | None) -> str:
+    """The report's words for the sample sets an earlier command of the output folder made (`SampleStore`):
+    their samples and timed passes are that command's, from the same checkpoints, settings, machine and code."""
+    if not reused:
+        return ""
+    return (" Sets read back from an earlier command of this output folder (the same checkpoint, sampling settings, "
+            f"machine and code; their timings are that command's): {'; '.join(reused)}.")
+
+
 def render_report(results: dict) -> str:
     facts, sampling = results["dsv"], results["sampling"]
     seeds, late = results["seeds"], results["late_means"]
@@ -1138,7 +1155,8 @@ def render_report(results: dict) -> str:
                + (" (each draw resamples every seed's sets alike; the spread is that of the mean over seeds)"
                   if len(fvd_seeds(results)) > 1 else "")
                + ". FVD of few videos is biased upwards and noisy: compare the rows with each other, not with "
-               "published values."), ""]
+               "published values."
+               + reused_words(results.get("samples_reused"))), ""]
     by_seed = results["fvd_by_seed"] if len(fvd_seeds(results)) > 1 else {}
     seed_heads = "".join(f" seed {seed} |" for seed in by_seed)
     lines += [f"| set |{seed_heads} FVD{' (mean over seeds)' if by_seed else ''} | bootstrap std | 5–95% |",
@@ -1263,59 +1281,83 @@ def code_version() -> dict:
     return {"dsv": version, "source_sha256": source_sha256()}
 
 
-def sample_runs(run_dirs: dict[str, Path], num: int, args, device: torch.device,
-                timed: bool) -> tuple[dict, dict]:
+def sample_runs(run_dirs: dict[str, Path], num: int, args, device: torch.device, timed: bool,
+                store: SampleStore) -> tuple[dict, dict]:
     """Samples of every run of one seed (``run_dirs``: folder by mode, the dense control's too if trained)
     from the same noise, the DSV run also with the same weights densely and at noise-level budgets calibrated on
     training clips (`dsv.analysis.noise_budgets`); returns ``(samples by name, DSV-vs-dense sampling facts)``.
-    Only a ``timed`` seed's DSV sampling is timed ``--timing-repeats`` times."""
-    from dsv.analysis.checkpointed_model import load_model
-    from dsv.analysis.sample import attention_paths, calibrate_for_sampling, similarity
-
+    Only a ``timed`` seed's DSV sampling is timed ``--timing-repeats`` times. Each set comes from ``store`` where
+    an earlier command of this output folder made it from the same checkpoint and settings."""
     samples, sampling = {}, {}
     for mode, run_dir in run_dirs.items():
-        model, cfg, _ = load_model(str(run_dir), str(device))
         # Only DSV's sparse-vs-dense sampling is compared in time; the other runs are sampled once.
         repeats = args.timing_repeats if mode == "dsv" and timed else 1
-        samples[mode], passes = timed_samples(model, cfg, num, args.sample_steps, args.seed, repeats)
-        if cfg.train.ema_decay:  # the same noise through the run's moving average of its weights
-            averaged, _, _ = load_model(str(run_dir), str(device), average_weights=True)
-            samples[average_set(mode)], _ = timed_samples(averaged, cfg, num, args.sample_steps, args.seed, 1)
-        if mode == "dsv":
-            dense_view, _, _ = load_model(str(run_dir), str(device), attention_mode="dense")
-            samples["dsv, dense sampling"], dense_passes = timed_samples(
-                dense_view, cfg, num, args.sample_steps, args.seed, repeats)
-            sampling = {"dsv_passes": passes, "dense_passes": dense_passes,
-                        "dsv_seconds": statistics.median(passes), "dense_seconds": statistics.median(dense_passes),
-                        "dsv_paths": attention_paths(model), "dense_paths": attention_paths(dense_view),
-                        **similarity(samples["dsv"], samples["dsv, dense sampling"])}
-            sampling["speedup"] = sampling["dense_seconds"] / sampling["dsv_seconds"]
-            sampling["budgets"] = []
-            if model.controller.current_stage != 2:
-                sampling["budgets_skipped"] = "the DSV run is still in stage 1 (dense attention), nothing to calibrate"
-                continue
-            for kept_mass in args.sampling_kept_mass:
-                budgets = calibrate_for_sampling(model, cfg, kept_mass, num, clips=CALIBRATION_CLIPS, seed=args.seed)
-                name = budgets_set(kept_mass)
-                samples[name], budget_passes = timed_samples(model, cfg, num, args.sample_steps, args.seed, repeats,
-                                                             budgets)
-                seconds = statistics.median(budget_passes)
-                sampling["budgets"].append({
-                    "kept_mass": kept_mass, "passes": budget_passes, "seconds": seconds,
-                    "speedup": sampling["dense_seconds"] / seconds, "calibration_seconds": budgets.seconds,
-                    "clips": budgets.clips, "levels": budgets.summary(),
-                    **similarity(samples[name], samples["dsv, dense sampling"])})
+        facts = _sample_run(mode, run_dir, num, args, device, repeats, store, samples)
+        if facts is not None:
+            sampling = facts
     return samples, sampling
 
 
-def sample_seeds(run_dirs: dict[str, dict[str, Path]], num: int, args,
-                 device: torch.device) -> tuple[dict, dict]:
+def _sample_run(mode: str, run_dir: Path, num: int, args, device: torch.device, repeats: int, store: SampleStore,
+                samples: dict) -> dict | None:
+    """`sample_runs` for one run: its sets into ``samples``; for the DSV run, the sampling facts."""
+    from dsv.analysis.checkpointed_model import load_model
+    from dsv.analysis.sample import attention_paths, calibrate_for_sampling, similarity
+
+    model, cfg, _ = load_model(str(run_dir), str(device))
+
+    def sample_with(model_of_set, times: int, budgets=None) -> tuple[torch.Tensor, list[float], dict]:
+        # The attention paths the sampling took (read after it: a layer records the path of its last forward).
+        videos, passes = timed_samples(model_of_set, cfg, num, args.sample_steps, args.seed, times, budgets)
+        return videos, passes, {"paths": attention_paths(model_of_set)}
+
+    def stored(name: str, times: int, make) -> tuple[list[float], dict]:
+        samples[name], passes, facts = store.get_or_make(run_dir, name, times, make)
+        return passes, facts
+
+    passes, facts = stored(mode, repeats, lambda: sample_with(model, repeats))
+    if cfg.train.ema_decay:  # the same noise through the run's moving average of its weights
+        stored(average_set(mode), 1, lambda: sample_with(
+            load_model(str(run_dir), str(device), average_weights=True)[0], 1))
+    if mode != "dsv":
+        return None
+    dense_passes, dense_facts = stored("dsv, dense sampling", repeats, lambda: sample_with(
+        load_model(str(run_dir), str(device), attention_mode="dense")[0], repeats))
+    sampling = {"dsv_passes": passes, "dense_passes": dense_passes,
+                "dsv_seconds": statistics.median(passes), "dense_seconds": statistics.median(dense_passes),
+                "dsv_paths": facts["paths"], "dense_paths": dense_facts["paths"],
+                **similarity(samples["dsv"], samples["dsv, dense sampling"])}
+    sampling["speedup"] = sampling["dense_seconds"] / sampling["dsv_seconds"]
+    sampling["budgets"] = []
+    if model.controller.current_stage != 2:
+        sampling["budgets_skipped"] = "the DSV run is still in stage 1 (dense attention), nothing to calibrate"
+        return sampling
+
+    def budgets_sampling(share: float):
+        budgets = calibrate_for_sampling(model, cfg, share, num, clips=CALIBRATION_CLIPS, seed=args.seed)
+        videos, budget_passes, _ = sample_with(model, repeats, budgets)
+        return videos, budget_passes, {"calibration_seconds": budgets.seconds, "clips": budgets.clips,
+                                       "levels": budgets.summary()}
+
+    for share in args.sampling_kept_mass:
+        name = budgets_set(share)
+        budget_passes, calibration = stored(name, repeats, functools.partial(budgets_sampling, share))
+        seconds = statistics.median(budget_passes)
+        sampling["budgets"].append({
+            "kept_mass": share, "passes": budget_passes, "seconds": seconds,
+            "speedup": sampling["dense_seconds"] / seconds, **calibration,
+            **similarity(samples[name], samples["dsv, dense sampling"])})
+    return sampling
+
+
+def sample_seeds(run_dirs: dict[str, dict[str, Path]], num: int, args, device: torch.device,
+                 store: SampleStore) -> tuple[dict, dict]:
     """``sample_runs`` for every seed's runs (``run_dirs``: seed → mode → folder), the first seed's DSV sampling
     timed; returns ``(samples by seed, sampling facts by seed)``."""
     samples, sampling = {}, {}
     first = next(iter(run_dirs))
     for seed, dirs in run_dirs.items():
-        samples[seed], sampling[seed] = sample_runs(dirs, num, args, device, timed=seed == first)
+        samples[seed], sampling[seed] = sample_runs(dirs, num, args, device, seed == first, store)
     return samples, sampling
 
 
@@ -1440,12 +1482,17 @@ def run(args) -> int:
     device = resolve_device(args.device)
     data = build_dataset(cfg.data)
     real = data.heldout_batch()
-    samples_by_seed, sampling_by_seed = sample_seeds(run_dirs, real.shape[0], args, device)
+    # Sets an earlier command of this folder sampled from the same checkpoints and settings are read back.
+    store = SampleStore(out / SAMPLES_DIR, {"videos": real.shape[0], "sample_steps": args.sample_steps,
+                                            "seed": args.seed, "machine": machine_name(device),
+                                            "source_sha256": code["source_sha256"]})
+    samples_by_seed, sampling_by_seed = sample_seeds(run_dirs, real.shape[0], args, device, store)
     samples, sampling = samples_by_seed[first], sampling_by_seed[first]
     facts = dsv_facts(curves["dsv"], switch_by_seed[first], cfg.attention)
     wall["sampling"] = time.perf_counter() - phase
     print(f"[quality] sampling done in {wall['sampling']:.0f} s; DSV switch step {facts['switch_step']}, sparse blocks "
-          f"{facts['final_sparse_blocks']}; sparse inference {json.dumps(sampling, default=str)}", flush=True)
+          f"{facts['final_sparse_blocks']}; sets read back from an earlier command: {len(store.reused)}; sparse "
+          f"inference {json.dumps(sampling, default=str)}", flush=True)
 
     phase = time.perf_counter()
     i3d = load_i3d(device)
@@ -1519,7 +1566,8 @@ def run(args) -> int:
         "window_keep": window_keep_fraction(cfg, grid),
         "videos": real.shape[0], "sample_steps": args.sample_steps, "bootstrap": args.bootstrap, "fvd": fvd,
         "fvd_by_seed": fvd_by_seed,
-        "i3d_check": i3d_check, "sampling": sampling, "profile_recall_in_sparse_blocks": profile_recall,
+        "i3d_check": i3d_check, "sampling": sampling, "samples_reused": store.reused,
+        "profile_recall_in_sparse_blocks": profile_recall,
         "stage2_steps_per_s": stage2_speed,
         "train_step_reference": str(args.train_step_json) if reference else None,
         "observations": {k: observed[k] for k in ("power_law", "locality", "sparsity", "neighbours", "step", "grid")},

@@ -39,6 +39,7 @@ from dsv.bench.quality import (
     training_speed_lines,
     with_leg,
 )
+from dsv.bench.sample_store import SampleStore
 from dsv.cli import main
 from dsv.train.checkpoint import checkpoint_step
 from tests.eval.test_fvd import needs_i3d
@@ -68,6 +69,9 @@ def finite_numbers(value, path="results"):
         assert math.isfinite(value), path
         yield path, value
 
+
+# What `dsv bench quality` keys its stored sample sets by, beside each set's checkpoint (`SampleStore`).
+STORE_SETTINGS = {"videos": 2, "sample_steps": 2, "seed": 0, "machine": "cpu", "source_sha256": "code"}
 
 BENCH_ARGS = ["--sample-steps", "2", "--bootstrap", "3", "--timing-repeats", "1", "--observe-clips", "1",
               "--dense-control"]
@@ -104,6 +108,10 @@ def test_quality_bench_writes_a_complete_report(quality_run):
     # The resolved config (the first seed's) and the code version: what `dsv bench quality-seeds` compares.
     assert results["config"]["train"]["seed"] == results["seeds"][0] and results["config"]["model"]["depth"] == 2
     assert re.fullmatch(r"[0-9a-f]{64}", results["code"]["source_sha256"]) and "dsv" in results["code"]
+    # The first evaluation sampled every set and kept it for a later command (`SampleStore`), one file a set.
+    assert results["samples_reused"] == [] and "read back from an earlier command" not in (
+        out / "report.md").read_text()
+    assert len(list((out / "samples").glob("*/*.pt"))) == len(results["fvd"]) - 1  # all but real training clips
     # Written when training ends, before the evaluation: the same held-out table as the final results.
     assert json.loads((out / "training.json").read_text())["heldout"] == results["heldout"]
     # The weights' moving average at the same evaluations, its late means beside the weights' own.
@@ -375,14 +383,14 @@ class _MeanColourFeatures:
 
 
 @needs_i3d
-def test_every_seeds_models_are_sampled_and_the_fvd_is_the_mean_over_seeds(quality_run):
+def test_every_seeds_models_are_sampled_and_the_fvd_is_the_mean_over_seeds(quality_run, tmp_path):
     """The bench's own sampling and scoring of two seeds, from the shared run's models: the second "seed" runs
     dense as window and window as dense, so its sets differ from the first's."""
     runs = quality_run / "runs"
     dirs = {"a": {mode: runs / mode for mode in ("dense", "dsv", "window")},
             "b": {"dense": runs / "window", "dsv": runs / "dsv", "window": runs / "dense"}}
     args = argparse.Namespace(timing_repeats=2, sample_steps=2, seed=0, sampling_kept_mass=[0.5, 0.9])
-    samples, sampling = sample_seeds(dirs, 2, args, torch.device("cpu"))
+    samples, sampling = sample_seeds(dirs, 2, args, torch.device("cpu"), SampleStore(tmp_path, STORE_SETTINGS))
     assert list(samples) == ["a", "b"]
     # Each run's moving average of its weights too (the shared run keeps one: train.ema_decay in TINY).
     sets = ["dense", average_set("dense"), "dsv", average_set("dsv"), "dsv, dense sampling", budgets_set(0.5),
@@ -405,6 +413,74 @@ def test_every_seeds_models_are_sampled_and_the_fvd_is_the_mean_over_seeds(quali
     assert [by_seed[s]["real training clips"][k] for k in spread for s in "ab"] == \
         [by_seed["a"]["real training clips"][k] for k in spread for _ in "ab"]
     assert by_seed["a"]["real training clips"]["fvd"] > 0
+
+
+def test_a_later_command_reads_back_the_sets_sampled_from_the_same_checkpoints_and_settings(
+        quality_run, tmp_path, monkeypatch, capsys):
+    """A command that evaluates again samples only the sets it lacks: a new kept-mass share, or sets whose
+    checkpoint, settings or code changed, or whose file does not read back."""
+    import dsv.bench.quality as quality
+    import dsv.bench.sample_store as sample_store
+
+    runs = quality_run / "runs"
+    dirs = {"a": {mode: runs / mode for mode in ("dense", "dsv", "window")}}
+    args = argparse.Namespace(timing_repeats=1, sample_steps=2, seed=0, sampling_kept_mass=[0.9])
+    cpu = torch.device("cpu")
+    first = SampleStore(tmp_path, STORE_SETTINGS)
+    samples, sampling = sample_seeds(dirs, 2, args, cpu, first)
+    assert first.reused == []
+    every = [f"{mode}: {name}" for mode, name in (
+        ("dense", "dense"), ("dense", average_set("dense")), ("dsv", "dsv"), ("dsv", average_set("dsv")),
+        ("dsv", "dsv, dense sampling"), ("dsv", budgets_set(0.9)), ("window", "window"),
+        ("window", average_set("window")))]
+
+    def no_sampling(*_, **__):
+        raise AssertionError("sampled a set that was stored")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(quality, "timed_samples", no_sampling)
+        again = SampleStore(tmp_path, STORE_SETTINGS)
+        samples_again, sampling_again = sample_seeds(dirs, 2, args, cpu, again)
+    assert again.reused == every
+    results = json.loads((quality_run / "results.json").read_text())
+    assert ("Sets read back from an earlier command of this output folder (the same checkpoint, sampling settings, "
+            "machine and code; their timings are that command's): dense: dense; dense: dense, average of the weights"
+            in render_report({**results, "samples_reused": again.reused}))
+    assert all(torch.equal(samples_again["a"][name], videos) for name, videos in samples["a"].items())
+    assert sampling_again == sampling  # timings, paths, similarity and the calibration's facts alike
+    # A new share: only its set is sampled.
+    args.sampling_kept_mass = [0.9, 0.5]
+    added = SampleStore(tmp_path, STORE_SETTINGS)
+    sample_seeds(dirs, 2, args, cpu, added)
+    assert added.reused == every
+    assert sample_seeds(dirs, 2, args, cpu, SampleStore(tmp_path, STORE_SETTINGS))[1]["a"]["budgets"][1][
+        "kept_mass"] == 0.5
+    # Other code samples every set again; so does another checkpoint of one run (its files' SHA-256), for its sets.
+    other_code = SampleStore(tmp_path, {**STORE_SETTINGS, "source_sha256": "edited"})
+    sample_seeds(dirs, 2, args, cpu, other_code)
+    assert other_code.reused == []
+    args.sampling_kept_mass = [0.9]
+    # A file that does not read back is sampled again, and the command says so.
+    stored = other_code.path(runs / "dense", "dense")
+    stored.write_bytes(b"not a torch file")
+    capsys.readouterr()
+    torn = SampleStore(tmp_path, {**STORE_SETTINGS, "source_sha256": "edited"})
+    samples_torn, _ = sample_seeds(dirs, 2, args, cpu, torn)
+    assert "dense: dense" not in torn.reused and len(torn.reused) == len(every) - 1
+    assert f"{stored} does not read back" in capsys.readouterr().out
+    assert torch.equal(samples_torn["a"]["dense"], samples["a"]["dense"])
+    real_manifest = sample_store.latest_manifest
+
+    def retrained_window(run_dir):
+        path, manifest = real_manifest(run_dir)
+        return (path, {**manifest, "sha256": {"weights": "retrained"}}) if run_dir.name == "window" else (path,
+                                                                                                           manifest)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(sample_store, "latest_manifest", retrained_window)
+        retrained = SampleStore(tmp_path, {**STORE_SETTINGS, "source_sha256": "edited"})
+        sample_seeds(dirs, 2, args, cpu, retrained)
+    assert retrained.reused == [name for name in every if not name.startswith("window")]
 
 
 def test_fvd_over_seeds_is_the_mean_of_each_draw_and_one_seed_gives_its_own_numbers():
