@@ -614,18 +614,26 @@ def i3d_on_bundled_clips(i3d) -> list[dict]:
 def _plot_losses(curves: dict[str, dict], other_seeds: dict[str, list[dict]], switch_step: int | None,
                  path: Path) -> None:
     """Training and held-out loss of the first seed's runs (``curves``), the held-out tables of the other
-    training seeds faint in the same colours, so that the spread between seeds is seen beside the gaps."""
+    training seeds faint in the same colours, so that the spread between seeds is seen beside the gaps; where
+    the runs kept a moving average of their weights, its held-out loss dashed in the run's colour."""
     import matplotlib.pyplot as plt
 
     fig, (train_ax, held_ax) = plt.subplots(1, 2, figsize=(11, 3.8))
+    averaged = False
     for mode, c in curves.items():
         train_ax.plot(c["steps"], c["loss"], label=mode)
         held = np.array(c["heldout"], dtype=float)
         (line,) = held_ax.plot(held[:, 0], held[:, 1], marker="o", ms=3, label=mode)
+        if c.get("heldout_ema"):
+            average = np.array(c["heldout_ema"], dtype=float)
+            held_ax.plot(average[:, 0], average[:, 1], color=line.get_color(), ls="--", lw=1)
+            averaged = True
         for table in other_seeds.values():
             held_ax.plot([r["step"] for r in table], [r[mode] for r in table], color=line.get_color(), lw=1,
                          alpha=0.35)
-    held_title = "held-out loss, fixed (t, noise)" + ("\n(faint: the other training seeds)" if other_seeds else "")
+    held_title = "held-out loss, fixed (t, noise)" + "".join(
+        f"\n({words})" for words, shown in (("dashed: the weights' moving average", averaged),
+                                              ("faint: the other training seeds", bool(other_seeds))) if shown)
     for ax, title in ((train_ax, "training loss (mean over log window)"), (held_ax, held_title)):
         if switch_step is not None:
             ax.axvline(switch_step, color="grey", ls=":", lw=1, label="DSV stage 2")

@@ -43,6 +43,8 @@ CONFIG_FIELDS_NOT_COMPARED = ("train.seed", "train.device", "train.out_dir", "tr
 SPARSE_BLOCK_RECORDS = ("mean_sparse_blocks_in_stage2_by_seed", "final_sparse_blocks_by_seed")
 # A target is resolved where the 95% t-interval of the mean per-seed gap lies on one side of its bound.
 CONFIDENCE = 0.95
+# The most seeds a planning estimate counts to (`seeds_to_resolve`): beyond it, the gap sits on the bound.
+MOST_SEEDS = 100
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -225,7 +227,22 @@ def resolution(gap: float, standard_error: float | None, tolerance: float, seeds
         return f"resolved: met ({low:+.1%}…{high:+.1%})"
     if not meets_tolerance(low, tolerance):
         return f"resolved: missed ({low:+.1%}…{high:+.1%})"
-    return f"not resolved: {low:+.1%}…{high:+.1%} crosses +{tolerance:.0%}"
+    needed = seeds_to_resolve(gap, standard_error * math.sqrt(seeds), tolerance, seeds)
+    return (f"not resolved: {low:+.1%}…{high:+.1%} crosses +{tolerance:.0%}; at this mean and spread "
+            + (f"about {needed} seeds would resolve it" if needed else f"more than {MOST_SEEDS} seeds would not"))
+
+
+def seeds_to_resolve(gap: float, spread: float, tolerance: float, seeds: int) -> int | None:
+    """The fewest seeds above ``seeds`` whose `CONFIDENCE` t-interval around ``gap`` would lie on one side of
+    ``+tolerance`` if the mean of the per-seed gaps stayed ``gap`` and their standard deviation ``spread`` (a
+    planning figure: both move as seeds are added); None beyond `MOST_SEEDS`."""
+    from scipy.stats import t as student_t
+
+    for count in range(seeds + 1, MOST_SEEDS + 1):
+        half_width = float(student_t.ppf(0.5 + CONFIDENCE / 2, count - 1)) * spread / math.sqrt(count)
+        if half_width < abs(tolerance - gap):
+            return count
+    return None
 
 
 def targets(loss: dict, fvd: dict | None, rows: dict[str, dict], loss_ema: dict | None = None,
