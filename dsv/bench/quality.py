@@ -1092,8 +1092,9 @@ def reused_words(reused: list[str] | None) -> str:
     their samples and timed passes are that command's, from the same checkpoints, settings, machine and code."""
     if not reused:
         return ""
-    return (" Sets read back from an earlier command of this output folder (the same checkpoint, sampling settings, "
-            f"machine and code; their timings are that command's): {'; '.join(reused)}.")
+    return (" Read back from an earlier command of this output folder (the same checkpoint, sampling settings, GPU "
+            "model, software and code; a DSV run's timed sets all from one command, so each speed ratio is one "
+            f"command's): {'; '.join(reused)}.")
 
 
 def render_report(results: dict) -> str:
@@ -1310,6 +1311,7 @@ def _sample_run(mode: str, run_dir: Path, num: int, args, device: torch.device, 
                 samples: dict) -> dict | None:
     """`sample_runs` for one run: its sets into ``samples``; for the DSV run, the sampling facts."""
     from dsv.analysis.checkpointed_model import load_model
+    from dsv.analysis.noise_budgets import NoiseLevelBudgets
     from dsv.analysis.sample import attention_paths, calibrate_for_sampling, similarity
 
     model, cfg, _ = load_model(str(run_dir), str(device))
@@ -1319,41 +1321,64 @@ def _sample_run(mode: str, run_dir: Path, num: int, args, device: torch.device, 
         videos, passes = timed_samples(model_of_set, cfg, num, args.sample_steps, args.seed, times, budgets)
         return videos, passes, {"paths": attention_paths(model_of_set)}
 
-    def stored(name: str, times: int, make) -> tuple[list[float], dict]:
-        samples[name], passes, facts = store.get_or_make(run_dir, name, times, make)
-        return passes, facts
+    def budgets_sampling(share: float, stored: dict | None):
+        # A calibration stored with the set is read back (it holds no timing): the forwards are most of its cost.
+        if stored is not None:
+            budgets = NoiseLevelBudgets(**stored["facts"]["calibration"])
+            store.reused.append(f"{run_dir.name}: {budgets_set(share)} (its calibration)")
+        else:
+            budgets = calibrate_for_sampling(model, cfg, share, num, clips=CALIBRATION_CLIPS, seed=args.seed)
+        videos, budget_passes, facts = sample_with(model, repeats, budgets)
+        return videos, budget_passes, {**facts, "calibration": dataclasses.asdict(budgets)}
 
-    passes, facts = stored(mode, repeats, lambda: sample_with(model, repeats))
-    if cfg.train.ema_decay:  # the same noise through the run's moving average of its weights
-        stored(average_set(mode), 1, lambda: sample_with(
-            load_model(str(run_dir), str(device), average_weights=True)[0], 1))
+    # The timed sets: the run's own, and the DSV run's dense and budget sampling, whose speed ratios divide their
+    # timings. They are read back only all together and all from one command; otherwise all are timed here.
+    timed = {mode: lambda _: sample_with(model, repeats)}
+    stage2 = mode == "dsv" and model.controller.current_stage == 2
+    if mode == "dsv":
+        timed["dsv, dense sampling"] = lambda _: sample_with(
+            load_model(str(run_dir), str(device), attention_mode="dense")[0], repeats)
+        for share in args.sampling_kept_mass if stage2 else []:
+            timed[budgets_set(share)] = functools.partial(budgets_sampling, share)
+    stored = {name: store.read(run_dir, name, repeats) for name in timed}
+    together = all(stored.values()) and len({record["command"] for record in stored.values()}) == 1
+    made = {}
+
+    def take(name: str) -> None:
+        if together:
+            store.reused.append(f"{run_dir.name}: {name}")
+            made[name] = stored[name]["videos"], stored[name]["passes"], stored[name]["facts"]
+        else:
+            made[name] = timed[name](stored[name])
+            store.write(run_dir, name, repeats, *made[name])
+        samples[name] = made[name][0]
+
+    take(mode)
+    if cfg.train.ema_decay:  # the same noise through the run's moving average of its weights (untimed)
+        samples[average_set(mode)] = store.get_or_make(run_dir, average_set(mode), 1, lambda: sample_with(
+            load_model(str(run_dir), str(device), average_weights=True)[0], 1))[0]
     if mode != "dsv":
         return None
-    dense_passes, dense_facts = stored("dsv, dense sampling", repeats, lambda: sample_with(
-        load_model(str(run_dir), str(device), attention_mode="dense")[0], repeats))
+    take("dsv, dense sampling")
+    (_, passes, facts), (_, dense_passes, dense_facts) = made["dsv"], made["dsv, dense sampling"]
     sampling = {"dsv_passes": passes, "dense_passes": dense_passes,
                 "dsv_seconds": statistics.median(passes), "dense_seconds": statistics.median(dense_passes),
                 "dsv_paths": facts["paths"], "dense_paths": dense_facts["paths"],
                 **similarity(samples["dsv"], samples["dsv, dense sampling"])}
     sampling["speedup"] = sampling["dense_seconds"] / sampling["dsv_seconds"]
     sampling["budgets"] = []
-    if model.controller.current_stage != 2:
+    if not stage2:
         sampling["budgets_skipped"] = "the DSV run is still in stage 1 (dense attention), nothing to calibrate"
         return sampling
-
-    def budgets_sampling(share: float):
-        budgets = calibrate_for_sampling(model, cfg, share, num, clips=CALIBRATION_CLIPS, seed=args.seed)
-        videos, budget_passes, _ = sample_with(model, repeats, budgets)
-        return videos, budget_passes, {"calibration_seconds": budgets.seconds, "clips": budgets.clips,
-                                       "levels": budgets.summary()}
-
     for share in args.sampling_kept_mass:
         name = budgets_set(share)
-        budget_passes, calibration = stored(name, repeats, functools.partial(budgets_sampling, share))
+        take(name)
+        budget_passes, budgets = made[name][1], NoiseLevelBudgets(**made[name][2]["calibration"])
         seconds = statistics.median(budget_passes)
         sampling["budgets"].append({
             "kept_mass": share, "passes": budget_passes, "seconds": seconds,
-            "speedup": sampling["dense_seconds"] / seconds, **calibration,
+            "speedup": sampling["dense_seconds"] / seconds, "calibration_seconds": budgets.seconds,
+            "clips": budgets.clips, "levels": budgets.summary(),
             **similarity(samples[name], samples["dsv, dense sampling"])})
     return sampling
 

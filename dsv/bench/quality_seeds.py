@@ -229,13 +229,15 @@ def resolution(gap: float, standard_error: float | None, tolerance: float, seeds
         return f"resolved: missed ({low:+.1%}…{high:+.1%})"
     needed = seeds_to_resolve(gap, standard_error * math.sqrt(seeds), tolerance, seeds)
     return (f"not resolved: {low:+.1%}…{high:+.1%} crosses +{tolerance:.0%}; at this mean and spread "
-            + (f"about {needed} seeds would resolve it" if needed else f"more than {MOST_SEEDS} seeds would not"))
+            + (f"the interval's edge reaches the bound at about {needed} seeds (about even odds of resolving it "
+               "there)" if needed else f"more than {MOST_SEEDS} seeds would not resolve it"))
 
 
 def seeds_to_resolve(gap: float, spread: float, tolerance: float, seeds: int) -> int | None:
     """The fewest seeds above ``seeds`` whose `CONFIDENCE` t-interval around ``gap`` would lie on one side of
     ``+tolerance`` if the mean of the per-seed gaps stayed ``gap`` and their standard deviation ``spread`` (a
-    planning figure: both move as seeds are added); None beyond `MOST_SEEDS`."""
+    planning figure: both move as seeds are added, so where the true gap is ``gap`` that count resolves the target
+    about half the time); None beyond `MOST_SEEDS`."""
     from scipy.stats import t as student_t
 
     for count in range(seeds + 1, MOST_SEEDS + 1):

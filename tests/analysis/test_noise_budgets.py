@@ -252,15 +252,17 @@ def test_heads_short_of_the_target_are_counted_and_warned_about(runs):
     assert any("heads of sparse layers kept less than kept_mass=0.99999" in str(w.message) for w in caught)
 
 
-def test_the_quality_bench_samples_no_budgets_for_a_dsv_run_still_in_stage_1(runs):
+def test_the_quality_bench_samples_no_budgets_for_a_dsv_run_still_in_stage_1(runs, tmp_path):
     """A DSV run that never switched ran dense attention: the bench samples it as trained and densely, and has no
     budgets to calibrate (the report then has no budgets section)."""
     import argparse
 
     from dsv.bench.quality import budget_lines, sample_runs
+    from dsv.bench.sample_store import SampleStore
 
     args = argparse.Namespace(timing_repeats=1, sample_steps=1, seed=0, sampling_kept_mass=[0.97])
-    samples, sampling = sample_runs({"dsv": runs / "stage1"}, 1, args, torch.device("cpu"), timed=True)
+    store = SampleStore(tmp_path, {"videos": 1, "sample_steps": 1, "seed": 0, "machine": "cpu", "source_sha256": "x"})
+    samples, sampling = sample_runs({"dsv": runs / "stage1"}, 1, args, torch.device("cpu"), True, store)
     assert list(samples) == ["dsv", "dsv, dense sampling"] and sampling["budgets"] == []
     assert budget_lines(sampling) == ["", "No sampling at noise-level budgets: the DSV run is still in stage 1 (dense "
                                           "attention), nothing to calibrate."]

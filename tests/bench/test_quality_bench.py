@@ -418,7 +418,10 @@ def test_every_seeds_models_are_sampled_and_the_fvd_is_the_mean_over_seeds(quali
 def test_a_later_command_reads_back_the_sets_sampled_from_the_same_checkpoints_and_settings(
         quality_run, tmp_path, monkeypatch, capsys):
     """A command that evaluates again samples only the sets it lacks: a new kept-mass share, or sets whose
-    checkpoint, settings or code changed, or whose file does not read back."""
+    checkpoint, settings or code changed, or whose file does not read back. A DSV run's timed sets (its own, its
+    dense sampling and its budgets, whose speed ratios divide their timings) are read back only all from one
+    command: otherwise all are timed again, the stored calibrations read back."""
+    import dsv.analysis.sample as sample_module
     import dsv.bench.quality as quality
     import dsv.bench.sample_store as sample_store
 
@@ -429,13 +432,16 @@ def test_a_later_command_reads_back_the_sets_sampled_from_the_same_checkpoints_a
     first = SampleStore(tmp_path, STORE_SETTINGS)
     samples, sampling = sample_seeds(dirs, 2, args, cpu, first)
     assert first.reused == []
-    every = [f"{mode}: {name}" for mode, name in (
-        ("dense", "dense"), ("dense", average_set("dense")), ("dsv", "dsv"), ("dsv", average_set("dsv")),
-        ("dsv", "dsv, dense sampling"), ("dsv", budgets_set(0.9)), ("window", "window"),
-        ("window", average_set("window")))]
+    untimed = ["dense: dense", f"dense: {average_set('dense')}", f"dsv: {average_set('dsv')}", "window: window",
+               f"window: {average_set('window')}"]
+    timed = ["dsv: dsv", "dsv: dsv, dense sampling", f"dsv: {budgets_set(0.9)}"]
+    every = [untimed[0], untimed[1], timed[0], untimed[2], timed[1], timed[2], untimed[3], untimed[4]]
 
     def no_sampling(*_, **__):
         raise AssertionError("sampled a set that was stored")
+
+    def no_calibration(*_, **__):
+        raise AssertionError("calibrated budgets that were stored")
 
     with monkeypatch.context() as patch:
         patch.setattr(quality, "timed_samples", no_sampling)
@@ -443,44 +449,81 @@ def test_a_later_command_reads_back_the_sets_sampled_from_the_same_checkpoints_a
         samples_again, sampling_again = sample_seeds(dirs, 2, args, cpu, again)
     assert again.reused == every
     results = json.loads((quality_run / "results.json").read_text())
-    assert ("Sets read back from an earlier command of this output folder (the same checkpoint, sampling settings, "
-            "machine and code; their timings are that command's): dense: dense; dense: dense, average of the weights"
+    assert ("Read back from an earlier command of this output folder (the same checkpoint, sampling settings, GPU "
+            "model, software and code; a DSV run's timed sets all from one command, so each speed ratio is one "
+            "command's): dense: dense; dense: dense, average of the weights"
             in render_report({**results, "samples_reused": again.reused}))
     assert all(torch.equal(samples_again["a"][name], videos) for name, videos in samples["a"].items())
     assert sampling_again == sampling  # timings, paths, similarity and the calibration's facts alike
-    # A new share: only its set is sampled.
+    # A new share: the DSV run's timed sets are all timed in this command, the stored share's calibration read back.
     args.sampling_kept_mass = [0.9, 0.5]
     added = SampleStore(tmp_path, STORE_SETTINGS)
-    sample_seeds(dirs, 2, args, cpu, added)
-    assert added.reused == every
-    assert sample_seeds(dirs, 2, args, cpu, SampleStore(tmp_path, STORE_SETTINGS))[1]["a"]["budgets"][1][
-        "kept_mass"] == 0.5
+    with monkeypatch.context() as patch:
+        calibrations = []
+        real_calibrate = sample_module.calibrate_for_sampling
+        patch.setattr(sample_module, "calibrate_for_sampling", lambda model, cfg, share, *a, **k: calibrations.append(
+            share) or real_calibrate(model, cfg, share, *a, **k))
+        _, with_share = sample_seeds(dirs, 2, args, cpu, added)
+    assert calibrations == [0.5]
+    assert added.reused == [*untimed[:3], f"{timed[2]} (its calibration)", *untimed[3:]]
+    assert [b["levels"] for b in with_share["a"]["budgets"]][0] == sampling["a"]["budgets"][0]["levels"]
+    # Then all of them come from that command together.
+    with monkeypatch.context() as patch:
+        patch.setattr(quality, "timed_samples", no_sampling)
+        patch.setattr(sample_module, "calibrate_for_sampling", no_calibration)
+        together = SampleStore(tmp_path, STORE_SETTINGS)
+        assert sample_seeds(dirs, 2, args, cpu, together)[1] == with_share
+    assert len(together.reused) == len(every) + 1
+    # A command cut between two timed sets left one of them missing: the others are timed again with it.
+    added.path(runs / "dsv", "dsv, dense sampling").unlink()
+    cut = SampleStore(tmp_path, STORE_SETTINGS)
+    sample_seeds(dirs, 2, args, cpu, cut)
+    assert cut.reused == [*untimed[:3], f"{timed[2]} (its calibration)", f"dsv: {budgets_set(0.5)} (its calibration)",
+                          *untimed[3:]]
     # Other code samples every set again; so does another checkpoint of one run (its files' SHA-256), for its sets.
+    args.sampling_kept_mass = [0.9]
     other_code = SampleStore(tmp_path, {**STORE_SETTINGS, "source_sha256": "edited"})
     sample_seeds(dirs, 2, args, cpu, other_code)
     assert other_code.reused == []
-    args.sampling_kept_mass = [0.9]
-    # A file that does not read back is sampled again, and the command says so.
+    # A file that does not read back as a stored set is sampled again, and the command says so.
     stored = other_code.path(runs / "dense", "dense")
-    stored.write_bytes(b"not a torch file")
-    capsys.readouterr()
-    torn = SampleStore(tmp_path, {**STORE_SETTINGS, "source_sha256": "edited"})
-    samples_torn, _ = sample_seeds(dirs, 2, args, cpu, torn)
-    assert "dense: dense" not in torn.reused and len(torn.reused) == len(every) - 1
-    assert f"{stored} does not read back" in capsys.readouterr().out
-    assert torch.equal(samples_torn["a"]["dense"], samples["a"]["dense"])
-    real_manifest = sample_store.latest_manifest
+    for content in (b"not a torch file", None):
+        if content is None:
+            torch.save({"videos": "not a tensor"}, stored)
+        else:
+            stored.write_bytes(content)
+        capsys.readouterr()
+        torn = SampleStore(tmp_path, {**STORE_SETTINGS, "source_sha256": "edited"})
+        samples_torn, _ = sample_seeds(dirs, 2, args, cpu, torn)
+        assert "dense: dense" not in torn.reused and len(torn.reused) == len(every) - 1
+        assert f"{stored} does not read back" in capsys.readouterr().out
+        assert torch.equal(samples_torn["a"]["dense"], samples["a"]["dense"])
+    real_resolve = sample_store.resolve_checkpoint
 
     def retrained_window(run_dir):
-        path, manifest = real_manifest(run_dir)
-        return (path, {**manifest, "sha256": {"weights": "retrained"}}) if run_dir.name == "window" else (path,
-                                                                                                           manifest)
+        # Another checkpoint of the window run: its manifest's digests differ.
+        checkpoint = real_resolve(run_dir)
+        if run_dir.name != "window":
+            return checkpoint
+        copy = tmp_path / "retrained" / checkpoint.name
+        if not copy.exists():
+            copy.mkdir(parents=True)
+            manifest = json.loads((checkpoint / "manifest.json").read_text())
+            (copy / "manifest.json").write_text(json.dumps({**manifest, "sha256": {"weights": "retrained"}}))
+        return copy
 
     with monkeypatch.context() as patch:
-        patch.setattr(sample_store, "latest_manifest", retrained_window)
+        patch.setattr(sample_store, "resolve_checkpoint", retrained_window)
         retrained = SampleStore(tmp_path, {**STORE_SETTINGS, "source_sha256": "edited"})
         sample_seeds(dirs, 2, args, cpu, retrained)
     assert retrained.reused == [name for name in every if not name.startswith("window")]
+    # A store that cannot be written says so, and the evaluation goes on.
+    blocked = tmp_path / "a file"
+    blocked.write_text("")
+    capsys.readouterr()
+    unwritable = SampleStore(blocked, STORE_SETTINGS)
+    assert torch.equal(sample_seeds(dirs, 2, args, cpu, unwritable)[0]["a"]["dense"], samples["a"]["dense"])
+    assert "could not store dense under" in capsys.readouterr().out
 
 
 def test_fvd_over_seeds_is_the_mean_of_each_draw_and_one_seed_gives_its_own_numbers():

@@ -96,11 +96,12 @@ def test_resolution_says_whether_the_seeds_decide_the_tolerance():
     assert resolution(0.002, 0.0025, 0.01, 5) == "resolved: met (-0.5%…+0.9%)"  # ±0.69%
     # Not resolved: how many seeds would resolve it at this mean and spread (s.d. 0.0025·√2 = 0.35%; 95%
     # half-widths 0.88% with 3 seeds, 0.56% with 4, against the 0.8% between the gap and the bound).
-    assert resolution(0.002, 0.0025, 0.01, 2) == ("not resolved: -3.0%…+3.4% crosses +1%; at this mean and spread "
-                                                  "about 4 seeds would resolve it")  # ±3.2%
+    assert resolution(0.002, 0.0025, 0.01, 2) == (
+        "not resolved: -3.0%…+3.4% crosses +1%; at this mean and spread the interval's edge reaches the bound at "
+        "about 4 seeds (about even odds of resolving it there)")  # ±3.2%
     assert seeds_to_resolve(0.002, 0.0025 * math.sqrt(2), 0.01, 2) == 4
     assert seeds_to_resolve(0.0099, 0.01, 0.01, 2) is None  # 0.01% from the bound: not within 100 seeds
-    assert resolution(0.0099, 0.005, 0.01, 4).endswith("more than 100 seeds would not")
+    assert resolution(0.0099, 0.005, 0.01, 4).endswith("more than 100 seeds would not resolve it")
     assert resolution(0.03, 0.005, 0.01, 5) == "resolved: missed (+1.6%…+4.4%)"
     # Lower is better: DSV resolved below dense by more than the tolerance meets the bound.
     assert resolution(-0.03, 0.005, 0.01, 5) == "resolved: met (-4.4%…-1.6%)"
