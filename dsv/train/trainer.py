@@ -116,6 +116,11 @@ def build_model(cfg: Config, device: torch.device) -> torch.nn.Module:
     return VideoDiT(m, cfg.attention).to(device)
 
 
+# The average's warm-up rule (`ema_decay_at`), saved with the average: a checkpoint averaged under another rule
+# would continue under this one unnoticed, its average then neither rule's.
+EMA_WARMUP = "diffusers EMAModel: 0 at the first update, then min(decay, (1 + step) / (10 + step))"
+
+
 def ema_decay_at(step: int, decay: float) -> float:
     """The moving average's decay in the update after optimizer step `step` (0: the first): 0 there (the average
     starts as the weights), then `decay`, less while `(1 + step) / (10 + step)` is smaller, as diffusers'
@@ -297,6 +302,7 @@ class Trainer:
             # CPU sums split over threads round by the thread count: a resume compares it (`_restore`).
             "cpu_threads": torch.get_num_threads(),
             "ema": None if self.ema is None else self._full_ema(),
+            "ema_warmup": None if self.ema is None else EMA_WARMUP,
         }
 
     def _full_ema(self) -> dict[str, torch.Tensor] | None:
@@ -404,7 +410,7 @@ class Trainer:
         if window is not None and window["steps"] > 0:
             self._window_loss = window["loss_sum"].to(self.device)
             self._window_steps = window["steps"]
-        self._restore_ema(ckpt, state.get("ema"))
+        self._restore_ema(ckpt, state.get("ema"), state.get("ema_warmup"))
         reasons = state.get("dispatch_reasons")  # absent from checkpoints saved before it was recorded
         if reasons is not None and len(reasons) == len(self.controller.layers):
             for layer, reason in zip(self.controller.layers, reasons):
@@ -418,7 +424,7 @@ class Trainer:
         self.step = state["step"]
         self.controller.step = self.step
 
-    def _restore_ema(self, ckpt: Path, saved: dict[str, torch.Tensor] | None) -> None:
+    def _restore_ema(self, ckpt: Path, saved: dict[str, torch.Tensor] | None, warmup: str | None) -> None:
         if self.ema is None:
             return
         names = [name for name, _ in self._ema_weights]
@@ -426,6 +432,12 @@ class Trainer:
             # The configs matched (train.ema_decay included), so only an edited or foreign state gets here.
             raise CheckpointError(f"checkpoint {ckpt} lacks the weights' moving average of train.ema_decay="
                                   f"{self.cfg.train.ema_decay} (or holds it for other weights)")
+        # Absent from checkpoints saved before it was recorded, which all averaged under this rule (one earlier
+        # commit used a fixed decay; none of its checkpoints was kept).
+        if warmup is not None and warmup != EMA_WARMUP:
+            raise CheckpointError(f"checkpoint {ckpt} averaged its weights under another warm-up ({warmup!r}) than "
+                                  f"this code's ({EMA_WARMUP!r}): continuing would mix the two; resume it with the "
+                                  "code that saved it, or start the average afresh in a new run")
         with torch.no_grad():
             for name, ema in zip(names, self.ema):
                 full = saved[name].to(ema.device, ema.dtype)

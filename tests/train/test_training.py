@@ -12,7 +12,7 @@ from dsv.cli import EXIT_UNFINISHED, main
 from dsv.train.checkpoint import CheckpointError, list_checkpoints
 from dsv.train.config import apply_overrides
 from dsv.train.recipes import get_recipe
-from dsv.train.trainer import Trainer, ema_decay_at
+from dsv.train.trainer import EMA_WARMUP, Trainer, ema_decay_at
 
 # A model small enough for CI: 4 frames of 16×16 pixels, 1×2×2 patches → a 4×8×8 grid of 256 tokens.
 TINY = [
@@ -205,6 +205,11 @@ def test_the_weights_moving_average_is_evaluated_resumed_exactly_and_leaves_trai
     assert [r["heldout_loss"] for r in held["straight"]] == [r["heldout_loss"] for r in held["plain"]]
     assert all("heldout_loss_ema" not in r for r in held["plain"])
     assert held["straight"] == held["resumed"]
+    # The warm-up rule is saved with the average; a checkpoint averaged under another one is refused on resume.
+    assert straight_s["ema_warmup"] == EMA_WARMUP
+    _rewrite_state(list_checkpoints(tmp_path / "resumed")[-1], lambda state: state.update(ema_warmup="fixed decay"))
+    with pytest.raises(CheckpointError, match="averaged its weights under another warm-up .'fixed decay'."):
+        Trainer(tiny_config(tmp_path / "resumed", "train.steps=12", *schedule), resume=True, quiet=True).run()
     # The logged average's loss is that of a model holding the averaged weights.
     check = Trainer(tiny_config(tmp_path / "straight", "train.steps=12", *schedule), resume=True, quiet=True)
     check.model.load_state_dict({**straight_w, **straight_s["ema"]})
