@@ -1341,6 +1341,11 @@ def _sample_run(mode: str, run_dir: Path, num: int, args, device: torch.device, 
         for share in args.sampling_kept_mass if stage2 else []:
             timed[budgets_set(share)] = functools.partial(budgets_sampling, share)
     stored = {name: store.read(run_dir, name, repeats) for name in timed}
+    for share in args.sampling_kept_mass if stage2 else []:
+        # A budgets set is of its share's calibration only (set names round shares to 6 digits).
+        record = stored[budgets_set(share)]
+        if record is not None and record["facts"].get("calibration", {}).get("kept_mass") != share:
+            stored[budgets_set(share)] = None
     together = all(stored.values()) and len({record["command"] for record in stored.values()}) == 1
     made = {}
 

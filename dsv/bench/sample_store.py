@@ -70,14 +70,17 @@ class SampleStore:
             return None
         try:
             stored = torch.load(file, map_location="cpu", weights_only=True)
+            if isinstance(stored, dict) and stored.get("key") != self.key(run_dir, name, repeats):
+                return None  # made from another checkpoint, settings or code: sampled again, quietly
             if not (isinstance(stored, dict) and isinstance(stored.get("videos"), torch.Tensor)
-                    and {"key", "passes", "facts", "command"} <= stored.keys()):
+                    and isinstance(stored.get("command"), str) and isinstance(stored.get("passes"), list)
+                    and stored["passes"] and isinstance(stored.get("facts"), dict) and "paths" in stored["facts"]):
                 raise ValueError("not a stored sample set")
         except Exception as err:  # any unreadable file: sampled again, not trusted
             print(f"[quality] {file} does not read back ({type(err).__name__}: {err}); sampling {name} again",
                   flush=True)
             return None
-        return stored if stored["key"] == self.key(run_dir, name, repeats) else None
+        return stored
 
     def write(self, run_dir: Path, name: str, repeats: int, videos: torch.Tensor, passes: list[float],
               facts: dict) -> None:
@@ -91,7 +94,7 @@ class SampleStore:
             file.parent.mkdir(parents=True, exist_ok=True)
             torch.save(record, partial)
             os.replace(partial, file)
-        except OSError as err:
+        except (OSError, RuntimeError) as err:  # torch.save reports a short write (a full disk) as RuntimeError
             with contextlib.suppress(OSError):  # a partial file, where there is one to remove
                 partial.unlink()
             print(f"[quality] could not store {name} under {file.parent} ({err}); a later command samples it again",

@@ -116,9 +116,10 @@ def build_model(cfg: Config, device: torch.device) -> torch.nn.Module:
     return VideoDiT(m, cfg.attention).to(device)
 
 
-# The average's warm-up rule (`ema_decay_at`), saved with the average: a checkpoint averaged under another rule
-# would continue under this one unnoticed, its average then neither rule's.
-EMA_WARMUP = "diffusers EMAModel: 0 at the first update, then min(decay, (1 + step) / (10 + step))"
+# The average's warm-up rule (`ema_decay_at`: diffusers' EMAModel, 0 at the first update, then
+# min(decay, (1 + step) / (10 + step))) as a tag saved with the average: a checkpoint averaged under another rule
+# would continue under this one unnoticed, its average then neither rule's. A new rule takes a new tag.
+EMA_WARMUP = "diffusers-ema-model-warmup-v1"
 
 
 def ema_decay_at(step: int, decay: float) -> float:

@@ -487,9 +487,12 @@ def test_a_later_command_reads_back_the_sets_sampled_from_the_same_checkpoints_a
     assert other_code.reused == []
     # A file that does not read back as a stored set is sampled again, and the command says so.
     stored = other_code.path(runs / "dense", "dense")
-    for content in (b"not a torch file", None):
-        if content is None:
-            torch.save({"videos": "not a tensor"}, stored)
+    # A record of the right key whose contents are not a set's (a foreign or edited file) is not trusted either.
+    malformed = {"key": other_code.key(runs / "dense", "dense", 1), "videos": torch.zeros(1), "command": "x",
+                 "passes": [], "facts": {}}
+    for content in (b"not a torch file", malformed):
+        if isinstance(content, dict):
+            torch.save(content, stored)
         else:
             stored.write_bytes(content)
         capsys.readouterr()
@@ -524,6 +527,19 @@ def test_a_later_command_reads_back_the_sets_sampled_from_the_same_checkpoints_a
     unwritable = SampleStore(blocked, STORE_SETTINGS)
     assert torch.equal(sample_seeds(dirs, 2, args, cpu, unwritable)[0]["a"]["dense"], samples["a"]["dense"])
     assert "could not store dense under" in capsys.readouterr().out
+    # torch.save reports a short write (a full disk) as a RuntimeError: said, and no partial file is left.
+    real_save = sample_store.torch.save
+
+    def disk_full(record, path):
+        real_save(record, path)
+        raise RuntimeError("unexpected pos")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(sample_store.torch, "save", disk_full)
+        full = SampleStore(tmp_path / "full", STORE_SETTINGS)
+        sample_seeds(dirs, 2, args, cpu, full)
+    assert "could not store dense under" in capsys.readouterr().out
+    assert not list((tmp_path / "full").rglob("*.pt")) and not list((tmp_path / "full").rglob("*.tmp"))
 
 
 def test_fvd_over_seeds_is_the_mean_of_each_draw_and_one_seed_gives_its_own_numbers():
