@@ -108,6 +108,11 @@ def average_set(mode: str) -> str:
     return mode + AVERAGE_SUFFIX
 
 
+def dense_reference(name: str) -> str:
+    """The dense set a set is compared with: dense's average for a run's average (`average_set`), else dense."""
+    return average_set("dense") if name.endswith(AVERAGE_SUFFIX) else "dense"
+
+
 def budgets_set(kept_mass: float) -> str:
     """The name of the DSV model's samples at noise-level budgets keeping `kept_mass` (FVD rows, sample grid)."""
     return f"dsv, budgets keeping {kept_mass:g} of the mass"
@@ -573,7 +578,7 @@ def _fvd_entries(point: dict[str, float], boot: dict[str, list[float]]) -> dict:
     result = {}
     for name, values in boot.items():
         entry = {"fvd": point[name]}
-        reference = average_set("dense") if name.endswith(AVERAGE_SUFFIX) else "dense"
+        reference = dense_reference(name)
         if values:
             entry.update(std=float(np.std(values)), p05=float(np.percentile(values, 5)),
                          p95=float(np.percentile(values, 95)))

@@ -23,6 +23,7 @@ from dsv.bench.quality import (
     MODES,
     TOLERANCE_RULE,
     average_set,
+    dense_reference,
     fvd_seeds,
     meets_tolerance,
     no_sparse_block_text,
@@ -185,16 +186,11 @@ def control_readings(late: dict, late_ema: dict | None, fvd: dict | None) -> dic
     def gaps(values: dict | None, control: str, dsv: str) -> dict | None:
         if not values or control not in values or dsv not in values:
             return None
-        return {"control": values[control] / values[dense_key(control)] - 1,
-                "dsv": values[dsv] / values[dense_key(dsv)] - 1}
+        return {"control": values[control] / values[dense_reference(control)] - 1,
+                "dsv": values[dsv] / values[dense_reference(dsv)] - 1}
 
     return {"loss": gaps(late, CONTROL, "dsv"), "loss_ema": gaps(late_ema, CONTROL, "dsv"),
             "fvd": gaps(fvd, CONTROL, "dsv"), "fvd_ema": gaps(fvd, average_set(CONTROL), average_set("dsv"))}
-
-
-def dense_key(name: str) -> str:
-    """The dense reading a set compares with: dense's average for an average, dense's weights otherwise."""
-    return average_set("dense") if name.endswith(AVERAGE_SUFFIX) else "dense"
 
 
 def over_seeds(per_seed: dict[str, dict[str, float]]) -> dict:
