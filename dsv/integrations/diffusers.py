@@ -500,8 +500,8 @@ def from_pretrained_local(
 
     Nothing is downloaded (`local_files_only=True`). A plain pretrained folder gets fresh DSV state
     (stage 1, untrained predictors). A folder saved from a model with DSV installed also holds the DSV
-    state (predictors, EMAs, dispatch, stage); it is restored and must match `cfg`: the same mode and rank,
-    and the cube, key block and θ it was measured with (a ValueError names what differs).
+    state (predictors, EMAs, dispatch, stage); it is restored and must match `cfg`: the same mode, rank and
+    predictor_rotary, and the cube, key block and θ it was measured with (a ValueError names what differs).
 
     Args:
         path: the folder (holding `config.json` and the weights), or a pipeline folder with `subfolder`.
@@ -532,15 +532,18 @@ def from_pretrained_local(
     if saved:
         check_layout(saved, f"{CONTROLLER_NAME}.{LAYOUT_BUFFER}", layout_record(cfg),
                      f"from_pretrained_local: the DSV state in {folder}", "cfg")
-        if set(saved) != dsv_keys:
+        installed = transformer.state_dict()
+        reshaped = {key for key in dsv_keys & set(saved) if saved[key].shape != installed[key].shape}
+        if set(saved) != dsv_keys or reshaped:
             def first(keys: set[str]) -> str:
                 keys = sorted(keys)
                 return f"{keys[:4]}{' ...' if len(keys) > 4 else ''}"
 
             raise ValueError(
                 f"from_pretrained_local: the DSV state in {folder} does not match cfg (mode={cfg.mode!r}, "
-                f"rank={cfg.rank}); load it with the config it was saved with. Missing: "
-                f"{first(dsv_keys - set(saved))}; unexpected: {first(set(saved) - dsv_keys)}"
+                f"rank={cfg.rank}, predictor_rotary={cfg.predictor_rotary}); load it with the config it was saved "
+                f"with. Missing: {first(dsv_keys - set(saved))}; unexpected: {first(set(saved) - dsv_keys)}; "
+                f"of another shape: {first(reshaped)}"
             )
         transformer.load_state_dict(saved, strict=False)
     return transformer

@@ -18,7 +18,7 @@ from torch import nn
 
 from dsv.modules.config import AttentionConfig
 from dsv.modules.dispatch import speed_model
-from dsv.modules.predictor import LowRankPredictor, release_parked
+from dsv.modules.predictor import LowRankPredictor, release_parked, rotary_frequencies
 from dsv.ops import (
     SparseIndex,
     estimate_index_from_means,
@@ -32,7 +32,12 @@ from dsv.ops import (
     window_index,
 )
 from dsv.ops.estimate import triton_estimation_unsupported
-from dsv.ops.grouping import check_sequence_matches_grid, cube_permutation_on, outside_inference_mode
+from dsv.ops.grouping import (
+    check_sequence_matches_grid,
+    cube_permutation_on,
+    grouped_positions_on,
+    outside_inference_mode,
+)
 from dsv.ops.sparse_attention import (
     hopper_backward_missing,
     hopper_backward_unsupported,
@@ -79,8 +84,10 @@ class DSVAttentionCore(nn.Module):
             # Its own random stream: a DSV model then starts from the same weights as a dense or window
             # model of the same seed (the quality comparison trains all three from one initialisation).
             with torch.random.fork_rng(devices=[]):
+                rotary = (rotary_frequencies(self.cfg.predictor_rotary // 6, self.cfg.cube)
+                          if self.cfg.predictor_rotary else None)
                 self.predictor = LowRankPredictor(dim, heads, self.cfg.rank, self.cfg.predictor_lr,
-                                                  self.cfg.loss_cosine_weight, self.cfg.loss_mse_weight)
+                                                  self.cfg.loss_cosine_weight, self.cfg.loss_mse_weight, rotary)
         nan_heads = torch.full((heads,), float("nan"))
         self.register_buffer("sparsity_ema", nan_heads.clone())
         self.register_buffer("recall_ema", nan_heads.clone())
@@ -490,6 +497,12 @@ class DSVAttentionCore(nn.Module):
         forward_id = self.controller.forward_id if self.controller is not None else None
         return forward_id, tuple(q.shape), q.device
 
+    def predictor_positions(self, grid: tuple[int, int, int], device: torch.device) -> torch.Tensor | None:
+        """The tokens' (t, h, w) in grouped order, `[S, 3]`, for a predictor with rotary dims; else None."""
+        if self.predictor is None or not self.predictor.rotary_dims:
+            return None
+        return grouped_positions_on(tuple(grid), self.cfg.cube, device)
+
     def compute_index(self, hidden, q, k, grid, keep_blocks: torch.Tensor | None = None) -> SparseIndex:
         """This layer's key selection for `hidden [B, S, C]`, `q, k [B, H, S, D]` (grouped order), at its
         dispatched budget or the given per-head `keep_blocks`."""
@@ -514,7 +527,8 @@ class DSVAttentionCore(nn.Module):
             if cfg.mode == "oracle":
                 index = oracle_index(q, k, keep_blocks, cfg.group_size, kv_block, scale=self.scale)
                 return index, lambda: index
-            proxies, block_keys = self.predictor.pooled_project(hidden.detach(), cfg.group_size, kv_block)
+            proxies, block_keys = self.predictor.pooled_project(hidden.detach(), cfg.group_size, kv_block,
+                                                                self.predictor_positions(grid, hidden.device))
         reselect = RepeatableSelection(
             functools.partial(estimate_index_from_means, keep_blocks=keep_blocks, group_size=cfg.group_size,
                               kv_block=kv_block, seq_len=seq_len, backend=cfg.backend),
@@ -557,7 +571,8 @@ class DSVAttentionCore(nn.Module):
             rows = sample_query_rows(seq_len, stride, offset=controller.step // learn_period, device=q.device)
             keys = sample_key_positions(seq_len, cfg.predictor_keys, key_seed(controller.step, self.layer_index),
                                         device=q.device)
-            loss = self.predictor.update(hidden, q, k, rows, self.scale, keys)
+            loss = self.predictor.update(hidden, q, k, rows, self.scale, keys,
+                                         self.predictor_positions(grid, hidden.device))
             loss_ema.copy_(_ema(loss_ema, loss, cfg.ema_momentum))
         if not controller.profile_due():
             return

@@ -84,6 +84,11 @@ class AttentionConfig:
     # Keys per predictor update: a random subset of this many (0 = all). The loss needs only means over the
     # keys (Gram matrices), which a few thousand estimate well, and the update's cost grows with the keys.
     predictor_keys: int = 0
+    # Rank dims per head that carry the token's (t, h, w) position as rotary phases (0: none; a multiple of 6 up
+    # to `rank`: 2 per frequency, as many frequencies along t, h and w). For models whose position enters only
+    # q and k (rotary embeddings: Wan, CogVideoX with `use_rotary_positional_embeddings`), where the
+    # predictor's input, the hidden states, has none.
+    predictor_rotary: int = 0
 
     # Profiler.
     theta: float = 0.9
@@ -146,6 +151,9 @@ class AttentionConfig:
             # One key has no spread: its centred Grams are zero and the loss says nothing.
             raise ValueError(f"attention.predictor_keys must be an int, 0 (every key) or >= 2 (a random sample "
                              f"of that many keys), got {self.predictor_keys!r}")
+        if self.predictor_rotary < 0 or self.predictor_rotary % 6 or self.predictor_rotary > self.rank:
+            raise ValueError(f"attention.predictor_rotary must be a multiple of 6 (a rotating pair per frequency "
+                             f"and axis) from 0 to rank={self.rank}, got {self.predictor_rotary}")
         for name in ("sample_stride", "max_sample_rows", "profile_every_stage1", "profile_every_stage2",
                      "learn_every_stage2",
                      "keep_floor_blocks", "rank"):

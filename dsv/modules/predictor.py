@@ -7,6 +7,7 @@ the layer's forward pass, so no S×S intermediate is kept alive for the model's 
 from __future__ import annotations
 
 import functools
+import math
 import threading
 
 import torch
@@ -101,8 +102,37 @@ def _keep_fused(optimizer: torch.optim.Optimizer) -> None:
                 state["step"] = state["step"].to(device=param.device, dtype=torch.float32)
 
 
+def rotary_frequencies(pairs_per_axis: int, cube: tuple[int, int, int]) -> torch.Tensor:
+    """Angular frequencies (radians per token), float32 `[3, pairs_per_axis]`, of a predictor's rotary dims
+    along t, h, w: wavelengths of 4, 8, 16, ... cube extents. The selection is shared by a cube and made over
+    cube-sized key blocks, so structure finer than a cube cannot change it; at 4 cube extents the rotation of a
+    cube's mean row (`pooled_project`) stays within ~10% of the mean of its rows' rotations."""
+    octaves = 2.0 ** torch.arange(pairs_per_axis, dtype=torch.float32)
+    extents = torch.tensor(cube, dtype=torch.float32)
+    return 2 * math.pi / (4 * extents[:, None] * octaves[None, :])
+
+
+def rotate_by_position(x: torch.Tensor, positions: torch.Tensor, frequencies: torch.Tensor) -> torch.Tensor:
+    """Rotate the last `2 * frequencies.numel()` dims of `x [..., S, r]` by the positions `[S, 3]`: dims `i`
+    and `i + m` (`m = frequencies.numel()`, the half-split convention) turn by `position[axis] * frequency`
+    of pair `i` (pairs ordered t, h, w). A product of two rotated rows then depends on the two positions only
+    through their difference (rotary embeddings)."""
+    m = frequencies.numel()
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    angles = (positions.to(compute)[:, :, None] * frequencies.to(positions.device, compute)).flatten(1)  # [S, m]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    plain, first, second = x[..., :-2 * m], x[..., -2 * m:-m], x[..., -m:]
+    return torch.cat((plain, first * cos - second * sin, first * sin + second * cos), dim=-1)
+
+
 class LowRankPredictor(nn.Module):
-    """Two low-rank projections per layer: hidden `[B, S, C]` → `q_lr, k_lr` of `[B, H, S, rank]`."""
+    """Two low-rank projections per layer: hidden `[B, S, C]` → `q_lr, k_lr` of `[B, H, S, rank]`.
+
+    With `rotary_frequencies` (`[3, n]`, see `rotary_frequencies`) the last `6n` of each head's `rank` dims also
+    carry the token's `(t, h, w)` position: a learned per-head offset is added to them and they are rotated by
+    the position (`rotate_by_position`), so the predicted scores can depend on the distance between query and
+    key, as the scores of a model with rotary embeddings do (Wan; CogVideoX with rotary position embeddings),
+    whose hidden states carry no position. The methods then take the rows' `positions`."""
 
     def __init__(
         self,
@@ -112,14 +142,30 @@ class LowRankPredictor(nn.Module):
         lr: float = 1e-3,
         cosine_weight: float = 0.9,
         mse_weight: float = 0.1,
+        rotary_frequencies: torch.Tensor | None = None,
     ):
         super().__init__()
         if rank < 1:
             raise ValueError(f"predictor rank must be >= 1, got {rank}")
+        rotary_dims = 0 if rotary_frequencies is None else 2 * rotary_frequencies.numel()
+        if rotary_frequencies is not None and (rotary_frequencies.dim() != 2 or rotary_frequencies.shape[0] != 3
+                                               or rotary_dims > rank):
+            raise ValueError(f"rotary_frequencies must be [3, n] with 6n <= rank={rank}, got "
+                             f"{list(rotary_frequencies.shape)}")
         self.heads, self.rank = heads, rank
         self.cosine_weight, self.mse_weight = cosine_weight, mse_weight
         self.q_proj = nn.Linear(dim, heads * rank, bias=False)
         self.k_proj = nn.Linear(dim, heads * rank, bias=False)
+        self.rotary_dims = rotary_dims
+        if rotary_dims:
+            # The offsets let a head's rotary dims be nonzero whatever the content: a score term that depends on
+            # the distance alone (locality). Drawn like a Linear's bias: zero offsets would give each other zero
+            # gradient.
+            bound = dim**-0.5
+            self.q_rotary_offset = nn.Parameter(torch.empty(heads, rotary_dims).uniform_(-bound, bound))
+            self.k_rotary_offset = nn.Parameter(torch.empty(heads, rotary_dims).uniform_(-bound, bound))
+            self.register_buffer("rotary_frequencies", rotary_frequencies.to(torch.float32).clone(),
+                                 persistent=False)
         # The optimizer lives with the predictor: it is not part of the model's optimizer, and the trainer saves
         # its state apart (`predictor_optimizers` in a checkpoint's training state).
         # Fused (torch's fused AdamW devices: CPU, CUDA, MPS, XPU): two host calls a step instead of ~16 foreach
@@ -277,69 +323,97 @@ class LowRankPredictor(nn.Module):
         release_parked()  # memory of the state it leaves behind, held since the last park or prefetch
         return moved
 
-    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`hidden [B, S, C]` → `(q_lr, k_lr)`, each `[B, H, S, rank]`."""
+    def _heads(self, rows: torch.Tensor, offset: torch.Tensor | None, positions: torch.Tensor | None
+               ) -> torch.Tensor:
+        """Projected rows `[B, N, H * rank]` → `[B, H, N, rank]`, with the rotary dims offset and rotated by the
+        rows' `positions [N, 3]` where the predictor has them."""
+        b, n, _ = rows.shape
+        rows = rows.view(b, n, self.heads, self.rank).transpose(1, 2)
+        if not self.rotary_dims:
+            return rows
+        if positions is None or tuple(positions.shape) != (n, 3):
+            raise ValueError(f"this predictor has rotary dims: positions must be the rows' (t, h, w), a [{n}, 3] "
+                             f"tensor, got {None if positions is None else list(positions.shape)}")
+        rows = torch.cat((rows[..., :-self.rotary_dims], rows[..., -self.rotary_dims:] + offset[:, None]), dim=-1)
+        return rotate_by_position(rows, positions, self.rotary_frequencies)
+
+    def project(self, hidden: torch.Tensor, positions: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`hidden [B, S, C]` → `(q_lr, k_lr)`, each `[B, H, S, rank]`; `positions [S, 3]`: the tokens' (t, h, w),
+        needed with rotary dims."""
         self.unpark()
-        b, s, _ = hidden.shape
-        q_lr = self.q_proj(hidden).view(b, s, self.heads, self.rank).transpose(1, 2)
-        k_lr = self.k_proj(hidden).view(b, s, self.heads, self.rank).transpose(1, 2)
+        q_lr = self._heads(self.q_proj(hidden), self._offset("q"), positions)
+        k_lr = self._heads(self.k_proj(hidden), self._offset("k"), positions)
         return q_lr, k_lr
 
-    def pooled_project(self, hidden: torch.Tensor, group_size: int, kv_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _offset(self, which: str) -> torch.Tensor | None:
+        return getattr(self, f"{which}_rotary_offset") if self.rotary_dims else None
+
+    def pooled_project(self, hidden: torch.Tensor, group_size: int, kv_block: int,
+                       positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The estimation's inputs: each query group's mean `q_lr` row and each key block's mean `k_lr` row,
         `[B, H, NG, rank]` and `[B, H, NKB, rank]` in the predictor's dtype (a partial tail averages its valid
         rows).
 
         The projections are linear without bias, so the mean of projected rows is the projection of the mean
         hidden state: pooling `hidden [B, S, C]` first (one read, accumulated in fp32 or fp64) replaces the
-        `S x C x 2r` projection of every token by one of `NG + NKB` rows, with autocast off."""
+        `S x C x 2r` projection of every token by one of `NG + NKB` rows, with autocast off. Rotary dims
+        (`positions [S, 3]` needed) are rotated by the group's or block's mean position: the rotation of the
+        mean row, close to the mean of the rotated rows at the frequencies `rotary_frequencies` gives."""
         self.unpark()
         accumulate = torch.float64 if hidden.dtype == torch.float64 else torch.float32
 
-        def means(segment: int) -> torch.Tensor:
-            b, s, c = hidden.shape
+        def means(rows: torch.Tensor, segment: int) -> torch.Tensor:
+            b, s, c = rows.shape
             full = s // segment
             parts = []
             if full:
-                parts.append(hidden[:, :full * segment].reshape(b, full, segment, c).sum(2, dtype=accumulate)
+                parts.append(rows[:, :full * segment].reshape(b, full, segment, c).sum(2, dtype=accumulate)
                              / segment)
             if s % segment:
-                parts.append(hidden[:, full * segment:].sum(1, keepdim=True, dtype=accumulate) / (s % segment))
+                parts.append(rows[:, full * segment:].sum(1, keepdim=True, dtype=accumulate) / (s % segment))
             return torch.cat(parts, 1) if len(parts) > 1 else parts[0]
 
         dtype = self.q_proj.weight.dtype
-        pooled_queries = means(group_size).to(dtype)
-        pooled_keys = pooled_queries if kv_block == group_size else means(kv_block).to(dtype)
+        pooled_queries = means(hidden, group_size).to(dtype)
+        pooled_keys = pooled_queries if kv_block == group_size else means(hidden, kv_block).to(dtype)
+        query_positions = key_positions = None
+        if self.rotary_dims and positions is not None:
+            query_positions = means(positions[None], group_size)[0]
+            key_positions = query_positions if kv_block == group_size else means(positions[None], kv_block)[0]
         with torch.autocast(hidden.device.type, enabled=False):
             proxies, block_keys = self.q_proj(pooled_queries), self.k_proj(pooled_keys)
-        b = hidden.shape[0]
-        return (proxies.view(b, -1, self.heads, self.rank).transpose(1, 2),
-                block_keys.view(b, -1, self.heads, self.rank).transpose(1, 2))
+            return (self._heads(proxies, self._offset("q"), query_positions),
+                    self._heads(block_keys, self._offset("k"), key_positions))
 
     def loss(
         self, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, scale: float,
-        keys: torch.Tensor | None = None,
+        keys: torch.Tensor | None = None, positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Loss on sampled query rows: `hidden [B,S,C]`, `q, k [B,H,S,D]`, `rows` LongTensor `[R]`; over
-        the key positions `keys` LongTensor `[M]` only when given (see `sample_key_positions`), else all."""
+        the key positions `keys` LongTensor `[M]` only when given (see `sample_key_positions`), else all;
+        `positions [S, 3]` the tokens' (t, h, w), needed with rotary dims."""
         self.unpark()
         dtype = self.q_proj.weight.dtype  # the predictor keeps its own (fp32) precision under autocast
         hidden = hidden.to(dtype)
-        b = hidden.shape[0]
         # Only the sampled rows need low-rank queries; only the scored keys need low-rank keys.
-        q_lr = self.q_proj(hidden[:, rows]).view(b, len(rows), self.heads, self.rank).transpose(1, 2)
+        row_positions = key_positions = positions
+        if positions is not None:
+            row_positions = positions[rows]
+            key_positions = positions if keys is None else positions[keys]
+        q_lr = self._heads(self.q_proj(hidden[:, rows]), self._offset("q"), row_positions)
         if keys is not None:
             hidden, k = hidden[:, keys], k[:, :, keys]
-        k_lr = self.k_proj(hidden).view(b, hidden.shape[1], self.heads, self.rank).transpose(1, 2)
+        k_lr = self._heads(self.k_proj(hidden), self._offset("k"), key_positions)
         return self.factors_loss(q_lr, k_lr, q[:, :, rows], k, scale)
 
     def update(
         self, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, scale: float,
-        keys: torch.Tensor | None = None,
+        keys: torch.Tensor | None = None, positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One optimizer step on detached inputs (`loss`'s arguments); returns the loss before the step (a
         0-d tensor, so no device synchronisation is forced)."""
-        return self.step(lambda: self.loss(hidden.detach(), q.detach(), k.detach(), rows, scale, keys),
+        return self.step(lambda: self.loss(hidden.detach(), q.detach(), k.detach(), rows, scale, keys, positions),
                          hidden.device.type)
 
     def factors_loss(self, q_lr: torch.Tensor, k_lr: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

@@ -147,6 +147,31 @@ def _cached_permutation_on(
         return perm.to(device), inv.to(device)
 
 
+def grouped_positions_on(
+    grid: tuple[int, int, int], cube: tuple[int, int, int], device: torch.device
+) -> torch.Tensor:
+    """The ``(t, h, w)`` coordinates of the tokens in grouped order, float32 ``[S, 3]`` on ``device``: row ``i``
+    is the position of ``x_grouped[:, i]``. Cached and shared like ``cube_permutation_on``; callers must not
+    modify it."""
+    if torch.compiler.is_compiling():
+        return _grouped_positions(grid, cube, device)
+    return _cached_positions_on(_as_shape(grid, "grid"), _as_shape(cube, "cube"), torch.device(device))
+
+
+def _grouped_positions(grid, cube, device) -> torch.Tensor:
+    perm, _ = cube_permutation_on(grid, cube, device)
+    _, h, w = grid
+    return torch.stack((perm // (h * w), perm // w % h, perm % w), dim=1).to(torch.float32)
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_positions_on(
+    grid: tuple[int, int, int], cube: tuple[int, int, int], device: torch.device
+) -> torch.Tensor:
+    with outside_inference_mode():
+        return _grouped_positions(grid, cube, device)
+
+
 def check_sequence_matches_grid(seq_len: int, grid: tuple[int, int, int]) -> None:
     """Raise ValueError unless ``seq_len == T * H * W`` for ``grid = (T, H, W)``."""
     grid = _as_shape(grid, "grid")

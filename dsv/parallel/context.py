@@ -298,13 +298,23 @@ class ContextParallel:
         """`[B, H_r, S / scp, E]` -> the whole sequence `[B, H_r, S, E]` of this rank's heads."""
         return gather_sequence(x, layout.scp_group) if layout.scp > 1 else x
 
-    def _low_rank(self, layer: DSVAttention, x: torch.Tensor, layout: Layout) -> torch.Tensor:
+    def _local_positions(self, layer: DSVAttention, x: torch.Tensor, grid) -> torch.Tensor | None:
+        """(t, h, w) of this rank's tokens `x [B, S / size, C]` (its chunk of the grouped order), `[S / size, 3]`,
+        for a predictor with rotary dims; else None."""
+        positions = layer.predictor_positions(grid, x.device)
+        if positions is None:
+            return None
+        local_len = x.shape[1]
+        return positions[self.rank * local_len:(self.rank + 1) * local_len]
+
+    def _low_rank(self, layer: DSVAttention, x: torch.Tensor, layout: Layout, grid) -> torch.Tensor:
         """The predictor's `[q_lr | k_lr]` of this rank's heads over the whole sequence, `[B, H_r, S, 2r]`;
         differentiable in the predictor's parameters."""
-        q_lr, k_lr = layer.predictor.project(x.detach().to(layer.predictor.q_proj.weight.dtype))
+        q_lr, k_lr = layer.predictor.project(x.detach().to(layer.predictor.q_proj.weight.dtype),
+                                             self._local_positions(layer, x, grid))
         return self._whole(self.to_heads(torch.cat((q_lr, k_lr), -1), layout), layout)
 
-    def _pooled_low_rank(self, layer: DSVAttention, x: torch.Tensor, layout: Layout,
+    def _pooled_low_rank(self, layer: DSVAttention, x: torch.Tensor, layout: Layout, grid,
                          whole_groups: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Each query group's mean `q_lr` and each key block's mean `k_lr`, this rank's heads over the whole
         sequence: `[B, H_r, NG, r]`, `[B, H_r, NKB, r]`; `whole_groups=False`: the groups of this rank's SCP
@@ -313,7 +323,8 @@ class ContextParallel:
         (`LowRankPredictor.pooled_project`) and the exchange: the collectives move one row per group and
         block instead of one per token."""
         cfg = layer.cfg
-        proxies, block_keys = layer.predictor.pooled_project(x.detach(), cfg.group_size, cfg.key_block)
+        proxies, block_keys = layer.predictor.pooled_project(x.detach(), cfg.group_size, cfg.key_block,
+                                                             self._local_positions(layer, x, grid))
         if cfg.group_size == cfg.key_block:  # one exchange for both
             both = self.to_heads(torch.cat((proxies, block_keys), -1), layout)
             if whole_groups:
@@ -351,7 +362,7 @@ class ContextParallel:
                 index = rows_of(oracle_index(self._whole(q, layout), self._whole(k, layout), keep, cfg.group_size,
                                              cfg.key_block, scale=layer.scale))
                 return lambda: index
-            proxies, block_keys = self._pooled_low_rank(layer, x, layout, whole_groups=not local_rows)
+            proxies, block_keys = self._pooled_low_rank(layer, x, layout, grid, whole_groups=not local_rows)
         offload = keep_for_recompute and cfg.host_offload
         if not local_rows:
             return RepeatableSelection(
@@ -430,7 +441,7 @@ class ContextParallel:
             rank = layer.predictor.rank
 
             def weighted_loss():
-                low_rank = self._low_rank(layer, x, layout)
+                low_rank = self._low_rank(layer, x, layout, grid)
                 return layer.predictor.factors_loss(low_rank[:, :, rows, :rank], low_rank[:, :, keys, rank:],
                                                     q_all[:, :, rows], k_all[:, :, keys], layer.scale) * weight
 

@@ -434,6 +434,27 @@ def test_from_pretrained_local_restores_saved_dsv_state(tmp_path, safe_serializa
         from_pretrained_local(tmp_path, cfg("dense"), subfolder="transformer")
 
 
+def test_a_wan_with_a_rotary_predictor_trains_saves_and_refuses_another_rotary_setting(tmp_path):
+    """Wan's hidden states carry no position (rotary embeddings enter q and k only): `predictor_rotary` gives
+    the predictor the tokens' positions. It trains into stage 2 through the processor and round-trips through
+    `save_pretrained`; a cfg with other rotary dims is refused, naming the setting."""
+    settings = dict(max_stage1_steps=2, sparse_threshold=0.0, profile_every_stage1=1, predictor_rotary=6)
+    model = tiny_wan()
+    controller = install_dsv(model, cfg("dsv", **settings))
+    inputs = wan_inputs()
+    train_steps(model, controller, wan_forward, inputs, steps=3)
+    assert controller.current_stage == 2 and any(layer.runs_sparse() for layer in controller.layers)
+    model.save_pretrained(tmp_path)
+    loaded = from_pretrained_local(tmp_path, cfg("dsv", **settings))
+    model.eval(), loaded.eval()
+    with torch.no_grad():
+        assert torch.equal(wan_forward(loaded, inputs), wan_forward(model, inputs))
+    with pytest.raises(ValueError, match=r"predictor_rotary=12\).*of another shape: \['blocks\.0\.attn1"):
+        from_pretrained_local(tmp_path, cfg("dsv", **{**settings, "predictor_rotary": 12}))
+    with pytest.raises(ValueError, match=r"predictor_rotary=0\).*unexpected: \['blocks\.0\.attn1"):
+        from_pretrained_local(tmp_path, cfg("dsv", **{**settings, "predictor_rotary": 0}))
+
+
 def test_from_pretrained_local_refuses_state_of_another_cube_or_theta(tmp_path):
     """The saved DSV state records the cube, key block and θ it was measured with: another cfg is refused with
     what differs, by the config's names; a folder saved before the record loads with a warning that nothing

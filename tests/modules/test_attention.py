@@ -138,11 +138,12 @@ def test_window_mode_attends_to_the_window_only():
 
 
 
-def test_stage2_sparse_with_checkpointing_matches_plain_backward():
+@pytest.mark.parametrize("rotary", [0, 6], ids=["plain-predictor", "rotary-predictor"])
+def test_stage2_sparse_with_checkpointing_matches_plain_backward(rotary):
     x = torch.randn(2, 64, DIM, dtype=torch.float64)
 
     def run(checkpointing: bool):
-        model = in_stage2(x, profile_every_stage2=1)
+        model = in_stage2(x, profile_every_stage2=1, predictor_rotary=rotary)
         xin = x.clone().requires_grad_(True)
         if checkpointing:
             out = torch.utils.checkpoint.checkpoint(model, xin, use_reentrant=False)

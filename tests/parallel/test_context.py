@@ -14,12 +14,14 @@ from tests.parallel import run_distributed
 TOL = dict(rtol=2e-4, atol=2e-5)
 
 
-def _model(mode: str, checkpointing: bool = False, predictor_keys: int = 0, predictor_lr: float = 1e-3) -> VideoDiT:
+def _model(mode: str, checkpointing: bool = False, predictor_keys: int = 0, predictor_lr: float = 1e-3,
+           predictor_rotary: int = 0) -> VideoDiT:
     torch.manual_seed(0)
     attn = AttentionConfig(mode=mode, cube=(2, 2, 2), min_stage1_steps=0, max_stage1_steps=1,
                            profile_every_stage1=1, profile_every_stage2=1, sparse_threshold=0.0,
                            keep_floor_blocks=2, sample_stride=4, window_frac=0.5, recall_target=0.95,
-                           predictor_keys=predictor_keys, predictor_lr=predictor_lr)
+                           predictor_keys=predictor_keys, predictor_lr=predictor_lr,
+                           predictor_rotary=predictor_rotary)
     model = VideoDiT(ModelConfig(in_channels=3, patch=(1, 2, 2), hidden=32, depth=2, heads=4,
                                  activation_checkpointing=checkpointing), attn)
     # Non-zero output paths, so that every block's attention reaches the loss and its gradients.
@@ -48,14 +50,14 @@ def _steps(model: VideoDiT, steps: int = 3) -> list[tuple[float, dict[str, torch
     return results
 
 
-def _worker(rank, world, mode, cp_mode, hcp_size, checkpointing, predictor_keys=0):
+def _worker(rank, world, mode, cp_mode, hcp_size, checkpointing, predictor_keys=0, predictor_rotary=0):
     # The one-process reference never checkpoints: a CP recompute that selected other keys would show. Where
     # the model checkpoints, a large predictor learning rate makes one predictor step change the selection,
     # so that a recompute selecting afresh (not its forward's keys) changes the gradients.
     predictor_lr = 0.3 if checkpointing else 1e-3
-    single_model = _model(mode, False, predictor_keys, predictor_lr)
+    single_model = _model(mode, False, predictor_keys, predictor_lr, predictor_rotary)
     single = _steps(single_model)
-    model = _model(mode, checkpointing, predictor_keys, predictor_lr)
+    model = _model(mode, checkpointing, predictor_keys, predictor_lr, predictor_rotary)
     cp = ContextParallel(world, cp_mode, "cpu", hcp_size=hcp_size)
     model.enable_context_parallel(cp)
     parallel = _steps(model)
@@ -85,16 +87,17 @@ def _worker(rank, world, mode, cp_mode, hcp_size, checkpointing, predictor_keys=
     }
 
 
-@pytest.mark.parametrize("world,cp_mode,hcp_size,mode,checkpointing,predictor_keys", [
-    (2, "hcp", 0, "dsv", False, 0), (2, "scp", 0, "dsv", True, 0),  # True: activation checkpointing recomputes
-    (4, "hybrid", 2, "dsv", False, 0),  # 4 ranks as 2 x 2: HCP inside SCP
-    (2, "scp", 0, "dsv", True, 96),  # the predictor scores a key sample: the same keys as one process
-    (4, "naive_hcp", 0, "window", False, 0), (2, "hybrid", 0, "window", True, 0),
+@pytest.mark.parametrize("world,cp_mode,hcp_size,mode,checkpointing,predictor_keys,predictor_rotary", [
+    (2, "hcp", 0, "dsv", False, 0, 0), (2, "scp", 0, "dsv", True, 0, 0),  # True: checkpointing recomputes
+    (4, "hybrid", 2, "dsv", False, 0, 0),  # 4 ranks as 2 x 2: HCP inside SCP
+    (2, "scp", 0, "dsv", True, 96, 0),  # the predictor scores a key sample: the same keys as one process
+    (4, "hybrid", 2, "dsv", True, 0, 6),  # rotary dims: each rank's tokens rotated by their own positions
+    (4, "naive_hcp", 0, "window", False, 0, 0), (2, "hybrid", 0, "window", True, 0, 0),
 ])
 def test_cp_training_steps_equal_one_process(tmp_path, world, cp_mode, hcp_size, mode, checkpointing,
-                                             predictor_keys):
+                                             predictor_keys, predictor_rotary):
     ranks = run_distributed(_worker, world, mode, cp_mode, hcp_size, checkpointing, predictor_keys,
-                            out_dir=tmp_path, timeout_s=120)
+                            predictor_rotary, out_dir=tmp_path, timeout_s=120)
     for result in ranks:
         assert result["stage"] == (2 if mode == "dsv" else 1)  # window mode is sparse from the start
         assert all(path.startswith("sparse:") for path in result["paths"]), result["paths"]

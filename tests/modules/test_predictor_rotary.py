@@ -1,0 +1,140 @@
+"""The predictor's rotary dims (`attention.predictor_rotary`): position enters its scores as it enters the
+scores of a model with rotary embeddings, whose hidden states carry none."""
+
+import pytest
+import torch
+
+from dsv.modules.config import AttentionConfig
+from dsv.modules.predictor import LowRankPredictor, rotary_frequencies, rotate_by_position
+from dsv.ops import estimate_index_from_means, index_recall, oracle_index, sample_query_rows
+from dsv.ops.estimate.naive import segment_means
+from dsv.ops.grouping import cube_permutation, grouped_positions_on
+from tests.modules.test_attention import DIM, GRID, HEADS, make
+
+
+def test_grouped_positions_are_the_raster_coordinates_in_grouped_order():
+    grid, cube = (3, 5, 6), (2, 2, 4)  # a grid the cube does not tile: edge tokens after the whole cubes
+    perm, _ = cube_permutation(grid, cube)
+    t, h, w = torch.meshgrid(*(torch.arange(n) for n in grid), indexing="ij")
+    raster = torch.stack((t, h, w), dim=-1).reshape(-1, 3).float()
+    assert torch.equal(grouped_positions_on(grid, cube, torch.device("cpu")), raster[perm])
+
+
+def test_rotated_scores_depend_on_the_offset_between_positions_only():
+    torch.manual_seed(0)
+    frequencies = rotary_frequencies(2, (2, 4, 4))  # 12 rotated dims
+    queries, keys = torch.randn(2, 20, 16, dtype=torch.float64), torch.randn(2, 20, 16, dtype=torch.float64)
+    positions = torch.randint(0, 30, (20, 3)).double()
+    shifted = positions + torch.tensor([7.0, -3.0, 11.0], dtype=torch.float64)
+    scores = rotate_by_position(queries, positions, frequencies) @ rotate_by_position(keys, positions,
+                                                                                     frequencies).mT
+    moved = rotate_by_position(queries, shifted, frequencies) @ rotate_by_position(keys, shifted, frequencies).mT
+    # float64 rotations: equal to ~1e-13 of scores of magnitude ~10.
+    torch.testing.assert_close(moved, scores, rtol=0, atol=1e-10)
+    # The first rank - 12 dims are untouched; a rotation keeps each pair's norm.
+    rotated = rotate_by_position(queries, positions, frequencies)
+    assert torch.equal(rotated[..., :4], queries[..., :4])
+    torch.testing.assert_close(rotated.norm(dim=-1), queries.norm(dim=-1), rtol=1e-12, atol=0)
+    # And the scores do depend on the offset: a zero frequency would make rotation a no-op.
+    assert (scores - queries @ keys.mT).abs().max() > 1.0
+
+
+def test_pooled_rotary_rows_stay_within_ten_percent_of_the_mean_of_the_rotated_rows():
+    """The estimation rotates each cube's mean row by the cube's mean position instead of averaging the rotated
+    rows; at the frequencies `rotary_frequencies` gives (wavelengths of at least 4 cube extents) the two differ
+    by at most 1 - sinc(pi/4) ~ 10% of the rows' norm, the worst case: rows that are all offset (no content)."""
+    torch.manual_seed(0)
+    grid, cube = (4, 8, 8), (2, 4, 4)
+    predictor = LowRankPredictor(16, 2, rank=12, rotary_frequencies=rotary_frequencies(2, cube)).double()
+    with torch.no_grad():
+        predictor.q_proj.weight.zero_()
+        predictor.k_proj.weight.zero_()
+    positions = grouped_positions_on(grid, cube, torch.device("cpu"))
+    hidden = torch.randn(1, 256, 16, dtype=torch.float64)
+    with torch.no_grad():
+        proxies, block_keys = predictor.pooled_project(hidden, 32, 32, positions)
+        q_lr, k_lr = predictor.project(hidden, positions)
+    for pooled, rows in ((proxies, q_lr), (block_keys, k_lr)):
+        exact = segment_means(rows, 32)
+        error = (pooled - exact).norm(dim=-1) / pooled.norm(dim=-1)
+        assert error.max() < 0.11, error.max()  # 0.10 (the sinc bound) plus a margin for the pairs' mix
+
+
+def test_a_predictor_with_rotary_dims_needs_the_positions():
+    predictor = LowRankPredictor(16, 2, rank=6, rotary_frequencies=rotary_frequencies(1, (2, 2, 2)))
+    with pytest.raises(ValueError, match=r"positions must be the rows' \(t, h, w\), a \[10, 3\] tensor"):
+        predictor.project(torch.randn(1, 10, 16))
+    with pytest.raises(ValueError, match=r"rotary_frequencies must be \[3, n\] with 6n <= rank=4"):
+        LowRankPredictor(16, 2, rank=4, rotary_frequencies=rotary_frequencies(1, (2, 2, 2)))
+
+
+@pytest.mark.parametrize("value", [3, 18, -6])
+def test_the_config_rejects_rotary_dims_that_do_not_fit(value):
+    with pytest.raises(ValueError, match="attention.predictor_rotary must be a multiple of 6"):
+        AttentionConfig(rank=16, predictor_rotary=value)
+
+
+def test_rotary_dims_let_the_predictor_learn_scores_set_by_position():
+    """Attention whose scores come mostly from rotary embeddings of the positions (q = R(p)(u + content)): a
+    predictor that sees the hidden states alone (no position) selects barely better than chance, one with
+    rotary dims close to the exact selection, though its frequencies are not the model's."""
+    torch.manual_seed(0)
+    grid, cube = (4, 16, 16), (1, 4, 4)
+    seq, dim, heads, head_dim, block = 1024, 32, 2, 16, 16
+    positions = grouped_positions_on(grid, cube, torch.device("cpu"))
+    model_frequencies = torch.tensor([[0.5, 0.1], [0.8, 0.2], [0.8, 0.2]])  # 12 of the model's 16 dims rotate
+    offset_q, offset_k = 2 * torch.randn(heads, 1, head_dim), 2 * torch.randn(heads, 1, head_dim)
+    w_q, w_k = torch.randn(heads, dim, head_dim) / dim**0.5, torch.randn(heads, dim, head_dim) / dim**0.5
+    scale, rows = head_dim**-0.5, sample_query_rows(seq, 8)
+    keep = torch.full((heads,), seq // block // 4)  # a quarter of the key blocks
+
+    def batch():
+        hidden = torch.randn(2, seq, dim)
+        q = rotate_by_position(torch.einsum("bsc,hcd->bhsd", hidden, w_q) + offset_q, positions, model_frequencies)
+        k = rotate_by_position(torch.einsum("bsc,hcd->bhsd", hidden, w_k) + offset_k, positions, model_frequencies)
+        return hidden, q, k
+
+    def trained_recall(rotary: int) -> float:
+        torch.manual_seed(1)
+        frequencies = rotary_frequencies(rotary // 6, cube) if rotary else None
+        predictor = LowRankPredictor(dim, heads, rank=16, lr=1e-2, rotary_frequencies=frequencies)
+        at = positions if rotary else None
+        for _ in range(150):
+            predictor.update(*batch(), rows, scale, None, at)
+        torch.manual_seed(2)
+        hidden, q, k = batch()
+        with torch.no_grad():
+            proxies, block_keys = predictor.pooled_project(hidden, block, block, at)
+            index = estimate_index_from_means(proxies, block_keys, keep, block, block, seq)
+        return index_recall(q, k, index, rows, scale=scale).mean().item()
+
+    torch.manual_seed(2)
+    _, q, k = batch()
+    exact = index_recall(q, k, oracle_index(q, k, keep, block, block, scale=scale), rows, scale=scale).mean().item()
+    plain, rotary = trained_recall(0), trained_recall(12)
+    # Chance keeps ~0.25 of the mass (a quarter of the keys); measured: plain 0.28, rotary 0.75, exact 0.84.
+    assert plain < 0.4, plain
+    assert rotary > 0.8 * exact and rotary > plain + 0.3, (plain, rotary, exact)
+
+
+def test_a_dsv_layer_with_rotary_dims_trains_and_selects_at_its_grid():
+    """Through DSVAttention: the predictor's update trains the rotary offsets, and the selection of a stage-2
+    forward comes from the grid's positions (another grid of as many tokens selects otherwise)."""
+    x = torch.randn(2, 64, DIM, dtype=torch.float64)
+    model = make("dsv", max_stage1_steps=1, sparse_threshold=0.0, profile_every_stage1=1, predictor_rotary=6)
+    predictor = model.attn.predictor
+    before = predictor.q_rotary_offset.detach().clone()
+    model.controller.begin_step(0)
+    model(x).sum().backward()
+    model.controller.end_step()
+    assert not torch.equal(predictor.q_rotary_offset, before)
+    model.controller.begin_step(1)
+    model(x)
+    assert model.attn.last_path == "sparse:reference"
+    layer = model.attn
+    hidden = x[:, cube_permutation(GRID, (2, 2, 2))[0]]
+    q = k = torch.randn(2, HEADS, 64, DIM // HEADS, dtype=torch.float64)
+    keep = torch.full((HEADS,), 2)
+    at_grid = layer.compute_index(hidden, q, k, GRID, keep_blocks=keep)
+    elsewhere = layer.compute_index(hidden, q, k, (1, 8, 8), keep_blocks=keep)
+    assert (at_grid.counts == 2).all() and not torch.equal(at_grid.indices, elsewhere.indices)
