@@ -105,24 +105,38 @@ def _keep_fused(optimizer: torch.optim.Optimizer) -> None:
 def rotary_frequencies(pairs_per_axis: int, cube: tuple[int, int, int]) -> torch.Tensor:
     """Angular frequencies (radians per token), float32 `[3, pairs_per_axis]`, of a predictor's rotary dims
     along t, h, w: wavelengths of 4, 8, 16, ... cube extents. The selection is shared by a cube and made over
-    cube-sized key blocks, so structure finer than a cube cannot change it; at 4 cube extents the rotation of a
-    cube's mean row (`pooled_project`) stays within ~10% of the mean of its rows' rotations."""
-    octaves = 2.0 ** torch.arange(pairs_per_axis, dtype=torch.float32)
-    extents = torch.tensor(cube, dtype=torch.float32)
+    cube-sized key blocks, so structure finer than a cube cannot change it; and over a cube the phase of the
+    fastest pair turns by less than a quarter turn, so a cube's mean row keeps most of its rows' position term."""
+    # On the host whatever the default device (a model built on the meta device keeps them as its master copy).
+    octaves = 2.0 ** torch.arange(pairs_per_axis, dtype=torch.float32, device="cpu")
+    extents = torch.tensor(cube, dtype=torch.float32, device="cpu")
     return 2 * math.pi / (4 * extents[:, None] * octaves[None, :])
 
 
-def rotate_by_position(x: torch.Tensor, positions: torch.Tensor, frequencies: torch.Tensor) -> torch.Tensor:
-    """Rotate the last `2 * frequencies.numel()` dims of `x [..., S, r]` by the positions `[S, 3]`: dims `i`
-    and `i + m` (`m = frequencies.numel()`, the half-split convention) turn by `position[axis] * frequency`
-    of pair `i` (pairs ordered t, h, w). A product of two rotated rows then depends on the two positions only
-    through their difference (rotary embeddings)."""
-    m = frequencies.numel()
-    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-    angles = (positions.to(compute)[:, :, None] * frequencies.to(positions.device, compute)).flatten(1)  # [S, m]
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+def position_phasors(positions: torch.Tensor, frequencies: torch.Tensor, dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(cos, sin)`, each `[S, m]` (`m = frequencies.numel()`, pairs ordered t, h, w), of the angles
+    `position[axis] * frequency` for `positions [S, 3]`; computed in float64 for float64, else float32."""
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    angles = (positions.to(compute)[:, :, None] * frequencies.to(positions.device, compute)).flatten(1)
+    return angles.cos(), angles.sin()
+
+
+def turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Multiply the last `2m` dims of `x [..., N, r]` as `m` complex numbers (dims `i` and `i + m`, the half-split
+    convention) by `cos + i sin`, each `[N, m]`: a rotation where `(cos, sin)` is a unit phasor, and the mean of
+    rotations where it is the mean of unit phasors."""
+    m = cos.shape[-1]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     plain, first, second = x[..., :-2 * m], x[..., -2 * m:-m], x[..., -m:]
     return torch.cat((plain, first * cos - second * sin, first * sin + second * cos), dim=-1)
+
+
+def rotate_by_position(x: torch.Tensor, positions: torch.Tensor, frequencies: torch.Tensor) -> torch.Tensor:
+    """Rotate the last `2 * frequencies.numel()` dims of `x [..., S, r]` by the positions `[S, 3]` (`turn` by
+    `position_phasors`). A product of two rotated rows then depends on the two positions only through their
+    difference (rotary embeddings)."""
+    return turn(x, *position_phasors(positions, frequencies, x.dtype))
 
 
 class LowRankPredictor(nn.Module):
@@ -164,8 +178,10 @@ class LowRankPredictor(nn.Module):
             bound = dim**-0.5
             self.q_rotary_offset = nn.Parameter(torch.empty(heads, rotary_dims).uniform_(-bound, bound))
             self.k_rotary_offset = nn.Parameter(torch.empty(heads, rotary_dims).uniform_(-bound, bound))
-            self.register_buffer("rotary_frequencies", rotary_frequencies.to(torch.float32).clone(),
-                                 persistent=False)
+            # Constants of the config, not state: a float32 master on the host that every `.to()` copies to the
+            # device (`_apply`), so a cast of the model to bf16 cannot round the angles.
+            self._rotary_master = rotary_frequencies.detach().to("cpu", torch.float32).clone()
+            self.register_buffer("rotary_frequencies", self._rotary_master.clone(), persistent=False)
         # The optimizer lives with the predictor: it is not part of the model's optimizer, and the trainer saves
         # its state apart (`predictor_optimizers` in a checkpoint's training state).
         # Fused (torch's fused AdamW devices: CPU, CUDA, MPS, XPU): two host calls a step instead of ~16 foreach
@@ -312,6 +328,8 @@ class LowRankPredictor(nn.Module):
         self.unpark()  # `.to()`, `.cuda()`, `.float()` act on the state where it belongs
         self._allocated_on, self._prefetched = None, set()  # the tensors they make: whichever stream is current
         moved = super()._apply(fn, recurse)
+        if self.rotary_dims:
+            self._buffers["rotary_frequencies"] = self._rotary_master.to(self._buffers["rotary_frequencies"].device)
         # The optimizer is the predictor's own: its moments follow their parameters (a `.double()` after a step
         # left float32 moments that the fused kernel refuses), its step counts stay float32 beside them.
         for param in self.parameters():
@@ -323,31 +341,39 @@ class LowRankPredictor(nn.Module):
         release_parked()  # memory of the state it leaves behind, held since the last park or prefetch
         return moved
 
-    def _heads(self, rows: torch.Tensor, offset: torch.Tensor | None, positions: torch.Tensor | None
-               ) -> torch.Tensor:
-        """Projected rows `[B, N, H * rank]` → `[B, H, N, rank]`, with the rotary dims offset and rotated by the
-        rows' `positions [N, 3]` where the predictor has them."""
+    def _heads(self, rows: torch.Tensor, offset: torch.Tensor | None,
+               phasors: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """Projected rows `[B, N, H * rank]` → `[B, H, N, rank]`; with rotary dims, those offset and turned by the
+        rows' `phasors` (`(cos, sin)`, each `[N, m]`)."""
         b, n, _ = rows.shape
         rows = rows.view(b, n, self.heads, self.rank).transpose(1, 2)
         if not self.rotary_dims:
             return rows
-        if positions is None or tuple(positions.shape) != (n, 3):
-            raise ValueError(f"this predictor has rotary dims: positions must be the rows' (t, h, w), a [{n}, 3] "
-                             f"tensor, got {None if positions is None else list(positions.shape)}")
         rows = torch.cat((rows[..., :-self.rotary_dims], rows[..., -self.rotary_dims:] + offset[:, None]), dim=-1)
-        return rotate_by_position(rows, positions, self.rotary_frequencies)
+        return turn(rows, *phasors)
+
+    def _offset(self, which: str) -> torch.Tensor | None:
+        return getattr(self, f"{which}_rotary_offset") if self.rotary_dims else None
+
+    def _phasors(self, positions: torch.Tensor | None, seq_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The tokens' unit phasors (`position_phasors`) for a predictor with rotary dims (else None), after
+        checking that `positions` is `[seq_len, 3]`."""
+        if not self.rotary_dims:
+            return None
+        if positions is None or tuple(positions.shape) != (seq_len, 3):
+            raise ValueError(f"this predictor has rotary dims: positions must be the tokens' (t, h, w), a "
+                             f"[{seq_len}, 3] tensor, got {None if positions is None else list(positions.shape)}")
+        return position_phasors(positions, self.rotary_frequencies, self.q_proj.weight.dtype)
 
     def project(self, hidden: torch.Tensor, positions: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """`hidden [B, S, C]` → `(q_lr, k_lr)`, each `[B, H, S, rank]`; `positions [S, 3]`: the tokens' (t, h, w),
         needed with rotary dims."""
         self.unpark()
-        q_lr = self._heads(self.q_proj(hidden), self._offset("q"), positions)
-        k_lr = self._heads(self.k_proj(hidden), self._offset("k"), positions)
+        phasors = self._phasors(positions, hidden.shape[1])
+        q_lr = self._heads(self.q_proj(hidden), self._offset("q"), phasors)
+        k_lr = self._heads(self.k_proj(hidden), self._offset("k"), phasors)
         return q_lr, k_lr
-
-    def _offset(self, which: str) -> torch.Tensor | None:
-        return getattr(self, f"{which}_rotary_offset") if self.rotary_dims else None
 
     def pooled_project(self, hidden: torch.Tensor, group_size: int, kv_block: int,
                        positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -358,10 +384,12 @@ class LowRankPredictor(nn.Module):
         The projections are linear without bias, so the mean of projected rows is the projection of the mean
         hidden state: pooling `hidden [B, S, C]` first (one read, accumulated in fp32 or fp64) replaces the
         `S x C x 2r` projection of every token by one of `NG + NKB` rows, with autocast off. Rotary dims
-        (`positions [S, 3]` needed) are rotated by the group's or block's mean position: the rotation of the
-        mean row, close to the mean of the rotated rows at the frequencies `rotary_frequencies` gives."""
+        (`positions [S, 3]` needed) are turned by the mean of the rows' unit phasors: exact for the offset, the
+        term of position alone, in every group (edge groups of a grid the cube does not tile spanning several
+        partial cubes included); for content it leaves out how content and phase vary together inside a group."""
         self.unpark()
         accumulate = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        phasors = self._phasors(positions, hidden.shape[1])
 
         def means(rows: torch.Tensor, segment: int) -> torch.Tensor:
             b, s, c = rows.shape
@@ -374,17 +402,21 @@ class LowRankPredictor(nn.Module):
                 parts.append(rows[:, full * segment:].sum(1, keepdim=True, dtype=accumulate) / (s % segment))
             return torch.cat(parts, 1) if len(parts) > 1 else parts[0]
 
+        def mean_phasors(segment: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+            if phasors is None:
+                return None
+            pooled = means(torch.cat(phasors, dim=-1)[None], segment)[0]
+            return pooled.chunk(2, dim=-1)
+
         dtype = self.q_proj.weight.dtype
         pooled_queries = means(hidden, group_size).to(dtype)
         pooled_keys = pooled_queries if kv_block == group_size else means(hidden, kv_block).to(dtype)
-        query_positions = key_positions = None
-        if self.rotary_dims and positions is not None:
-            query_positions = means(positions[None], group_size)[0]
-            key_positions = query_positions if kv_block == group_size else means(positions[None], kv_block)[0]
+        query_phasors = mean_phasors(group_size)
+        key_phasors = query_phasors if kv_block == group_size else mean_phasors(kv_block)
         with torch.autocast(hidden.device.type, enabled=False):
             proxies, block_keys = self.q_proj(pooled_queries), self.k_proj(pooled_keys)
-            return (self._heads(proxies, self._offset("q"), query_positions),
-                    self._heads(block_keys, self._offset("k"), key_positions))
+            return (self._heads(proxies, self._offset("q"), query_phasors),
+                    self._heads(block_keys, self._offset("k"), key_phasors))
 
     def loss(
         self, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, scale: float,
@@ -396,15 +428,16 @@ class LowRankPredictor(nn.Module):
         self.unpark()
         dtype = self.q_proj.weight.dtype  # the predictor keeps its own (fp32) precision under autocast
         hidden = hidden.to(dtype)
+        phasors = self._phasors(positions, hidden.shape[1])
+        row_phasors = key_phasors = phasors
+        if phasors is not None:
+            row_phasors = tuple(part[rows] for part in phasors)
+            key_phasors = phasors if keys is None else tuple(part[keys] for part in phasors)
         # Only the sampled rows need low-rank queries; only the scored keys need low-rank keys.
-        row_positions = key_positions = positions
-        if positions is not None:
-            row_positions = positions[rows]
-            key_positions = positions if keys is None else positions[keys]
-        q_lr = self._heads(self.q_proj(hidden[:, rows]), self._offset("q"), row_positions)
+        q_lr = self._heads(self.q_proj(hidden[:, rows]), self._offset("q"), row_phasors)
         if keys is not None:
             hidden, k = hidden[:, keys], k[:, :, keys]
-        k_lr = self._heads(self.k_proj(hidden), self._offset("k"), key_positions)
+        k_lr = self._heads(self.k_proj(hidden), self._offset("k"), key_phasors)
         return self.factors_loss(q_lr, k_lr, q[:, :, rows], k, scale)
 
     def update(

@@ -39,31 +39,68 @@ def test_rotated_scores_depend_on_the_offset_between_positions_only():
     assert (scores - queries @ keys.mT).abs().max() > 1.0
 
 
-def test_pooled_rotary_rows_stay_within_ten_percent_of_the_mean_of_the_rotated_rows():
-    """The estimation rotates each cube's mean row by the cube's mean position instead of averaging the rotated
-    rows; at the frequencies `rotary_frequencies` gives (wavelengths of at least 4 cube extents) the two differ
-    by at most 1 - sinc(pi/4) ~ 10% of the rows' norm, the worst case: rows that are all offset (no content)."""
+@pytest.mark.parametrize("grid", [(4, 8, 8), (3, 10, 13)], ids=["tiled", "edge-groups"])
+def test_pooled_rotary_rows_are_the_mean_of_the_rotated_rows_for_the_position_term(grid):
+    """The estimation turns each group's mean row by the mean of its rows' unit phasors: for the offset (the
+    term of position alone) that is the mean of the rotated rows exactly, also in the edge groups of a grid the
+    cube does not tile, which span several partial cubes."""
     torch.manual_seed(0)
-    grid, cube = (4, 8, 8), (2, 4, 4)
+    cube = (2, 4, 4)
     predictor = LowRankPredictor(16, 2, rank=12, rotary_frequencies=rotary_frequencies(2, cube)).double()
     with torch.no_grad():
         predictor.q_proj.weight.zero_()
         predictor.k_proj.weight.zero_()
     positions = grouped_positions_on(grid, cube, torch.device("cpu"))
-    hidden = torch.randn(1, 256, 16, dtype=torch.float64)
+    hidden = torch.randn(1, len(positions), 16, dtype=torch.float64)
     with torch.no_grad():
         proxies, block_keys = predictor.pooled_project(hidden, 32, 32, positions)
         q_lr, k_lr = predictor.project(hidden, positions)
-    for pooled, rows in ((proxies, q_lr), (block_keys, k_lr)):
-        exact = segment_means(rows, 32)
-        error = (pooled - exact).norm(dim=-1) / pooled.norm(dim=-1)
-        assert error.max() < 0.11, error.max()  # 0.10 (the sinc bound) plus a margin for the pairs' mix
+    # float64 end to end: only summation order differs.
+    torch.testing.assert_close(proxies, segment_means(q_lr, 32), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(block_keys, segment_means(k_lr, 32), rtol=1e-12, atol=1e-12)
+    # The position term does shrink in a mean over a group (not a no-op): its norm falls below the offset's.
+    assert (proxies[..., -12:].norm(dim=-1) < predictor.q_rotary_offset.norm(dim=-1)[None, :, None]).all()
+
+
+def test_the_rotary_frequencies_stay_float32_through_a_cast_to_bf16():
+    """A diffusers pipeline casts the model to bf16: the angles must not be rounded with it (the frequencies
+    are constants of the config, restored from a float32 master on every `.to()`)."""
+    predictor = LowRankPredictor(16, 2, rank=6, rotary_frequencies=rotary_frequencies(1, (2, 4, 4)))
+    want = predictor.rotary_frequencies.clone()
+    predictor.to(torch.bfloat16).float()
+    assert predictor.rotary_frequencies.dtype == torch.float32 and torch.equal(predictor.rotary_frequencies, want)
+    with torch.device("meta"):  # a large model built on the meta device, then materialised
+        on_meta = LowRankPredictor(16, 2, rank=6, rotary_frequencies=rotary_frequencies(1, (2, 4, 4)))
+    assert torch.equal(on_meta.to_empty(device="cpu").rotary_frequencies, want)
+
+
+def test_the_loss_over_a_key_sample_scores_the_sampled_keys_at_their_positions():
+    torch.manual_seed(0)
+    grid, cube = (2, 4, 8), (1, 2, 2)
+    predictor = LowRankPredictor(16, 2, rank=6, rotary_frequencies=rotary_frequencies(1, cube)).double()
+    positions = grouped_positions_on(grid, cube, torch.device("cpu"))
+    hidden = torch.randn(1, 64, 16, dtype=torch.float64)
+    q, k = torch.randn(1, 2, 64, 8, dtype=torch.float64), torch.randn(1, 2, 64, 8, dtype=torch.float64)
+    rows, keys = torch.arange(0, 64, 8), torch.tensor([3, 17, 18, 40, 63, 5])
+    with torch.no_grad():
+        q_lr, k_lr = predictor.project(hidden, positions)
+        want = predictor.factors_loss(q_lr[:, :, rows], k_lr[:, :, keys], q[:, :, rows], k[:, :, keys], 0.3)
+        got = predictor.loss(hidden, q, k, rows, 0.3, keys, positions)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_a_predictor_with_rotary_dims_needs_the_positions():
     predictor = LowRankPredictor(16, 2, rank=6, rotary_frequencies=rotary_frequencies(1, (2, 2, 2)))
-    with pytest.raises(ValueError, match=r"positions must be the rows' \(t, h, w\), a \[10, 3\] tensor"):
-        predictor.project(torch.randn(1, 10, 16))
+    hidden = torch.randn(1, 70, 16)
+    needs = r"positions must be the tokens' \(t, h, w\), a \[70, 3\] tensor, got "
+    with pytest.raises(ValueError, match=needs + "None"):
+        predictor.project(hidden)
+    # Positions of another length are refused, also where they would pool to as many groups.
+    with pytest.raises(ValueError, match=needs + r"\[65, 3\]"):
+        predictor.pooled_project(hidden, 32, 32, torch.zeros(65, 3))
+    with pytest.raises(ValueError, match=needs + r"\[200, 3\]"):
+        predictor.loss(hidden, torch.randn(1, 2, 70, 8), torch.randn(1, 2, 70, 8), torch.arange(0, 70, 7), 0.3,
+                       torch.tensor([1, 2, 3]), torch.zeros(200, 3))
     with pytest.raises(ValueError, match=r"rotary_frequencies must be \[3, n\] with 6n <= rank=4"):
         LowRankPredictor(16, 2, rank=4, rotary_frequencies=rotary_frequencies(1, (2, 2, 2)))
 
@@ -112,7 +149,7 @@ def test_rotary_dims_let_the_predictor_learn_scores_set_by_position():
     _, q, k = batch()
     exact = index_recall(q, k, oracle_index(q, k, keep, block, block, scale=scale), rows, scale=scale).mean().item()
     plain, rotary = trained_recall(0), trained_recall(12)
-    # Chance keeps ~0.25 of the mass (a quarter of the keys); measured: plain 0.28, rotary 0.75, exact 0.84.
+    # Chance keeps ~0.25 of the mass (a quarter of the keys); measured: plain 0.24, rotary 0.74, exact 0.84.
     assert plain < 0.4, plain
     assert rotary > 0.8 * exact and rotary > plain + 0.3, (plain, rotary, exact)
 
