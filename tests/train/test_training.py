@@ -128,9 +128,12 @@ def final_state(run_dir, *schedule):
     return weights, state
 
 
-@pytest.mark.parametrize("predictor_keys", [0, 96], ids=["all-keys", "key-sample"])
-def test_resume_continues_the_run_exactly(tmp_path, predictor_keys):
-    schedule = ["attention.max_stage1_steps=4", "train.ckpt_every=6", f"attention.predictor_keys={predictor_keys}"]
+@pytest.mark.parametrize("predictor_keys,rotary", [(0, []), (96, []),
+                                                  (96, ["attention.rank=6", "attention.predictor_rotary=6"])],
+                         ids=["all-keys", "key-sample", "key-sample-rotary"])
+def test_resume_continues_the_run_exactly(tmp_path, predictor_keys, rotary):
+    schedule = ["attention.max_stage1_steps=4", "train.ckpt_every=6", *rotary,
+                f"attention.predictor_keys={predictor_keys}"]
     Trainer(tiny_config(tmp_path / "straight", "train.steps=12", *schedule), quiet=True).run()
     Trainer(tiny_config(tmp_path / "resumed", "train.steps=6", *schedule), quiet=True).run()
     Trainer(tiny_config(tmp_path / "resumed", "train.steps=12", *schedule), resume=True, quiet=True).run()
@@ -141,6 +144,7 @@ def test_resume_continues_the_run_exactly(tmp_path, predictor_keys):
     resumed_w, resumed_s = final_state(tmp_path / "resumed", *schedule)
     assert straight_s["step"] == resumed_s["step"] == 12
     assert int(straight_w["controller.stage"]) == 2  # the run crossed the stage switch
+    assert any("rotary_offset" in name for name in straight_w) == bool(rotary)
     for name, value in straight_w.items():
         assert bitwise_equal(value, resumed_w[name]), name
     for a, b in zip(straight_s["predictor_optimizers"], resumed_s["predictor_optimizers"]):
