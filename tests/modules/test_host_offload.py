@@ -215,7 +215,8 @@ def _parked_checks(offloaded: _Run, plain: _Run):
             predictor = layer.predictor
             assert predictor.parked and predictor._incoming is None  # nothing brought back and left unused
             tensors = predictor._state_tensors()
-            assert len(tensors) == 6  # two weights, each with two AdamW moments
+            # Two weights (four with rotary dims' offsets), each with two AdamW moments.
+            assert len(tensors) == (12 if predictor.rotary_dims else 6)
             assert all(t.device.type == "cpu" and t.is_pinned() for t in tensors)
             kept = [entry[1] for entries in layer._selection_cache.values() for entry in entries]
             if layer.runs_sparse():
@@ -231,11 +232,13 @@ def _parked_checks(offloaded: _Run, plain: _Run):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("micro_batches", [1, 2])
-def test_host_offload_parks_between_steps_and_trains_identically_on_gpu(stalled_streams, micro_batches):
+@pytest.mark.parametrize("rotary", [[], ["attention.predictor_rotary=6"]], ids=["plain", "rotary"])
+def test_host_offload_parks_between_steps_and_trains_identically_on_gpu(stalled_streams, micro_batches, rotary):
     """After each step every predictor's weights and AdamW moments sit in pinned host memory, the rows kept
     for the recompute too, with no prefetched copy left on the GPU (also with two micro-batches per step,
-    whose second forward uses only the sparse blocks' predictors); both runs end bit-identical."""
-    plain, offloaded = _runs("cuda")
+    whose second forward uses only the sparse blocks' predictors; and with rotary dims, whose offsets park
+    with the weights); both runs end bit-identical."""
+    plain, offloaded = _runs("cuda", *rotary)
     # Steps with sparse blocks: their recompute re-selected from offloaded rows.
     assert _train_alike(plain, offloaded, _parked_checks(offloaded, plain), micro_batches=micro_batches) >= 2
 
