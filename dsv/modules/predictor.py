@@ -181,7 +181,10 @@ class LowRankPredictor(nn.Module):
             # Constants of the config, not state: a float32 master on the host that every `.to()` copies to the
             # device (`_apply`), so a cast of the model to bf16 cannot round the angles.
             self._rotary_master = rotary_frequencies.detach().to("cpu", torch.float32).clone()
-            self.register_buffer("rotary_frequencies", self._rotary_master.clone(), persistent=False)
+            # The buffer on the default device, as the weights (a model built under `with torch.device("cuda")`
+            # is never moved): on the host it would cost a synchronising copy at every use.
+            self.register_buffer("rotary_frequencies", self._rotary_master.to(torch.empty(0).device, copy=True),
+                                 persistent=False)
         # The optimizer lives with the predictor: it is not part of the model's optimizer, and the trainer saves
         # its state apart (`predictor_optimizers` in a checkpoint's training state).
         # Fused (torch's fused AdamW devices: CPU, CUDA, MPS, XPU): two host calls a step instead of ~16 foreach
@@ -329,7 +332,8 @@ class LowRankPredictor(nn.Module):
         self._allocated_on, self._prefetched = None, set()  # the tensors they make: whichever stream is current
         moved = super()._apply(fn, recurse)
         if self.rotary_dims:
-            self._buffers["rotary_frequencies"] = self._rotary_master.to(self._buffers["rotary_frequencies"].device)
+            self._buffers["rotary_frequencies"] = self._rotary_master.to(self._buffers["rotary_frequencies"].device,
+                                                                         copy=True)  # never the master itself
         # The optimizer is the predictor's own: its moments follow their parameters (a `.double()` after a step
         # left float32 moments that the fused kernel refuses), its step counts stay float32 beside them.
         for param in self.parameters():

@@ -39,8 +39,9 @@ def test_rotated_scores_depend_on_the_offset_between_positions_only():
     assert (scores - queries @ keys.mT).abs().max() > 1.0
 
 
+@pytest.mark.parametrize("kv_block", [32, 64], ids=["cube-blocks", "two-cube-blocks"])
 @pytest.mark.parametrize("grid", [(4, 8, 8), (3, 10, 13)], ids=["tiled", "edge-groups"])
-def test_pooled_rotary_rows_are_the_mean_of_the_rotated_rows_for_the_position_term(grid):
+def test_pooled_rotary_rows_are_the_mean_of_the_rotated_rows_for_the_position_term(grid, kv_block):
     """The estimation turns each group's mean row by the mean of its rows' unit phasors: for the offset (the
     term of position alone) that is the mean of the rotated rows exactly, also in the edge groups of a grid the
     cube does not tile, which span several partial cubes."""
@@ -53,11 +54,11 @@ def test_pooled_rotary_rows_are_the_mean_of_the_rotated_rows_for_the_position_te
     positions = grouped_positions_on(grid, cube, torch.device("cpu"))
     hidden = torch.randn(1, len(positions), 16, dtype=torch.float64)
     with torch.no_grad():
-        proxies, block_keys = predictor.pooled_project(hidden, 32, 32, positions)
+        proxies, block_keys = predictor.pooled_project(hidden, 32, kv_block, positions)
         q_lr, k_lr = predictor.project(hidden, positions)
     # float64 end to end: only summation order differs.
     torch.testing.assert_close(proxies, segment_means(q_lr, 32), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(block_keys, segment_means(k_lr, 32), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(block_keys, segment_means(k_lr, kv_block), rtol=1e-12, atol=1e-12)
     # The position term does shrink in a mean over a group (not a no-op): its norm falls below the offset's.
     assert (proxies[..., -12:].norm(dim=-1) < predictor.q_rotary_offset.norm(dim=-1)[None, :, None]).all()
 
@@ -71,7 +72,11 @@ def test_the_rotary_frequencies_stay_float32_through_a_cast_to_bf16():
     assert predictor.rotary_frequencies.dtype == torch.float32 and torch.equal(predictor.rotary_frequencies, want)
     with torch.device("meta"):  # a large model built on the meta device, then materialised
         on_meta = LowRankPredictor(16, 2, rank=6, rotary_frequencies=rotary_frequencies(1, (2, 4, 4)))
+    # Built where the default device says, as the weights (on the host it would cost a synchronising copy per use).
+    assert on_meta.rotary_frequencies.device.type == on_meta.q_proj.weight.device.type == "meta"
     assert torch.equal(on_meta.to_empty(device="cpu").rotary_frequencies, want)
+    predictor.cpu().rotary_frequencies.mul_(2)  # a copy, never the host master: a later move restores the values
+    assert torch.equal(predictor.double().rotary_frequencies, want)
 
 
 def test_the_loss_over_a_key_sample_scores_the_sampled_keys_at_their_positions():
