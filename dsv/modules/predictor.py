@@ -132,19 +132,12 @@ def turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.cat((plain, first * cos - second * sin, first * sin + second * cos), dim=-1)
 
 
-def rotate_by_position(x: torch.Tensor, positions: torch.Tensor, frequencies: torch.Tensor) -> torch.Tensor:
-    """Rotate the last `2 * frequencies.numel()` dims of `x [..., S, r]` by the positions `[S, 3]` (`turn` by
-    `position_phasors`). A product of two rotated rows then depends on the two positions only through their
-    difference (rotary embeddings)."""
-    return turn(x, *position_phasors(positions, frequencies, x.dtype))
-
-
 class LowRankPredictor(nn.Module):
     """Two low-rank projections per layer: hidden `[B, S, C]` → `q_lr, k_lr` of `[B, H, S, rank]`.
 
     With `rotary_frequencies` (`[3, n]`, see `rotary_frequencies`) the last `6n` of each head's `rank` dims also
     carry the token's `(t, h, w)` position: a learned per-head offset is added to them and they are rotated by
-    the position (`rotate_by_position`), so the predicted scores can depend on the distance between query and
+    the position (`turn` by `position_phasors`), so the predicted scores can depend on the distance between query and
     key, as the scores of a model with rotary embeddings do (Wan; CogVideoX with rotary position embeddings),
     whose hidden states carry no position. The methods then take the rows' `positions`."""
 

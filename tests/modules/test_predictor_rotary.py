@@ -5,11 +5,16 @@ import pytest
 import torch
 
 from dsv.modules.config import AttentionConfig
-from dsv.modules.predictor import LowRankPredictor, rotary_frequencies, rotate_by_position
+from dsv.modules.predictor import LowRankPredictor, position_phasors, rotary_frequencies, turn
 from dsv.ops import estimate_index_from_means, index_recall, oracle_index, sample_query_rows
 from dsv.ops.estimate.naive import segment_means
 from dsv.ops.grouping import cube_permutation, grouped_positions_on
 from tests.modules.test_attention import DIM, GRID, HEADS, make
+
+
+def rotate_by_position(x: torch.Tensor, positions: torch.Tensor, frequencies: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of `x [..., S, r]` at `positions [S, 3]`, as the predictor applies it to its rows."""
+    return turn(x, *position_phasors(positions, frequencies, x.dtype))
 
 
 def test_grouped_positions_are_the_raster_coordinates_in_grouped_order():
