@@ -65,3 +65,10 @@ def load_model(path: str, device: str = "auto", attention_mode: str | None = Non
         raise ValueError(f"--attention-mode {attention_mode}: checkpoint {ckpt} {why}, so no block would run sparse "
                          f"and the samples would be dense; {fix}")
     return model.eval(), cfg, state["step"]
+
+
+def run_precision(cfg: Config, device: torch.device) -> torch.autocast:
+    """The autocast the run trained under (`train.bf16` on a GPU), so that sampling and analysis take the same
+    attention paths as training: the fast kernels take bf16, and float32 attention would fall back to the
+    PyTorch reference and measure a slightly different attention."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" and cfg.train.bf16)

@@ -25,7 +25,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 import torch
 
-from dsv.analysis.checkpointed_model import load_model
+from dsv.analysis.checkpointed_model import load_model, run_precision
 from dsv.analysis.profile import check_clips_and_theta, heatmap, heldout_clips
 from dsv.ops import head_sparsity
 from dsv.ops.grouping import check_cube_tiles, check_sequence_matches_grid, cube_permutation
@@ -359,7 +359,8 @@ def observe_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clip
     noise = torch.randn(x0.shape, generator=gen).to(dev)
     tb = t.view(-1, 1, 1, 1, 1)
     try:
-        model((1 - tb) * x0 + tb * noise, t)
+        with run_precision(cfg, dev):
+            model((1 - tb) * x0 + tb * noise, t)
     finally:
         for layer in model.controller.layers:
             layer.observer = None
@@ -454,9 +455,8 @@ def _summary(r: dict) -> str:
         lines.append(f"On this grid no two tokens are more than {max(r['grid']) - 1} apart, so '> {FAR} away' is "
                      "0 by construction; the paper's 16×16×16 latent is needed for that number to mean anything.")
     lines += ["", "## Heterogeneity (heterogeneity.png)",
-              "Per-block × per-head sparsity at θ on the sampled rows (the measure of `dsv profile`, here on q and "
-              "k in float32, where `dsv profile` follows the run's bf16 autocast on a GPU: the two tables can "
-              "differ slightly).", "",
+              "Per-block × per-head sparsity at θ on the sampled rows (the measure of `dsv profile`; both run the "
+              "model in its training precision).", "",
               "## Dynamics (dynamics.png)"]
     if r["dynamics"] is None:
         lines.append("No metrics.jsonl found next to the checkpoint: not measured.")

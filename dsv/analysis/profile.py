@@ -12,7 +12,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from dsv.analysis.checkpointed_model import load_model  # noqa: E402
+from dsv.analysis.checkpointed_model import load_model, run_precision  # noqa: E402
 from dsv.ops import head_sparsity, index_recall, keep_blocks_from_sparsity, oracle_index, window_index  # noqa: E402
 from dsv.ops.measure import jittered_query_rows, recall_at_equal_keep  # noqa: E402
 from dsv.train.data import build_dataset  # noqa: E402
@@ -189,8 +189,7 @@ def profile_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clip
         for layer in model.controller.layers:
             layer.observer = recorder
         tb = t.view(-1, 1, 1, 1, 1)
-        # The same precision as training, so the layers take the same (fast) paths.
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda" and cfg.train.bf16):
+        with run_precision(cfg, dev):
             model((1 - tb) * x0 + tb * noise, t)
         for layer in model.controller.layers:
             layer.observer = None

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from dsv.analysis.checkpointed_model import load_model
+from dsv.analysis.checkpointed_model import load_model, run_precision
 from dsv.analysis.noise_budgets import NoiseLevelBudgets, calibrate_noise_level_budgets, noise_level_budgets
 from dsv.modules.dit import VideoDiT, sample_euler
 from dsv.train.config import Config
@@ -39,8 +39,7 @@ def generate(model: VideoDiT, cfg: Config, num: int, steps: int, seed: int,
         torch.cuda.synchronize()
     start = time.perf_counter()
     per_level = noise_level_budgets(model, budgets) if budgets is not None else contextlib.nullcontext()
-    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda" and cfg.train.bf16), \
-            per_level as before_step:
+    with run_precision(cfg, dev), per_level as before_step:
         videos = sample_euler(model, noise, steps, before_step=before_step)
     if dev.type == "cuda":
         torch.cuda.synchronize()

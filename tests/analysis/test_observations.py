@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+import dsv.analysis.observations
 import dsv.ops.index
 from dsv.analysis.observations import (
     add_arguments,
@@ -143,7 +144,7 @@ def test_recommend_cube_and_argument_errors():
         cube_overlap(q, q, (2, 2, 2), (2, 2, 2), max_cubes=0)
 
 
-def test_observe_a_freshly_trained_checkpoint(tmp_path):
+def test_observe_a_freshly_trained_checkpoint(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     Trainer(tiny_config(run_dir, "train.steps=4", "train.ckpt_every=4"), quiet=True).run()
     checkpoint = next((run_dir / "checkpoints").glob("step_*"))  # a checkpoint folder: metrics are 2 levels up
@@ -176,3 +177,18 @@ def test_observe_a_freshly_trained_checkpoint(tmp_path):
     assert written["theta"] == 0.5 and written["neighbours"]["cubes"] == [[2, 2, 2]]
     with pytest.raises(ValueError, match="--cubes"):
         run(parser.parse_args(["--checkpoint", str(run_dir), "--cubes", "2,2"]))
+
+    # The forward runs in the run's training precision (bf16 autocast on a GPU, where float32 attention would take
+    # the PyTorch reference instead of the kernels): here a CPU bf16 autocast stands in for it.
+    seen_dtypes = []
+    original_call = dsv.analysis.observations._Collector.__call__
+
+    def recording_call(self, layer, hidden, q, k, grid):
+        seen_dtypes.append(q.dtype)
+        return original_call(self, layer, hidden, q, k, grid)
+
+    monkeypatch.setattr(dsv.analysis.observations._Collector, "__call__", recording_call)
+    monkeypatch.setattr(dsv.analysis.observations, "run_precision",
+                        lambda cfg, device: torch.autocast("cpu", dtype=torch.bfloat16))
+    observe_checkpoint(str(checkpoint), str(tmp_path / "bf16"), clips=1, cube_shapes=((2, 2, 2),), rows=16)
+    assert seen_dtypes and set(seen_dtypes) == {torch.bfloat16}
