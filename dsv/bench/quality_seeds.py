@@ -175,6 +175,8 @@ def seed_rows(reports: list[tuple[str, dict]]) -> dict[str, dict]:
                           "ema_decay": None if late_ema is None else (results.get("config") or {}).get(
                               "train", {}).get("ema_decay", "unknown"),
                           "no_sparse_block": seed in dense_only if recorded else None,
+                          "heldout": results.get("heldout_by_seed", {}).get(seed),
+                          "heldout_ema": results.get("heldout_ema_by_seed", {}).get(seed),
                           "control": control_readings(late, late_ema, fvd) if CONTROL in late else None}
     return rows
 
@@ -191,6 +193,21 @@ def control_readings(late: dict, late_ema: dict | None, fvd: dict | None) -> dic
 
     return {"loss": gaps(late, CONTROL, "dsv"), "loss_ema": gaps(late_ema, CONTROL, "dsv"),
             "fvd": gaps(fvd, CONTROL, "dsv"), "fvd_ema": gaps(fvd, average_set(CONTROL), average_set("dsv"))}
+
+
+def gaps_by_step(tables: dict[str, list[dict]]) -> list[dict]:
+    """Per evaluation step that every seed's held-out table has (`tables`: seed → `[{"step", "dense", "dsv",
+    "window", ...}]`), the mean and median over the seeds of DSV's and window's gap to dense: the late means average
+    a run's last evaluations, this shows whether a gap opens or closes as training goes on."""
+    steps = sorted(set.intersection(*({row["step"] for row in table} for table in tables.values()))) if tables else []
+    by_step = []
+    for step in steps:
+        entry = {"step": step, "seeds": len(tables)}
+        for mode in ("dsv", "window"):
+            per = [row[mode] / row["dense"] - 1 for table in tables.values() for row in table if row["step"] == step]
+            entry[mode] = {"mean": statistics.fmean(per), "median": statistics.median(per)}
+        by_step.append(entry)
+    return by_step
 
 
 def over_seeds(per_seed: dict[str, dict[str, float]]) -> dict:
@@ -308,7 +325,8 @@ def code_column(results: dict) -> str:
 
 
 def render(reports: list[tuple[str, dict]], rows: dict[str, dict], loss: dict, fvd: dict | None,
-           judged: list[dict], command: str, loss_ema: dict | None = None, fvd_ema: dict | None = None) -> str:
+           judged: list[dict], command: str, loss_ema: dict | None = None, fvd_ema: dict | None = None,
+           by_step: list[dict] | None = None, by_step_ema: list[dict] | None = None) -> str:
     first = reports[0][1]
     lines = [f"# Quality over training seeds: {len(rows)} seeds from {len(reports)} reports", "",
              "```", command, "```", "",
@@ -366,6 +384,7 @@ def render(reports: list[tuple[str, dict]], rows: dict[str, dict], loss: dict, f
         means = loss_ema["means"]
         lines.append(f"| mean over seeds | {means['dense']:.4f} | {means['dsv']:.4f} | {means['window']:.4f} | "
                      f"{loss_ema['gaps']['dsv']['of_means']:+.2%} | {loss_ema['gaps']['window']['of_means']:+.2%} |")
+    lines += by_step_section(by_step or [], by_step_ema or [], len(rows))
     dense_only = {name: [seed for seed, row in rows.items() if row["report"] == name and row["no_sparse_block"]]
                   for name, _ in reports}
     if any(dense_only.values()):
@@ -406,6 +425,34 @@ def render(reports: list[tuple[str, dict]], rows: dict[str, dict], loss: dict, f
                       f"{', '.join(unscored)}."]
     lines += control_section(rows)
     return "\n".join(lines) + "\n"
+
+
+def by_step_section(by_step: list[dict], by_step_ema: list[dict], num_seeds: int) -> list[str]:
+    """The held-out gaps to dense at each evaluation step (`gaps_by_step`), of the weights and, where seeds kept
+    one, of their moving average."""
+    if not by_step:
+        return []
+    seeds = by_step[0]["seeds"]
+    ema = {entry["step"]: entry for entry in by_step_ema}
+    lines = ["", "## Held-out loss gap to dense by evaluation step", "",
+             f"At each evaluation, each mode's gap to dense: mean / median over the {seeds} seeds"
+             + (f" whose reports kept every evaluation (of {num_seeds})" if seeds < num_seeds else "")
+             + (f"; the weights' moving averages over the {by_step_ema[0]['seeds']} seeds that kept one" if ema
+                else "") + ". The late means above average the last evaluations; this shows whether a gap opens "
+             "or closes as training goes on.", "",
+             "| step | DSV vs dense | window vs dense |" + (" DSV, averages | window, averages |" if ema else ""),
+             "|---|---|---|" + ("---|---|" if ema else "")]
+
+    def cell(entry: dict, mode: str) -> str:
+        return f"{entry[mode]['mean']:+.2%} / {entry[mode]['median']:+.2%}"
+
+    for entry in by_step:
+        row = f"| {entry['step']} | {cell(entry, 'dsv')} | {cell(entry, 'window')} |"
+        if ema:
+            row += (f" {cell(ema[entry['step']], 'dsv')} | {cell(ema[entry['step']], 'window')} |"
+                    if entry["step"] in ema else " - | - |")
+        lines.append(row)
+    return lines
 
 
 def control_section(rows: dict[str, dict]) -> list[str]:
@@ -450,13 +497,16 @@ def run(args) -> int:
                     if rows[seed]["fvd"] and all(average_set(mode) in rows[seed]["fvd"] for mode in MODES)}
     fvd_ema = {**over_seeds(fvd_averaged), "ema_decay": decays[0]} if fvd_averaged else None
     judged = targets(loss, fvd, rows, loss_ema, fvd_ema)
+    by_step = gaps_by_step({seed: row["heldout"] for seed, row in rows.items() if row["heldout"]})
+    by_step_ema = gaps_by_step({seed: rows[seed]["heldout_ema"] for seed in averaged if rows[seed]["heldout_ema"]})
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(
         {"reports": [name for name, _ in reports],
          "checked_by_recipe_and_overrides_only": checked_without_config(reports), "seeds": rows, "loss": loss,
-         "loss_ema": loss_ema, "fvd": fvd, "fvd_ema": fvd_ema, "targets": judged}, indent=1))
+         "loss_ema": loss_ema, "fvd": fvd, "fvd_ema": fvd_ema, "targets": judged, "loss_gaps_by_step": by_step,
+         "loss_ema_gaps_by_step": by_step_ema}, indent=1))
     command = shlex.join(["dsv", "bench", "quality-seeds", "--results", *map(str, args.results), "--out", "OUT"])
-    report = render(reports, rows, loss, fvd, judged, command, loss_ema, fvd_ema)
+    report = render(reports, rows, loss, fvd, judged, command, loss_ema, fvd_ema, by_step, by_step_ema)
     (args.out / "report.md").write_text(report)
     print(report)
     return 0

@@ -329,3 +329,34 @@ def test_a_seeds_dense_control_is_shown_beside_dsvs_gap_in_every_reading(tmp_pat
     assert "| 3 | +0.00% / -2.00% | - / - | - / - | - / - |" in text
     text, _ = _quality_seeds(tmp_path / "first", {"d": plain})
     assert "dense controls" not in text
+
+
+def test_the_gaps_by_evaluation_step_are_the_mean_and_median_over_the_seeds_that_kept_every_evaluation(tmp_path):
+    """Each step's gaps over the seeds with held-out tables (a report without them is counted out and said so);
+    a step one seed lacks is left out; the averages' rows come from the seeds that kept one."""
+
+    def table(*rows):
+        return [{"step": step, "dense": 1.0, "dsv": dsv, "window": window} for step, dsv, window in rows]
+
+    tables = {"1": table((100, 1.02, 0.90), (200, 1.00, 0.95)),
+              "2": table((100, 1.00, 0.94), (200, 0.98, 0.99), (300, 1.0, 1.0)),
+              "3": table((100, 1.06, 0.92), (200, 1.01, 0.97))}
+    averages = {"2": table((100, 0.99, 0.96), (200, 1.0, 1.0)), "3": table((100, 1.01, 0.98), (200, 1.0, 1.02))}
+    late = {"per_seed": {seed: {"dense": 1.0, "dsv": 1.0, "window": 1.0} for seed in ("2", "3")}}
+    report, written = _quality_seeds(tmp_path, {
+        "a": _report({"0": (1.0, 1.0, 1.0)}, {"0": (1, 1, 1)}),  # written before the reports kept every evaluation
+        "b": _report({"1": (1.0, 1.0, 0.97)}, {"1": (1, 1, 1)}, heldout_by_seed={"1": tables["1"]}),
+        "c": _report({"2": (1.0, 0.99, 0.99), "3": (1.0, 1.01, 0.97)}, {"2": (1, 1, 1), "3": (1, 1, 1)},
+                     heldout_by_seed={"2": tables["2"], "3": tables["3"]}, heldout_ema_by_seed=averages,
+                     late_means_ema=late, config=_with_config(train={"ema_decay": 0.99}))})
+    by_step = written["loss_gaps_by_step"]
+    assert [entry["step"] for entry in by_step] == [100, 200]  # seeds 1 and 3 have no step 300
+    assert by_step[0]["seeds"] == 3
+    assert by_step[0]["dsv"]["mean"] == pytest.approx(statistics.fmean([0.02, 0.0, 0.06]))
+    assert by_step[0]["dsv"]["median"] == pytest.approx(0.02)
+    assert by_step[1]["window"]["mean"] == pytest.approx(statistics.fmean([-0.05, -0.01, -0.03]))
+    assert by_step[1]["window"]["median"] == pytest.approx(-0.03)
+    ema = written["loss_ema_gaps_by_step"]
+    assert [entry["seeds"] for entry in ema] == [2, 2] and ema[0]["window"]["mean"] == pytest.approx(-0.03)
+    assert "mean / median over the 3 seeds whose reports kept every evaluation (of 4)" in report
+    assert "| 100 | +2.67% / +2.00% | -8.00% / -8.00% | +0.00% / +0.00% | -3.00% / -3.00% |" in report
