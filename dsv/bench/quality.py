@@ -646,7 +646,7 @@ def _plot_losses(curves: dict[str, dict], other_seeds: dict[str, list[dict]], sw
         ax.set_yscale("log")
         ax.set_title(title)
         ax.legend(fontsize=8)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def _plot_sparsity(dsv: dict, dense: dict, facts: dict, path: Path) -> None:
@@ -669,7 +669,7 @@ def _plot_sparsity(dsv: dict, dense: dict, facts: dict, path: Path) -> None:
     rc_ax.axhline(RECALL_TARGET * facts["theta"], color="red", ls=":", lw=1, label="target 0.9·θ")
     sp_ax.legend(fontsize=6, ncol=2)
     rc_ax.legend(fontsize=6, ncol=2)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def _video_strip(videos: torch.Tensor, count: int = 4, frames: int = 4) -> np.ndarray:
@@ -695,7 +695,7 @@ def _plot_samples(rows: dict[str, torch.Tensor], path: Path) -> None:
         ax.imshow(strip)
         ax.set_title(name, fontsize=9, loc="left")
         ax.axis("off")
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def _plot_tiles(images: dict[str, Path], path: Path) -> None:
@@ -710,7 +710,7 @@ def _plot_tiles(images: dict[str, Path], path: Path) -> None:
     for ax, (title, image) in zip(axes.flat, images.items()):
         ax.imshow(matplotlib.image.imread(image))
         ax.set_title(title, fontsize=10)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def _plot_speed(sampling: dict, train_speed: dict[str, float], reference: dict | None, path: Path,
@@ -749,10 +749,10 @@ def _plot_speed(sampling: dict, train_speed: dict[str, float], reference: dict |
         ax.set_ylabel("speedup over dense (step time)")
         ax.set_title(f"training step, measured earlier:\n{reference['shape']}", fontsize=9)
         ax.legend(fontsize=8)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
-def _save(fig, path: Path) -> None:
+def save_figure(fig, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()

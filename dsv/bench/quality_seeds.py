@@ -15,6 +15,8 @@ import statistics
 import warnings
 from pathlib import Path
 
+import numpy as np
+
 from dsv.bench.quality import (
     AVERAGE_SUFFIX,
     CONTROL,
@@ -28,6 +30,7 @@ from dsv.bench.quality import (
     meets_tolerance,
     no_sparse_block_text,
     result_mark,
+    save_figure,
     seeds_without_sparse_block,
 )
 
@@ -208,6 +211,39 @@ def gaps_by_step(tables: dict[str, list[dict]]) -> list[dict]:
             entry[mode] = {"mean": statistics.fmean(per), "median": statistics.median(per)}
         by_step.append(entry)
     return by_step
+
+
+def plot_gaps_by_step(tables: dict[str, list[dict]], tables_ema: dict[str, list[dict]], by_step: list[dict],
+                      by_step_ema: list[dict], path: Path) -> None:
+    """DSV's and window's held-out gap to dense at each evaluation step: each seed's faint, the median over seeds
+    bold; the weights in one panel and, where seeds kept one, their moving averages in another; the loss
+    target's bound dashed."""
+    import matplotlib.pyplot as plt
+
+    panels = [(tables, by_step, "the weights")] + ([(tables_ema, by_step_ema, "the weights' moving averages")]
+                                                    if by_step_ema else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.8), squeeze=False)
+    for ax, (per_seed, medians, title) in zip(axes[0], panels):
+        every_gap = []
+        for mode, color in (("dsv", "tab:orange"), ("window", "tab:green")):
+            for table in per_seed.values():
+                gaps = [100 * (r[mode] / r["dense"] - 1) for r in table]
+                every_gap += gaps
+                ax.plot([r["step"] for r in table], gaps, color=color, lw=0.8, alpha=0.3)
+            ax.plot([e["step"] for e in medians], [100 * e[mode]["median"] for e in medians], color=color, lw=2,
+                    marker="o", ms=3, label=f"{mode} vs dense, median over {medians[0]['seeds']} seeds")
+        ax.axhline(0.0, color="black", lw=0.8)
+        ax.axhline(100 * LOSS_TOLERANCE, color="grey", ls="--", lw=0.8, label="loss target's bound")
+        ax.set_xlabel("step")
+        ax.set_ylabel("held-out loss vs dense (%)")
+        # One evaluation of one seed can swing by tens of percent: the axis ends at the 2nd/98th percentile of the
+        # seeds' gaps (widened a little) so that the medians stay readable; the cut lines leave the plot.
+        low, high = np.percentile(every_gap + [100 * LOSS_TOLERANCE, 0.0], [2, 98])
+        ax.set_ylim(low - 0.15 * (high - low), high + 0.15 * (high - low))
+        ax.set_title(f"held-out loss gap, {title}\n(axis cut at the 2nd/98th percentile of the seeds' gaps)",
+                     fontsize=10)
+        ax.legend(fontsize=8)
+    save_figure(fig, path)
 
 
 def over_seeds(per_seed: dict[str, dict[str, float]]) -> dict:
@@ -434,7 +470,7 @@ def by_step_section(by_step: list[dict], by_step_ema: list[dict], num_seeds: int
         return []
     seeds = by_step[0]["seeds"]
     ema = {entry["step"]: entry for entry in by_step_ema}
-    lines = ["", "## Held-out loss gap to dense by evaluation step", "",
+    lines = ["", "## Held-out loss gap to dense by evaluation step (gaps_by_step.png)", "",
              f"At each evaluation, each mode's gap to dense: mean / median over the {seeds} seeds"
              + (f" whose reports kept every evaluation (of {num_seeds})" if seeds < num_seeds else "")
              + (f"; the weights' moving averages over the {by_step_ema[0]['seeds']} seeds that kept one" if ema
@@ -497,14 +533,17 @@ def run(args) -> int:
                     if rows[seed]["fvd"] and all(average_set(mode) in rows[seed]["fvd"] for mode in MODES)}
     fvd_ema = {**over_seeds(fvd_averaged), "ema_decay": decays[0]} if fvd_averaged else None
     judged = targets(loss, fvd, rows, loss_ema, fvd_ema)
-    by_step = gaps_by_step({seed: row["heldout"] for seed, row in rows.items() if row["heldout"]})
-    by_step_ema = gaps_by_step({seed: rows[seed]["heldout_ema"] for seed in averaged if rows[seed]["heldout_ema"]})
+    tables = {seed: row["heldout"] for seed, row in rows.items() if row["heldout"]}
+    tables_ema = {seed: rows[seed]["heldout_ema"] for seed in averaged if rows[seed]["heldout_ema"]}
+    by_step, by_step_ema = gaps_by_step(tables), gaps_by_step(tables_ema)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(
         {"reports": [name for name, _ in reports],
          "checked_by_recipe_and_overrides_only": checked_without_config(reports), "seeds": rows, "loss": loss,
          "loss_ema": loss_ema, "fvd": fvd, "fvd_ema": fvd_ema, "targets": judged, "loss_gaps_by_step": by_step,
          "loss_ema_gaps_by_step": by_step_ema}, indent=1))
+    if by_step:
+        plot_gaps_by_step(tables, tables_ema, by_step, by_step_ema, args.out / "gaps_by_step.png")
     command = shlex.join(["dsv", "bench", "quality-seeds", "--results", *map(str, args.results), "--out", "OUT"])
     report = render(reports, rows, loss, fvd, judged, command, loss_ema, fvd_ema, by_step, by_step_ema)
     (args.out / "report.md").write_text(report)

@@ -196,6 +196,7 @@ def test_the_command_writes_the_report_and_refuses_a_folder_without_results(tmp_
     assert "| mean over seeds | 100.0 | 100.7 | 107.0 |" in report
     written = json.loads((out / "results.json").read_text())
     assert [t["met"] for t in written["targets"]] == [True, True, True]
+    assert written["loss_gaps_by_step"] == [] and not (out / "gaps_by_step.png").exists()  # no held-out tables
     assert main(["bench", "quality-seeds", "--results", str(tmp_path), "--out", str(out)]) == 2
     assert "no results.json of `dsv bench quality` there" in capsys.readouterr().err
 
@@ -360,3 +361,4 @@ def test_the_gaps_by_evaluation_step_are_the_mean_and_median_over_the_seeds_that
     assert [entry["seeds"] for entry in ema] == [2, 2] and ema[0]["window"]["mean"] == pytest.approx(-0.03)
     assert "mean / median over the 3 seeds whose reports kept every evaluation (of 4)" in report
     assert "| 100 | +2.67% / +2.00% | -8.00% / -8.00% | +0.00% / +0.00% | -3.00% / -3.00% |" in report
+    assert (tmp_path / "out" / "gaps_by_step.png").stat().st_size > 0
