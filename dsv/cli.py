@@ -32,8 +32,11 @@ def _train(args) -> int:
     if trainer.rank == 0:
         ended = (f"stopped at step {trainer.step} of {cfg.train.steps} (train.max_minutes); continue with --resume"
                  if result["stopped_at_time_limit"] else f"done: step {trainer.step}")
+        mode = cfg.attention.mode
+        switch = (f"no stage switch (attention.mode={mode})" if mode in ("window", "dense") else
+                  f"switch step {result['switch_step']}" + (" (still in stage 1)" if result["switch_step"] < 0 else ""))
         print(f"{ended}, final loss {result.get('loss', float('nan')):.4f}, "
-              f"held-out loss {result.get('heldout_loss', float('nan')):.4f}, switch step {result['switch_step']}, "
+              f"held-out loss {result.get('heldout_loss', float('nan')):.4f}, {switch}, "
               f"sparse blocks {result['sparse_blocks_list']}")
     if torch.distributed.is_initialized():  # started by the trainer under torchrun
         torch.distributed.destroy_process_group()

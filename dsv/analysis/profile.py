@@ -176,7 +176,8 @@ def profile_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clip
     these are held-out clips noised to t, the same distribution at t = 1 only)."""
     check_clips_and_theta(clips, theta)
     if any(not 0.0 <= level <= 1.0 for level in noise_levels):
-        raise ValueError(f"noise_levels must lie in [0, 1] (t of x_t = (1 - t) x0 + t noise), got {noise_levels}")
+        raise ValueError(f"noise_levels (--noise-levels) must lie in [0, 1] (t of x_t = (1 - t) x0 + t noise), "
+                         f"got {noise_levels}")
     model, cfg, step = load_model(checkpoint, device)
     dev = next(model.parameters()).device
     theta = cfg.attention.theta if theta is None else theta
@@ -216,8 +217,11 @@ def profile_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clip
     if recall is not None:
         heatmap(recall, f"recall of the {cfg.attention.mode} selection (step {step})", out / "recall.png", 0.0, 1.0)
         files.append("recall.png")
+    # Sparsity depends on the noise level: say which, since a training log's profile saw other clips and levels.
     lines = [f"# Attention profile, checkpoint step {step}, mode {cfg.attention.mode}, θ = {theta}, "
              f"{x0.shape[0]} held-out clips", "",
+             "Each clip at its own random noise level (x_t = (1 - t) x0 + t noise), t = "
+             + ", ".join(f"{level:.2f}" for level in t.tolist()) + ".", "",
              "| block | path | sparse | mean sparsity | per-head sparsity | mean recall |",
              "|---|---|---|---|---|---|"]
     for i, layer in enumerate(model.controller.layers):
@@ -255,7 +259,8 @@ def profile_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clip
         _plot_by_noise_level(by_level, sparse_blocks, out / "by_noise_level.png")
         files.append("by_noise_level.png")
     (out / "profile.md").write_text("\n".join(lines) + "\n")
-    result = {"step": step, "theta": theta, "clips": x0.shape[0], "sparsity": sparsity.tolist(),
+    result = {"step": step, "theta": theta, "clips": x0.shape[0], "noise_levels": t.tolist(),
+              "sparsity": sparsity.tolist(),
               "recall": None if recall is None else recall.tolist(), "granularity": granularity,
               "sparse_blocks": sparse_blocks, "by_noise_level": by_level, "window_budget": window_budget}
     (out / "profile.json").write_text(json.dumps(result, indent=1))

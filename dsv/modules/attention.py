@@ -120,7 +120,9 @@ class DSVAttentionCore(nn.Module):
         self.backward_path: str | None = None
         self._last_backend = "reference"
         self.backend_reason: str | None = None
-        self.dispatch_reason = "not dispatched yet"
+        # Window and dense layers never dispatch: their attention is fixed by the mode from the first step.
+        self.dispatch_reason = {"window": "attention.mode=window: the fixed 3-D window in every step",
+                                "dense": "attention.mode=dense"}.get(self.cfg.mode, "not dispatched yet")
         self._learned_id = -1
         # The controller's forward id of this layer's last eager forward, training or not (`end_step` warns
         # when a step ran forwards but none that trains).
@@ -180,7 +182,10 @@ class DSVAttentionCore(nn.Module):
         keep = (1.0 - sparsity + self.budget_margin(self.keep_boost)).clamp(0.0, 1.0)
         self.keep_fraction.copy_(keep)
         sparse = bool(sparsity.mean() >= self.cfg.sparse_threshold)
-        self.dispatch_reason = f"mean sparsity {float(sparsity.mean()):.3f} vs threshold {self.cfg.sparse_threshold}"
+        # The comparison's outcome is spelled out: at 3 decimals a mean just either side of the threshold reads
+        # as a tie.
+        self.dispatch_reason = (f"mean sparsity {float(sparsity.mean()):.3f} {'≥' if sparse else '<'} threshold "
+                                f"{self.cfg.sparse_threshold}")
         if sparse:
             # `dispatch_margin`: a dense block must gain to go sparse, a sparse one stays until it would lose.
             margin = 0.0 if self._use_sparse_host else self.cfg.dispatch_margin

@@ -735,8 +735,11 @@ class Trainer:
                 record["layers"] = summary["layers"]
                 self._log(record)
                 pl = summary["predictor_loss"]
-                self._print(f"step {self.step:5d} | loss {record['loss']:.4f} | stage {summary['stage']} | "
-                            f"predictor loss {'-' if pl is None else f'{pl:.4f}'} | sparse blocks "
+                # Window and dense runs have no predictor and no stage switch: their mode says what runs.
+                mode = self.cfg.attention.mode
+                state = (f"mode {mode}" if mode in ("window", "dense") else
+                         f"stage {summary['stage']} | predictor loss {'-' if pl is None else f'{pl:.4f}'}")
+                self._print(f"step {self.step:5d} | loss {record['loss']:.4f} | {state} | sparse blocks "
                             f"{self.controller.sparse_layers()} | {record['steps_per_s']:.1f} it/s")
                 if on_schedule:  # a record only because the run ends here leaves its window open for a resume
                     self._window_loss, self._window_steps = 0.0, 0

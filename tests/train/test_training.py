@@ -50,10 +50,10 @@ def test_smoke_run_learns_switches_and_runs_sparse(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["dense", "dsv", "window", "oracle"])
-def test_every_attention_mode_trains(tmp_path, mode):
+def test_every_attention_mode_trains(tmp_path, mode, capsys):
     cfg = tiny_config(tmp_path, f"attention.mode={mode}", "train.steps=6", "attention.max_stage1_steps=2",
-                      "train.ckpt_every=6")
-    trainer = Trainer(cfg, quiet=True)
+                      "train.ckpt_every=6", "train.log_every=3")
+    trainer = Trainer(cfg, quiet=False)
     result = trainer.run()
     assert torch.isfinite(torch.tensor(result["loss"]))
     # Gradients are freed after each optimizer step, so no step's forward holds the last step's.
@@ -61,6 +61,18 @@ def test_every_attention_mode_trains(tmp_path, mode):
     expected = {"dense": "dense:sdpa", "dsv": "sparse:reference", "window": "sparse:reference",
                 "oracle": "sparse:reference"}[mode]
     assert {layer["path"] for layer in result["layers"]} == {expected}
+    # The log says what runs: a window or dense run has no stage or predictor to report, and its blocks' state
+    # names the mode instead of a dispatch that never comes.
+    log = capsys.readouterr().out
+    fixed = mode in ("window", "dense")
+    assert (f"| mode {mode} |" in log) == fixed and ("| predictor loss" in log) != fixed
+    dispatch = {layer["dispatch"] for layer in result["layers"]}
+    if mode == "window":
+        assert dispatch == {"attention.mode=window: the fixed 3-D window in every step"}
+    elif mode == "dense":
+        assert dispatch == {"attention.mode=dense"}
+    else:  # dispatched in stage 2, each saying which side of the threshold its sparsity fell
+        assert all(d.startswith("mean sparsity") and ("≥ threshold" in d or "< threshold" in d) for d in dispatch)
 
 
 def test_a_failed_predictor_stops_the_step_it_fails_in(tmp_path):
@@ -473,7 +485,7 @@ def test_cli_sample_and_profile_write_their_files(tmp_path, capsys):
     overrides = [item for o in TINY + [f"train.out_dir={run}", "train.steps=6", "train.ckpt_every=6",
                                        "attention.max_stage1_steps=2"] for item in ("--set", o)]
     assert main(["train", "--recipe", "debug_cpu", *overrides]) == 0
-    capsys.readouterr()  # drop the training log
+    assert ", switch step 2, sparse blocks [0, 1]" in capsys.readouterr().out  # the training log's last line
     assert main(["sample", "--checkpoint", str(run), "--out", str(tmp_path / "s.gif"), "--num", "2",
                  "--steps", "2", "--compare-dense"]) == 0
     assert (tmp_path / "s.gif").stat().st_size > 0
