@@ -665,8 +665,13 @@ class Trainer:
             # kernels leave out says so here.
             kernels = (f" | kernels: forward {layer['forward']}, backward {layer['backward']}"
                        if layer["path"].startswith("sparse:triton") and layer["forward"] is not None else "")
+            # The bracket is the path the last forward took; a dispatch made since (the switch, a re-dispatch)
+            # takes effect from the next step.
+            verdict = "sparse" if layer["sparse"] else "dense"
+            if layer["path"] != "none" and not layer["path"].startswith(verdict):
+                verdict += " from the next step"
             lines.append(f"    block {i:2d} [{layer['path']:>16}] head sparsity {sparsity}{recall_text}"
-                         f" | {'sparse' if layer['sparse'] else 'dense'}: {layer['dispatch']}{slow}{kernels}")
+                         f" | {verdict}: {layer['dispatch']}{slow}{kernels}")
         return "\n".join(lines)
 
     def run(self) -> dict:

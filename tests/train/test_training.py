@@ -826,8 +826,9 @@ def test_block_lines_name_the_slow_path_and_the_kernels_on_a_gpu():
     fastest ones leave out shows there) and, on a GPU only, why a sparse block runs the reference."""
     from types import SimpleNamespace
 
-    def layer(path, forward=None, backward=None, reason=None):
-        return {"path": path, "sparsity": [0.9, None], "recall": [0.95, None], "sparse": path.startswith("sparse"),
+    def layer(path, forward=None, backward=None, reason=None, sparse=None):
+        sparse = path.startswith("sparse") if sparse is None else sparse
+        return {"path": path, "sparsity": [0.9, None], "recall": [0.95, None], "sparse": sparse,
                 "dispatch": "pays", "backend_reason": reason, "forward": forward, "backward": backward}
 
     summary = {"layers": [
@@ -835,6 +836,8 @@ def test_block_lines_name_the_slow_path_and_the_kernels_on_a_gpu():
         layer("sparse:reference", reason="head dim 320 > 256"),
         layer("dense:sdpa", "dense", "dense"),
         layer("sparse:triton"),  # compiled: nothing recorded
+        layer("dense:sdpa", sparse=True),  # dispatched sparse at this step (the switch): dense until the next
+        layer("none", sparse=True),  # no forward recorded a path
     ]}
     gpu = Trainer._describe_layers(SimpleNamespace(device=torch.device("cuda")), summary).splitlines()
     assert gpu[0].endswith("| sparse: pays | kernels: forward Hopper warp-specialized, backward split Triton: "
@@ -842,6 +845,7 @@ def test_block_lines_name_the_slow_path_and_the_kernels_on_a_gpu():
     assert gpu[1].endswith("| sparse: pays | slow path: head dim 320 > 256")
     assert gpu[2].endswith("| dense: pays") and gpu[3].endswith("| sparse: pays")
     assert "0.90   -   recall 0.950" in gpu[0]
+    assert gpu[4].endswith("| sparse from the next step: pays") and gpu[5].endswith("| sparse: pays")
     cpu = Trainer._describe_layers(SimpleNamespace(device=torch.device("cpu")), summary).splitlines()
     assert "slow path" not in cpu[1] and cpu[0].endswith("kernels: forward Hopper warp-specialized, backward "
                                                          "split Triton: key blocks of 64")
