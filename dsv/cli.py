@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from dsv.modules.config import FIXED_MODES
 from dsv.train.checkpoint import CheckpointError, checkpoint_step
 
 EXIT_UNFINISHED = 3
@@ -33,7 +34,7 @@ def _train(args) -> int:
         ended = (f"stopped at step {trainer.step} of {cfg.train.steps} (train.max_minutes); continue with --resume"
                  if result["stopped_at_time_limit"] else f"done: step {trainer.step}")
         mode = cfg.attention.mode
-        switch = (f"no stage switch (attention.mode={mode})" if mode in ("window", "dense") else
+        switch = (f"no stage switch (attention.mode={mode})" if mode in FIXED_MODES else
                   f"switch step {result['switch_step']}" + (" (still in stage 1)" if result["switch_step"] < 0 else ""))
         print(f"{ended}, final loss {result.get('loss', float('nan')):.4f}, "
               f"held-out loss {result.get('heldout_loss', float('nan')):.4f}, {switch}, "

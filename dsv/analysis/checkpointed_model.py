@@ -6,6 +6,7 @@ import dataclasses
 
 import torch
 
+from dsv.modules.config import FIXED_MODES
 from dsv.modules.dit import VideoDiT
 from dsv.train.checkpoint import checkpoint_config, load_checkpoint, load_weights_into, resolve_checkpoint
 from dsv.train.config import Config
@@ -49,7 +50,7 @@ def load_model(path: str, device: str = "auto", attention_mode: str | None = Non
     model.controller.step = state["step"]
     if attention_mode is not None and attention_mode != "dense" and not model.controller.sparse_layers():
         stage = model.controller.current_stage
-        if stage == 1 and trained_mode in ("dense", "window"):
+        if stage == 1 and trained_mode in FIXED_MODES:
             why = (f"was trained with attention.mode={trained_mode}, which has no stage switch: its blocks stay in "
                    "stage 1, dense under a selecting mode")
             fix = "sample it with --attention-mode window or dense"

@@ -7,6 +7,8 @@ import numbers
 from dataclasses import dataclass, fields
 
 ATTENTION_MODES = ("dense", "dsv", "window", "oracle")
+# Modes whose attention is fixed from the first step: no predictor, no profiling-driven dispatch, no stage switch.
+FIXED_MODES = ("dense", "window")
 BACKENDS = ("auto", "reference", "triton")
 
 

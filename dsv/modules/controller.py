@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dsv.modules.config import AttentionConfig
+from dsv.modules.config import FIXED_MODES, AttentionConfig
 from dsv.modules.predictor import release_parked
 
 CONTROLLER_NAME = "dsv_controller"
@@ -152,7 +152,7 @@ class DSVController(nn.Module):
         """Called after each optimizer step; decides the stage switch and re-dispatches blocks after a
         profiling step (sparsity is dynamic, so the dispatch follows it)."""
         events = StepEvents()
-        if self.cfg.mode in ("dense", "window"):  # no stages to run
+        if self.cfg.mode in FIXED_MODES:  # no stages to run
             return events
         self._warn_if_nothing_trained()
         profiled = self.profile_due()

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from tqdm import tqdm
 
 from dsv.modules.attention import model_parameters
+from dsv.modules.config import FIXED_MODES
 from dsv.modules.dit import VideoDiT, flow_matching_loss
 from dsv.parallel.fsdp import check_replicas_in_sync, shard_model
 from dsv.train.checkpoint import (
@@ -742,7 +743,7 @@ class Trainer:
                 pl = summary["predictor_loss"]
                 # Window and dense runs have no predictor and no stage switch: their mode says what runs.
                 mode = self.cfg.attention.mode
-                state = (f"mode {mode}" if mode in ("window", "dense") else
+                state = (f"mode {mode}" if mode in FIXED_MODES else
                          f"stage {summary['stage']} | predictor loss {'-' if pl is None else f'{pl:.4f}'}")
                 self._print(f"step {self.step:5d} | loss {record['loss']:.4f} | {state} | sparse blocks "
                             f"{self.controller.sparse_layers()} | {record['steps_per_s']:.1f} it/s")
