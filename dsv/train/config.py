@@ -13,6 +13,8 @@ from dsv.modules.config import AttentionConfig, check_config_fields
 from dsv.modules.dit import ModelConfig
 from dsv.train.data import DataConfig
 
+LR_SCHEDULES = ("constant", "cosine")  # OptimConfig.schedule
+
 
 @dataclass
 class OptimConfig:
@@ -20,6 +22,10 @@ class OptimConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     warmup_steps: int = 0
+    # After the warmup: "constant" keeps `lr`; "cosine" decays it along a half cosine to `final_lr_ratio`·lr at
+    # the last of `train.steps` (which then may not change on resume: the remaining steps' rates depend on it).
+    schedule: str = "constant"
+    final_lr_ratio: float = 0.0
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
 
     def __post_init__(self) -> None:
@@ -34,6 +40,11 @@ class OptimConfig:
             raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.grad_clip < 0:
             raise ValueError(f"optim.grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip}")
+        if self.schedule not in LR_SCHEDULES:
+            raise ValueError(f"optim.schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.schedule!r}")
+        if not 0.0 <= self.final_lr_ratio <= 1.0:
+            raise ValueError(f"optim.final_lr_ratio must be a fraction of optim.lr in [0, 1], "
+                             f"got {self.final_lr_ratio}")
 
 
 @dataclass

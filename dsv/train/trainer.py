@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import time
 import warnings
@@ -38,7 +39,7 @@ from dsv.train.checkpoint import (
     remove_unfinished_saves,
     save_checkpoint,
 )
-from dsv.train.config import Config, config_to_dict
+from dsv.train.config import Config, OptimConfig, config_to_dict
 from dsv.train.data import build_dataset
 
 # A resumed run must match the checkpoint's configuration except in these fields, which change neither
@@ -53,10 +54,15 @@ RESUMABLE_CHANGES = {"train": {"steps", "log_every", "eval_every", "ckpt_every",
 
 def check_resumable_config(saved: Config, cfg: Config, ckpt: str | Path) -> None:
     """Raise a CheckpointError naming every field in which `cfg` differs from the `saved` config of checkpoint
-    `ckpt` beyond `RESUMABLE_CHANGES`."""
+    `ckpt` beyond `RESUMABLE_CHANGES`, and in `train.steps` where the learning rate decays over them."""
     diff = [f"{section}.{k}: checkpoint {v!r}, run {getattr(getattr(cfg, section), k)!r}"
             for section in vars(saved) for k, v in vars(getattr(saved, section)).items()
             if getattr(getattr(cfg, section), k) != v and k not in RESUMABLE_CHANGES.get(section, ())]
+    if saved.optim.schedule != "constant" and cfg.train.steps != saved.train.steps:
+        # The decay is spread over train.steps: another length would change the rates of the remaining steps.
+        diff.append(f"train.steps: checkpoint {saved.train.steps!r}, run {cfg.train.steps!r} (optim.schedule="
+                    f"{saved.optim.schedule!r} spreads its decay over train.steps; only a constant rate may extend "
+                    "a run)")
     if diff:
         allowed = " and ".join(f"{section}.{{{', '.join(sorted(fields))}}}"
                                for section, fields in RESUMABLE_CHANGES.items())
@@ -131,6 +137,20 @@ def ema_decay_at(step: int, decay: float) -> float:
     return 0.0 if step == 0 else min(decay, (1 + step) / (10 + step))
 
 
+def lr_scale_at(update: int, optim: OptimConfig, steps: int) -> float:
+    """The learning rate of optimizer update `update` (0: the first) as a multiple of `optim.lr`: a linear warmup
+    over `optim.warmup_steps` updates, then 1 (`optim.schedule="constant"`) or a half cosine from 1 at the first
+    update after the warmup towards `optim.final_lr_ratio`, which the update after the last of `steps` would
+    reach (`"cosine"`: torch's CosineAnnealingLR curve, as diffusers' cosine schedule with warmup)."""
+    warmup = optim.warmup_steps
+    if update < warmup:
+        return (update + 1) / warmup
+    if optim.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (update - warmup) / max(1, steps - warmup))
+    return optim.final_lr_ratio + (1.0 - optim.final_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
 def heldout_targets(n: int, shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Fixed (t, noise) for the held-out loss: t spread evenly over (0, 1), noise from a fixed seed."""
     gen = torch.Generator().manual_seed(seed)
@@ -196,9 +216,8 @@ class Trainer:
             shard_model(self.model, mixed_precision=mixed)
         self.optimizer = torch.optim.AdamW(model_parameters(self.model), lr=cfg.optim.lr, betas=cfg.optim.betas,
                                            weight_decay=cfg.optim.weight_decay)
-        warmup = cfg.optim.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
+            self.optimizer, lambda update: lr_scale_at(update, cfg.optim, cfg.train.steps))
         # The weights' moving average (`train.ema_decay`): an fp32 copy of each optimised weight, sharded as it is.
         trained = {id(p) for p in model_parameters(self.model)}
         self._ema_weights = [(name, p) for name, p in self.model.named_parameters() if id(p) in trained]
@@ -725,7 +744,8 @@ class Trainer:
                 record = {
                     "step": self.step,
                     "loss": self._mean_over_ranks(self._window_loss) / self._window_steps,
-                    "lr": self.scheduler.get_last_lr()[0],
+                    # The rate of the update that made this step.
+                    "lr": self.cfg.optim.lr * lr_scale_at(self.step - 1, self.cfg.optim, cfg.steps),
                     "grad_norm": float(out["grad_norm"].full_tensor() if isinstance(out["grad_norm"], DTensor)
                                        else out["grad_norm"]),
                     "stage": summary["stage"],

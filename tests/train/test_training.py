@@ -12,7 +12,7 @@ from dsv.cli import EXIT_UNFINISHED, main
 from dsv.train.checkpoint import CheckpointError, list_checkpoints
 from dsv.train.config import apply_overrides
 from dsv.train.recipes import get_recipe
-from dsv.train.trainer import EMA_WARMUP, Trainer, ema_decay_at
+from dsv.train.trainer import EMA_WARMUP, Trainer, ema_decay_at, lr_scale_at
 
 # A model small enough for CI: 4 frames of 16×16 pixels, 1×2×2 patches → a 4×8×8 grid of 256 tokens.
 TINY = [
@@ -169,6 +169,68 @@ def test_resume_continues_the_run_exactly(tmp_path, predictor_keys, rotary):
         predictor_names = [name for name in straight_w if ".predictor." in name]
         assert predictor_names
         assert any(not torch.equal(straight_w[n], all_keys_w[n]) for n in predictor_names)
+
+
+def test_the_learning_rate_warms_up_then_stays_or_decays_along_a_cosine():
+    """The rate of each update (the logged `lr`) against the curve written out: torch's CosineAnnealingLR after a
+    linear warmup, the constant schedule unchanged from before the field existed."""
+    import math
+
+    from dsv.train.config import OptimConfig
+
+    warmup, steps, lr, floor = 3, 11, 1e-3, 0.1
+    for schedule in ("constant", "cosine"):
+        optim = OptimConfig(lr=lr, warmup_steps=warmup, schedule=schedule, final_lr_ratio=floor)
+        expected = [(u + 1) / warmup if u < warmup else 1.0 if schedule == "constant"
+                    else floor + (1 - floor) * (1 + math.cos(math.pi * (u - warmup) / (steps - warmup))) / 2
+                    for u in range(steps)]
+        assert [lr_scale_at(u, optim, steps) for u in range(steps)] == pytest.approx(expected, rel=1e-12)
+    cosine = [lr_scale_at(u, OptimConfig(warmup_steps=warmup, schedule="cosine"), steps) for u in range(steps)]
+    assert cosine[warmup] == 1.0 and all(a > b for a, b in zip(cosine[warmup:], cosine[warmup + 1:]))
+    assert cosine[-1] == pytest.approx((1 + math.cos(math.pi * (steps - 1 - warmup) / (steps - warmup))) / 2)
+
+
+# The recorder below wraps optimizer.step after the scheduler was built, which torch warns of.
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden:UserWarning")
+def test_the_trainer_logs_the_scheduled_learning_rate(tmp_path):
+    cfg = tiny_config(tmp_path, "train.steps=8", "train.log_every=1", "train.ckpt_every=8", "attention.mode=dense",
+                      "optim.schedule=cosine", "optim.warmup_steps=2", "optim.final_lr_ratio=0.25")
+    trainer = Trainer(cfg, quiet=True)
+    taken, step = [], trainer.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        taken.append(trainer.optimizer.param_groups[0]["lr"])
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = recording_step
+    trainer.run()
+    logged = {r["step"]: r["lr"] for r in read_metrics(tmp_path) if "lr" in r}
+    assert [logged[n] for n in range(1, 9)] == pytest.approx(taken, rel=1e-12)
+    # The record of step n names the rate of the update that made it, update n - 1, which the optimizer took.
+    assert sorted(logged) == list(range(1, 9))
+    assert all(lr == pytest.approx(cfg.optim.lr * lr_scale_at(step - 1, cfg.optim, 8)) for step, lr in logged.items())
+    assert logged[1] == pytest.approx(0.5 * cfg.optim.lr) and logged[3] == cfg.optim.lr  # warmup, then the peak
+    assert 0.25 * cfg.optim.lr < logged[8] < logged[7]
+
+
+def test_a_decaying_learning_rate_resumes_exactly_and_refuses_another_length(tmp_path):
+    """With optim.schedule=cosine the remaining steps' rates depend on train.steps: a resume under the same
+    length ends where the uninterrupted run does, one that changes it is refused before anything is written."""
+    schedule = ["train.steps=6", "train.ckpt_every=6", "attention.max_stage1_steps=2", "optim.schedule=cosine",
+                "optim.warmup_steps=1", "optim.final_lr_ratio=0.1"]
+    Trainer(tiny_config(tmp_path / "straight", *schedule), quiet=True).run()
+    legs = tmp_path / "legs"
+    assert Trainer(tiny_config(legs, *schedule, "train.max_minutes=1e-6"), quiet=True).run()["stopped_at_time_limit"]
+    saved = sorted(path.name for path in legs.rglob("*"))
+    with pytest.raises(CheckpointError, match=r"train.steps: checkpoint 6, run 9 \(optim.schedule='cosine'"):
+        Trainer(tiny_config(legs, *schedule, "train.steps=9"), resume=True, quiet=True)
+    assert sorted(path.name for path in legs.rglob("*")) == saved
+    Trainer(tiny_config(legs, *schedule), resume=True, quiet=True).run()
+    straight_w, straight_s = final_state(tmp_path / "straight", *schedule)
+    legs_w, legs_s = final_state(legs, *schedule)
+    assert straight_s["step"] == legs_s["step"] == 6
+    for name, value in straight_w.items():
+        assert bitwise_equal(value, legs_w[name]), name
 
 
 def test_the_average_warms_up_as_diffusers_ema_model():
@@ -436,6 +498,9 @@ def test_config_overrides_reject_bad_input():
         ("attention.switch_loss_threshold=0", "never leaves stage 1"),  # with max_stage1_steps=0 below
         ("optim.betas=0.9", "optim.betas must be two numbers"),
         ("optim.weight_decay=-0.1", "optim.weight_decay must be >= 0"),
+        ("optim.schedule=linear", "optim.schedule must be one of constant, cosine"),
+        ("optim.final_lr_ratio=1.5", r"optim.final_lr_ratio must be a fraction of optim.lr in \[0, 1\]"),
+        ("optim.final_lr_ratio=nan", "optim.final_lr_ratio must be finite"),
         ("attention.loss_cosine_weight=0", "positive sum"),  # with loss_mse_weight=0 below
         ("attention.loss_cosine_weight=-1", "must be >= 0 with a positive sum"),
         ("attention.predictor_lr=-1e-3", "attention.predictor_lr must be >= 0"),
