@@ -22,8 +22,8 @@ class OptimConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     warmup_steps: int = 0
-    # After the warmup: "constant" keeps `lr`; "cosine" decays it along a half cosine to `final_lr_ratio`·lr at
-    # the last of `train.steps` (which then may not change on resume: the remaining steps' rates depend on it).
+    # After the warmup: "constant" keeps `lr`; "cosine" decays it along a half cosine towards `final_lr_ratio`·lr,
+    # reached at the end of `train.steps` (which then may not change on resume: the remaining rates depend on it).
     schedule: str = "constant"
     final_lr_ratio: float = 0.0
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping

@@ -172,8 +172,8 @@ def test_resume_continues_the_run_exactly(tmp_path, predictor_keys, rotary):
 
 
 def test_the_learning_rate_warms_up_then_stays_or_decays_along_a_cosine():
-    """The rate of each update (the logged `lr`) against the curve written out: torch's CosineAnnealingLR after a
-    linear warmup, the constant schedule unchanged from before the field existed."""
+    """The rate of each update against the curve written out: torch's CosineAnnealingLR after a linear warmup,
+    the constant schedule unchanged from before the field existed."""
     import math
 
     from dsv.train.config import OptimConfig
