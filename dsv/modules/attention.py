@@ -436,7 +436,7 @@ class DSVAttentionCore(nn.Module):
         # the original forward (the predictor has stepped since). Every other forward selects afresh, so
         # gradient-accumulation micro-batches each get their own keys. `training` (a training forward
         # with grad enabled) comes from the caller: a compiled graph runs its ops with grad disabled.
-        key = self._forward_key(q)
+        key = self._forward_key(q, grid)
         if torch._C._current_graph_task_id() != -1:
             return self.recall_selection(key, hidden, lambda: self._selection(hidden, q, k, grid)[0])
         index, reselect = self._selection(hidden, q, k, grid, keep_for_recompute=training)
@@ -498,9 +498,10 @@ class DSVAttentionCore(nn.Module):
                        "(call controller.begin_step once per optimizer step)")
         raise RuntimeError(f"{type(self).__name__} layer {self.layer_index}: {problem}")
 
-    def _forward_key(self, q: torch.Tensor) -> tuple:
+    def _forward_key(self, q: torch.Tensor, grid) -> tuple:
+        # The grid too: one token count can tile several grids, whose forwards group the same input differently.
         forward_id = self.controller.forward_id if self.controller is not None else None
-        return forward_id, tuple(q.shape), q.device
+        return forward_id, tuple(q.shape), tuple(grid), q.device
 
     def predictor_positions(self, grid: tuple[int, int, int], device: torch.device) -> torch.Tensor | None:
         """The tokens' (t, h, w) in grouped order, `[S, 3]`, for a predictor with rotary dims; else None."""

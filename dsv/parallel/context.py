@@ -380,7 +380,7 @@ class ContextParallel:
 
     def _select(self, layer, x, q, k, layout, grid) -> SparseIndex | LocalIndex:
         # As `DSVAttentionCore._select`: a checkpointing recompute (inside backward) reuses the forward's keys.
-        key = (*layer._forward_key(q), layout)
+        key = (*layer._forward_key(q, grid), layout)
         keep_blocks = layer._keep_blocks(-(-q.shape[2] * layout.scp // layer.cfg.key_block))
         training = layer.training and torch.is_grad_enabled()
 

@@ -153,9 +153,18 @@ def test_stage2_sparse_with_checkpointing_matches_plain_backward(rotary):
         assert model.attn.last_path == "sparse:reference"
         return out.detach(), xin.grad, model.attn.to_qkv.weight.grad
 
-    plain, checkpointed = run(False), run(True)
-    for a, b in zip(plain, checkpointed):
-        torch.testing.assert_close(a, b, **TOL64)
+    assert_checkpointing_matches_plain(run)
+
+
+def forward_and_input_gradients(model: Wrapper, outs, ins) -> tuple:
+    """What a checkpointed run must reproduce: the outputs, the inputs' and the qkv weight's gradients."""
+    return (*(out.detach() for out in outs), *(x.grad for x in ins), model.attn.to_qkv.weight.grad)
+
+
+def assert_checkpointing_matches_plain(run) -> None:
+    """`run(checkpointing)` with and without activation checkpointing gives the same results."""
+    for plain, checkpointed in zip(run(False), run(True)):
+        torch.testing.assert_close(plain, checkpointed, **TOL64)
 
 
 @pytest.mark.parametrize("order", ["forward-forward-backward", "micro-batches"])
@@ -178,11 +187,9 @@ def test_two_checkpointed_forwards_of_a_step_match_plain_backward(order):
             outs = [call(x) for x in ins]
             (outs[0].pow(2).sum() + outs[1].pow(3).sum()).backward()
         assert model.attn.last_path == "sparse:reference"
-        return (*(out.detach() for out in outs), *(x.grad for x in ins), model.attn.to_qkv.weight.grad)
+        return forward_and_input_gradients(model, outs, ins)
 
-    plain, checkpointed = run(False), run(True)
-    for a, b in zip(plain, checkpointed):
-        torch.testing.assert_close(a, b, **TOL64)
+    assert_checkpointing_matches_plain(run)
 
 
 @pytest.mark.parametrize("predictor_lr", [1e-3, 0.3], ids=["same-keys", "keys-changed"])
@@ -200,7 +207,7 @@ def test_two_forwards_of_one_input_in_a_step_match_plain_backward_or_raise(predi
         call = (lambda x: torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)) if checkpointing else model
         outs = [call(x) for x in ins]
         (outs[0].pow(2).sum() + outs[1].pow(3).sum()).backward()
-        return (*(out.detach() for out in outs), *(x.grad for x in ins), model.attn.to_qkv.weight.grad)
+        return forward_and_input_gradients(model, outs, ins)
 
     plain = run(False)
     if predictor_lr == 0.3:
@@ -209,6 +216,29 @@ def test_two_forwards_of_one_input_in_a_step_match_plain_backward_or_raise(predi
         return
     for a, b in zip(plain, run(True)):
         torch.testing.assert_close(a, b, **TOL64)
+
+
+def test_two_forwards_of_one_input_on_different_grids_match_plain_backward():
+    """One input read as two grids of the same token count in one step before the backward (the predictor
+    steps between them and changes the keys): each checkpointing recompute must find its own grid's keys,
+    though the input (and its order-blind fingerprint) is the same."""
+    torch.manual_seed(3)
+    x = torch.randn(1, 64, DIM, dtype=torch.float64)
+    grids = [GRID, (2, 8, 4)]
+
+    def run(checkpointing: bool):
+        model = in_stage2(x, keep_floor_blocks=1, predictor_lr=0.3)
+        ins = [x.clone().requires_grad_(True) for _ in grids]
+        if checkpointing:
+            outs = [torch.utils.checkpoint.checkpoint(model.attn, xin, grid, use_reentrant=False)
+                    for xin, grid in zip(ins, grids)]
+        else:
+            outs = [model.attn(xin, grid) for xin, grid in zip(ins, grids)]
+        (outs[0].pow(2).sum() + outs[1].pow(3).sum()).backward()
+        assert model.attn.last_path == "sparse:reference"
+        return forward_and_input_gradients(model, outs, ins)
+
+    assert_checkpointing_matches_plain(run)
 
 
 def test_recompute_without_its_forward_after_a_predictor_step_raises():
@@ -274,7 +304,7 @@ def test_recompute_reselects_the_forward_keys_without_keeping_the_index():
     index = layer.prepare_index(hidden, q, k, GRID)
     assert index is not None, "stage 2 with threshold 0 must run sparse"
     assert not torch.equal(weights, layer.predictor.q_proj.weight), "the predictor must have stepped in between"
-    (_, reselect, _), = layer._selection_cache[layer._forward_key(q)]
+    (_, reselect, _), = layer._selection_cache[layer._forward_key(q, GRID)]
     again = reselect()
     assert torch.equal(again.indices, index.indices) and torch.equal(again.counts, index.counts)
     assert again.indices.data_ptr() != index.indices.data_ptr()
