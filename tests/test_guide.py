@@ -49,11 +49,12 @@ def test_guide_core_sections_run():
     # The observer measured every layer's per-head sparsity.
     assert sorted(ns["measured"]) == [0, 1]
     assert all(values.shape == (4,) and ((values >= 0) & (values <= 1)).all() for values in ns["measured"].values())
-    # The cube comparison gave a recall per candidate, below 1 at the partial budget and 1 with all keys.
-    assert list(ns["recalls"]) == [(1, 2, 2), (2, 2, 2), (2, 4, 4)]
-    assert all(0.0 < r < 0.999 for r in ns["recalls"].values())
-    assert math.isclose(ns["cube_recall"](ns["q_raster"], ns["k_raster"], (4, 8, 8), (2, 4, 4), keep=1.0), 1.0,
-                        rel_tol=1e-5)
+    # The cube comparison gave a mass per candidate, below 1 at the partial budget and 1 with all keys.
+    assert list(ns["masses"]) == [(1, 2, 2), (2, 2, 2), (2, 4, 4)]
+    assert all(0.0 < m < 0.999 for m in ns["masses"].values())
+    every_key = ns["torch"].zeros(ns["q_raster"].shape[1])
+    all_kept = ns["selection_mass"](ns["q_raster"], ns["k_raster"], (4, 8, 8), (2, 4, 4), every_key, ns["rows"])
+    assert math.isclose(float(all_kept.mean()), 1.0, rel_tol=1e-5)
 
 
 def test_guide_diffusers_section_runs():

@@ -10,7 +10,10 @@ Definitions (θ: the critical mass, the run's ``attention.theta`` unless given):
 - critical keys of a query: the fewest keys whose softmax weights sum to at least θ (ties: sort order);
 - distance: Chebyshev distance on the 3-D grid, ``max(|dt|, |dh|, |dw|)`` in tokens;
 - overlap of two queries i, j of one cube: ``|C_i ∩ C_j| / |C_i|``, the fraction of i's critical keys that j
-  also holds; a cube's overlap is the mean over its ordered pairs i != j (Jaccard is reported beside it).
+  also holds; a cube's overlap is the mean over its ordered pairs i != j (Jaccard is reported beside it);
+- selection mass of a cube shape: the softmax mass a query keeps when its cube's queries share the exact best
+  set of whole key cubes of that shape (the kernels' blocks), ``(1 - s)`` of them per head (s: the head's
+  sparsity at θ; interpolated between whole numbers of cubes): what a perfect predictor would keep with that cube.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 
 from dsv.analysis.checkpointed_model import load_model, run_precision
 from dsv.analysis.profile import check_clips_and_theta, heatmap, heldout_clips
-from dsv.ops import head_sparsity
+from dsv.ops import head_sparsity, index_recall, oracle_index
 from dsv.ops.grouping import check_cube_tiles, check_sequence_matches_grid, cube_permutation
 from dsv.ops.index import check_bhsd, compute_dtype, resolve_chunk_size
 from dsv.train.checkpoint import resolve_checkpoint
@@ -37,6 +40,11 @@ NEAR, FAR = 5, 10
 TOP_FRACTION, TOP_MASS = 0.1, 0.9
 """Power law test: do the top TOP_FRACTION of keys hold at least TOP_MASS of a query's softmax mass?"""
 DEFAULT_CUBES = ((1, 2, 2), (2, 2, 2), (2, 4, 4), (4, 4, 4))
+SELECTION_CUBES = ((2, 4, 4), (1, 4, 8), (4, 4, 4), (2, 4, 8), (1, 8, 8), (8, 4, 4), (4, 4, 8), (2, 8, 8))
+"""Cube shapes of 32, 64 and 128 tokens whose selection mass is compared (the model's own cube is added)."""
+EFFICIENT_CUBE_TOKENS = 64
+"""The smallest cube the recommendation takes: by the dispatch speed model (`dsv.modules.dispatch`) 64- and
+128-token blocks cost 1.30x / 1.25x dense's time per kept key, 32-token blocks 3.95x."""
 
 
 # ---------------------------------------------------------------------------------------------- statistics
@@ -197,6 +205,51 @@ def cube_overlap(q: torch.Tensor, k: torch.Tensor, grid: tuple[int, int, int], c
     return (overlap_sum / cubes.numel()).float(), (jaccard_sum / cubes.numel()).float()
 
 
+def selection_mass(q: torch.Tensor, k: torch.Tensor, grid: tuple[int, int, int], cube: tuple[int, int, int],
+                   sparsity: torch.Tensor, rows: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """The attention mass a query keeps when the queries of its ``cube`` share the exact best key cubes.
+
+    Head ``h`` keeps ``(1 - sparsity[h]) * NKB`` key cubes: where that is not a whole number, the mass is
+    interpolated between the whole numbers around it, so that cubes of different sizes compare at the same kept
+    fraction of the keys (rounding up would favour large cubes on small grids).
+
+    Args:
+        q, k: ``[B, H, S, D]`` in raster order of ``grid``.
+        grid: ``(T, H, W)``; cube: ``(t, h, w)`` dividing it: the query group and the key block.
+        sparsity: float ``[H]`` head sparsity at θ, in [0, 1].
+        rows: integer ``[R]`` raster query rows to measure on.
+
+    Returns:
+        float32 ``[B, H]``: the mean over ``rows`` of the softmax mass inside the kept key cubes
+        (``oracle_index`` then ``index_recall`` in the cube's grouped order).
+    """
+    check_sequence_matches_grid(q.shape[2], grid)
+    check_cube_tiles(grid, cube, "the selection mass of a cube shape")
+    perm, inv = cube_permutation(grid, cube)
+    group = math.prod(cube)
+    num_blocks = q.shape[2] // group
+    grouped_q, grouped_k = q.index_select(2, perm.to(q.device)), k.index_select(2, perm.to(k.device))
+    grouped_rows = inv.to(q.device)[rows.to(q.device)]
+    blocks = (1.0 - sparsity.double().cpu().clamp(0.0, 1.0)) * num_blocks
+    fewer = blocks.floor().clamp(max=num_blocks - 1)
+
+    def mass_at(keep: torch.Tensor) -> torch.Tensor:  # keep: whole key cubes per head, >= 1
+        index = oracle_index(grouped_q, grouped_k, keep.to(torch.int32).to(q.device), group, group, scale=scale)
+        return index_recall(grouped_q, grouped_k, index, grouped_rows, scale=scale)
+
+    below = mass_at(fewer.clamp(min=1)) * (fewer >= 1).to(q.device)  # no key cube: no mass
+    above = mass_at(fewer + 1)
+    weight = (blocks - fewer).to(device=q.device, dtype=above.dtype)
+    return below + weight * (above - below)
+
+
+def recommend_selection_cube(masses: dict[tuple[int, int, int], float], min_tokens: int = EFFICIENT_CUBE_TOKENS):
+    """The cube keeping the most selection mass among those of at least ``min_tokens`` tokens (all cubes when
+    none is that large; ties: the larger cube), or ``None`` without cubes."""
+    candidates = [cube for cube in masses if math.prod(cube) >= min_tokens] or list(masses)
+    return max(candidates, key=lambda cube: (masses[cube], math.prod(cube)), default=None)
+
+
 def usable_cubes(cubes, grid: tuple[int, int, int]) -> list[tuple[int, int, int]]:
     """The ``cubes`` that divide ``grid`` and hold at least two tokens (an overlap needs a pair)."""
     return [c for c in cubes if math.prod(c) > 1 and all(g % s == 0 for g, s in zip(grid, c))]
@@ -215,8 +268,10 @@ def recommend_cube(overlaps: dict[tuple[int, int, int], float], threshold: float
 class _Collector:
     """Observer for every DSVAttention: all per-layer statistics of one forward pass over held-out clips."""
 
-    def __init__(self, theta: float, num_rows: int, cubes: tuple[tuple[int, int, int], ...], max_cubes: int):
+    def __init__(self, theta: float, num_rows: int, cubes: tuple[tuple[int, int, int], ...], max_cubes: int,
+                 selection_cubes: tuple[tuple[int, int, int], ...] = ()):
         self.theta, self.num_rows, self.cubes, self.max_cubes = theta, num_rows, cubes, max_cubes
+        self.selection_cubes = selection_cubes
         self.layers: dict[int, dict] = {}
         self.grid = None
         self.rows = None
@@ -230,8 +285,12 @@ class _Collector:
         hist = critical_distances(q, k, self.rows, grid, self.theta, scale=layer.scale)
         overlap = {cube: cube_overlap(q, k, grid, cube, self.theta, layer.scale, self.max_cubes)
                    for cube in usable_cubes(self.cubes, grid)}
+        sparsity = head_sparsity(q, k, self.rows.to(q.device), self.theta, scale=layer.scale)
+        selection = {cube: selection_mass(q, k, grid, cube, sparsity, self.rows, layer.scale).mean(0).cpu()
+                     for cube in usable_cubes(self.selection_cubes, grid)}
         self.layers[layer.layer_index] = {
-            "sparsity": head_sparsity(q, k, self.rows.to(q.device), self.theta, scale=layer.scale).cpu(),
+            "sparsity": sparsity.cpu(),
+            "selection": selection,  # {cube: [H]}
             "power_law": (mass >= TOP_MASS).float().mean(dim=(0, 2)).cpu(),  # [H]
             "top_mass": mass.mean(dim=(0, 2)).cpu(),  # [H]
             "curve": curve.cpu(),  # [H, S]
@@ -334,14 +393,16 @@ def _plot_overlap(overlap: torch.Tensor, cubes: list, threshold: float, path: Pa
 @torch.no_grad()
 def observe_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clips: int = 4,
                        theta: float | None = None, cube_shapes=DEFAULT_CUBES, overlap_threshold: float = 0.8,
-                       rows: int = 256, max_cubes: int = 64) -> dict:
+                       rows: int = 256, max_cubes: int = 64, selection_cubes=SELECTION_CUBES) -> dict:
     """Measure the five observations on ``clips`` held-out clips of a checkpoint; write plots,
     ``observations.md`` and ``observations.json`` to ``out_dir``.
 
     ``cube_shapes`` that do not divide the grid (or hold one token) are skipped and listed as such; ``rows``
     query rows per layer are sampled for the power-law, locality and sparsity statistics, and at most
-    ``max_cubes`` cubes per shape for the overlap. ``overlap_threshold`` picks the recommended cube. Returns the
-    numbers of ``observations.json`` plus ``files`` (paths written) and ``summary`` (the markdown).
+    ``max_cubes`` cubes per shape for the overlap. ``overlap_threshold`` picks the cube the paper's criterion
+    recommends; ``selection_cubes`` (with the model's own cube) are compared by selection mass, which picks the
+    recommended cube for the kernels (``recommend_selection_cube``). Returns the numbers of
+    ``observations.json`` plus ``files`` (paths written) and ``summary`` (the markdown).
     """
     check_clips_and_theta(clips, theta)
     if not 0.0 <= overlap_threshold <= 1.0:
@@ -351,7 +412,9 @@ def observe_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clip
     theta = cfg.attention.theta if theta is None else theta
     x0 = heldout_clips(cfg, clips).to(dev)
     cubes = tuple(tuple(int(s) for s in cube) for cube in cube_shapes)
-    collector = _Collector(theta, rows, cubes, max_cubes)
+    model_cube = tuple(int(s) for s in cfg.attention.cube)
+    compared = tuple(dict.fromkeys((model_cube, *(tuple(int(s) for s in cube) for cube in selection_cubes))))
+    collector = _Collector(theta, rows, cubes, max_cubes, compared)
     for layer in model.controller.layers:
         layer.observer = collector
     gen = torch.Generator().manual_seed(0)
@@ -384,6 +447,11 @@ def observe_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clip
         if usable else torch.empty(len(layers), 0)
     mean_overlap = {c: float(overlap[:, j].mean()) for j, c in enumerate(usable)}
     recommended = recommend_cube(mean_overlap, overlap_threshold)
+    selectable = usable_cubes(compared, grid)
+    selection = torch.stack([torch.stack([layers[i]["selection"][c].mean() for c in selectable])
+                             for i in sorted(layers)]) if selectable else torch.empty(len(layers), 0)
+    mean_selection = {c: float(selection[:, j].mean()) for j, c in enumerate(selectable)}
+    for_kernels = recommend_selection_cube(mean_selection)
 
     _plot_power_law(layers, out / "power_law.png")
     _plot_locality(layers, baseline, out / "locality.png")
@@ -418,6 +486,11 @@ def observe_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clip
                        "overlap": overlap.tolist(), "jaccard": jaccard.tolist(),
                        "mean_overlap": [mean_overlap[c] for c in usable], "threshold": overlap_threshold,
                        "recommended": None if recommended is None else list(recommended)},
+        "selection": {"cubes": [list(c) for c in selectable], "tokens": [math.prod(c) for c in selectable],
+                      "skipped": [list(c) for c in compared if c not in selectable],
+                      "model_cube": list(model_cube), "mass": selection.tolist(),
+                      "mean_mass": [mean_selection[c] for c in selectable], "min_tokens": EFFICIENT_CUBE_TOKENS,
+                      "recommended": None if for_kernels is None else list(for_kernels)},
     }
     summary = _summary(result)
     (out / "observations.md").write_text(summary)
@@ -483,25 +556,59 @@ def _summary(r: dict) -> str:
             lines.append(f"| {i} | {cells} |")
         lines.append("| mean | " + " | ".join(f"{o:.3f}" for o in nb["mean_overlap"]) + " |")
         if nb["recommended"] is None:
-            lines += ["", (f"**Recommendation:** no measured cube keeps a mean overlap ≥ {nb['threshold']}; "
-                      "keep the smallest cube or lower the threshold.")]
+            lines += ["", (f"By the paper's criterion (the largest cube with a mean overlap ≥ {nb['threshold']}): "
+                      "no measured cube reaches it.")]
         else:
             index = nb["cubes"].index(nb["recommended"])
-            lines += ["", (f"**Recommendation:** cube {'×'.join(map(str, nb['recommended']))}, the largest with a "
-                      f"mean overlap ≥ {nb['threshold']} ({nb['mean_overlap'][index]:.3f}).")]
+            lines += ["", (f"By the paper's criterion: cube {'×'.join(map(str, nb['recommended']))}, the largest "
+                      f"with a mean overlap ≥ {nb['threshold']} ({nb['mean_overlap'][index]:.3f}).")]
+    lines += _selection_summary(r["selection"])
     return "\n".join(lines) + "\n"
+
+
+def _cube_name(cube) -> str:
+    return "×".join(map(str, cube))
+
+
+def _selection_summary(sel: dict) -> list[str]:
+    """The markdown lines of the cube comparison by selection mass."""
+    lines = ["", "## Cube for the kernels (selection mass)",
+             ("Mean softmax mass a query keeps when its cube's queries share the exact best key cubes of the same "
+              "shape (the kernels' blocks), each head keeping as many as its sparsity at θ leaves: what a perfect "
+              "predictor keeps with that cube; mean over sampled rows, clips and heads. The overlap above asks "
+              "whether neighbours need the same keys; this asks what one shared selection of whole blocks costs.")]
+    if sel["skipped"]:
+        lines.append("Skipped (not dividing the grid): " + ", ".join(_cube_name(c) for c in sel["skipped"]) + ".")
+    if not sel["cubes"]:
+        return lines
+    header = " | ".join(f"{_cube_name(c)} ({t})" for c, t in zip(sel["cubes"], sel["tokens"]))
+    lines += ["", f"| block | {header} |", "|---|" + "---|" * len(sel["cubes"])]
+    for i, row in enumerate(sel["mass"]):
+        lines.append(f"| {i} | " + " | ".join(f"{m:.3f}" for m in row) + " |")
+    lines.append("| mean | " + " | ".join(f"{m:.3f}" for m in sel["mean_mass"]) + " |")
+    best = sel["recommended"]
+    best_mass = sel["mean_mass"][sel["cubes"].index(best)]
+    own = sel["mean_mass"][sel["cubes"].index(sel["model_cube"])] if sel["model_cube"] in sel["cubes"] else None
+    against = ("" if own is None or best == sel["model_cube"] else
+               f"; the model's cube {_cube_name(sel['model_cube'])} keeps {own:.3f}")
+    among = (f"among the cubes of at least {sel['min_tokens']} tokens (smaller blocks run the sparse kernels at "
+             "~3x the cost per kept key)" if math.prod(best) >= sel["min_tokens"] else
+             f"among the measured cubes (none of at least {sel['min_tokens']} tokens divides the grid)")
+    lines += ["", f"**Recommendation:** cube {_cube_name(best)} ({best_mass:.3f}), the most selection mass {among}"
+                  f"{against}."]
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------------- CLI
 
 
-def _cube(text: str) -> tuple[int, int, int]:
+def _cube(text: str, option: str = "--cubes") -> tuple[int, int, int]:
     try:
         cube = tuple(int(part) for part in text.split(","))
     except ValueError:
         cube = ()
     if len(cube) != 3 or min(cube) < 1:
-        raise ValueError(f"--cubes entries must be three positive ints t,h,w, got {text!r}")
+        raise ValueError(f"{option} entries must be three positive ints t,h,w, got {text!r}")
     return cube
 
 
@@ -515,7 +622,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--cubes", nargs="+", default=[",".join(map(str, c)) for c in DEFAULT_CUBES],
                         metavar="T,H,W", help="query cubes for the neighbours-share measurement")
     parser.add_argument("--overlap-threshold", type=float, default=0.8,
-                        help="recommend the largest cube whose mean overlap reaches this")
+                        help="the paper's criterion: the largest cube whose mean overlap reaches this")
+    parser.add_argument("--selection-cubes", nargs="+", default=[",".join(map(str, c)) for c in SELECTION_CUBES],
+                        metavar="T,H,W", help="cube shapes compared by selection mass (the model's own is added)")
     parser.add_argument("--rows", type=int, default=256, help="sampled query rows per layer")
 
 
@@ -523,7 +632,8 @@ def run(args) -> int:
     """Run ``observe_checkpoint`` from parsed ``add_arguments`` options; print the summary and the files."""
     result = observe_checkpoint(args.checkpoint, args.out, device=args.device, clips=args.clips, theta=args.theta,
                                 cube_shapes=tuple(_cube(c) for c in args.cubes),
-                                overlap_threshold=args.overlap_threshold, rows=args.rows)
+                                overlap_threshold=args.overlap_threshold, rows=args.rows,
+                                selection_cubes=tuple(_cube(c, "--selection-cubes") for c in args.selection_cubes))
     print(result["summary"])
     print("wrote: " + ", ".join(result["files"]))
     return 0

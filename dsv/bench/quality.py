@@ -1219,9 +1219,16 @@ def render_report(results: dict) -> str:
               "- neighbours share: mean overlap per cube "
               + ", ".join(f"{'×'.join(map(str, c))} {o:.2f}" for c, o in zip(obs["neighbours"]["cubes"],
                                                                           obs["neighbours"]["mean_overlap"])),
-              "- recommended cube: " + ("none reaches the threshold" if obs["neighbours"]["recommended"] is None
-                                        else "×".join(map(str, obs["neighbours"]["recommended"]))
-                                        + f" (largest with mean overlap ≥ {obs['neighbours']['threshold']})")]
+              "- the paper's cube criterion (the largest with mean overlap ≥ "
+              f"{obs['neighbours']['threshold']}): " + ("none reaches it" if obs["neighbours"]["recommended"] is None
+                                                         else "×".join(map(str, obs["neighbours"]["recommended"])))]
+    selection = obs.get("selection")  # results of code before the selection-mass comparison lack it
+    if selection and selection["recommended"] is not None:
+        lines.append("- recommended cube: " + "×".join(map(str, selection["recommended"])) + ", the most attention "
+                     f"mass under one shared exact selection of whole key cubes among cubes of ≥ "
+                     f"{selection['min_tokens']} tokens; per cube (tokens: mean mass) "
+                     + ", ".join(f"{'×'.join(map(str, c))} ({t}: {m:.3f})" for c, t, m in
+                                 zip(selection["cubes"], selection["tokens"], selection["mean_mass"])))
     if results["granularity"]:
         cube = results["granularity"][0]["cube_tokens"]
         lines += ["", "## Selection granularity", "",
@@ -1613,7 +1620,8 @@ def run(args) -> int:
         "profile_recall_in_sparse_blocks": profile_recall,
         "stage2_steps_per_s": stage2_speed,
         "train_step_reference": str(args.train_step_json) if reference else None,
-        "observations": {k: observed[k] for k in ("power_law", "locality", "sparsity", "neighbours", "step", "grid")},
+        "observations": {k: observed[k] for k in ("power_law", "locality", "sparsity", "neighbours", "selection",
+                                                  "step", "grid")},
         "granularity": profiled["granularity"],
         "window_budget": {"dense": profiled_dense["window_budget"], "DSV": profiled["window_budget"]},
         "by_noise_level": {"sparse_blocks": profiled["sparse_blocks"], "levels": profiled["by_noise_level"]},

@@ -17,7 +17,9 @@ from dsv.analysis.observations import (
     observe_checkpoint,
     power_law_slope,
     recommend_cube,
+    recommend_selection_cube,
     run,
+    selection_mass,
     to_raster,
     top_mass,
     uniform_distances,
@@ -144,6 +146,64 @@ def test_recommend_cube_and_argument_errors():
         cube_overlap(q, q, (2, 2, 2), (2, 2, 2), max_cubes=0)
 
 
+def brute_force_selection_mass(q, k, grid, cube, blocks_kept: int, rows, scale):
+    """The selection mass written out: dense softmax, each cube's queries sum their probabilities per key cube
+    (cubes by raster coordinates), keep the top ``blocks_kept``, average each sampled row's mass inside them."""
+    probs = torch.softmax((q @ k.transpose(-1, -2)) * scale, dim=-1)  # [B, H, S, S], raster order
+    coords = grid_coords(grid)
+    per_axis = torch.tensor(grid) // torch.tensor(cube)
+    cell = coords // torch.tensor(cube)
+    cube_id = (cell[:, 0] * per_axis[1] + cell[:, 1]) * per_axis[2] + cell[:, 2]  # [S]
+    members = torch.nn.functional.one_hot(cube_id).to(probs.dtype)  # [S, cubes]
+    block_scores = members.T @ probs @ members  # [B, H, query cube, key cube]
+    chosen = block_scores.topk(blocks_kept, dim=-1).indices  # [B, H, cubes, n]
+    kept = torch.zeros_like(block_scores).scatter_(-1, chosen, 1.0)[:, :, cube_id]  # [B, H, S, key cubes]
+    mass = (probs @ members * kept).sum(-1)  # [B, H, S]
+    return mass[:, :, rows].mean(-1)
+
+
+@pytest.mark.parametrize("cube", [(1, 2, 4), (2, 2, 2), (2, 1, 4)])
+def test_selection_mass_against_the_written_out_selection_and_interpolated(cube):
+    grid = (2, 4, 4)
+    q, k = torch.randn(2, 3, 32, 8, dtype=torch.float64) * 1.5, torch.randn(2, 3, 32, 8, dtype=torch.float64)
+    rows, scale = torch.tensor([0, 5, 9, 18, 31]), 8 ** -0.5
+    num_blocks = 32 // math.prod(cube)  # 4
+    for kept in (1, 2, 3):  # whole numbers of key cubes: the exact selection
+        sparsity = torch.full((3,), 1.0 - kept / num_blocks, dtype=torch.float64)
+        expected = brute_force_selection_mass(q, k, grid, cube, kept, rows, scale)
+        # float64 throughout: only summation order differs.
+        torch.testing.assert_close(selection_mass(q, k, grid, cube, sparsity, rows, scale).double(), expected,
+                                   rtol=1e-6, atol=1e-6)  # the result is float32
+    # Between whole numbers: the straight line between them, per head.
+    sparsity = torch.tensor([1.0 - 1.25 / num_blocks, 1.0 - 2.5 / num_blocks, 1.0 - 0.5 / num_blocks])
+    one, two, three = (brute_force_selection_mass(q, k, grid, cube, n, rows, scale) for n in (1, 2, 3))
+    expected = torch.stack([one[:, 0] + 0.25 * (two[:, 0] - one[:, 0]), two[:, 1] + 0.5 * (three[:, 1] - two[:, 1]),
+                            0.5 * one[:, 2]], dim=1)  # half a key cube: half of one cube's mass (none below it)
+    torch.testing.assert_close(selection_mass(q, k, grid, cube, sparsity, rows, scale).double(), expected,
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_selection_mass_favours_the_cube_whose_queries_need_the_same_keys():
+    """Every query attends to the frame two ahead of its own: queries of one frame need one frame of keys, so a
+    one-frame cube keeps almost all of it with a quarter of the keys, a cube across the four frames a quarter."""
+    grid = (4, 4, 4)
+    frame = grid_coords(grid)[:, 0]
+    logits = 12.0 * (frame[None, :] == (frame[:, None] + 2) % 4).double()
+    q, k = from_logits(logits)
+    sparsity, rows = torch.tensor([0.75], dtype=torch.float64), torch.arange(64)
+    flat = float(selection_mass(q, k, grid, (1, 2, 2), sparsity, rows, scale=1.0))
+    across = float(selection_mass(q, k, grid, (4, 1, 1), sparsity, rows, scale=1.0))
+    assert flat > 0.99 and across < 0.26
+
+
+def test_recommend_selection_cube():
+    masses = {(2, 4, 4): 0.95, (4, 4, 4): 0.80, (1, 8, 8): 0.85, (2, 8, 8): 0.85}
+    assert recommend_selection_cube(masses) == (2, 8, 8)  # 32 tokens are too few; the tie goes to the larger
+    assert recommend_selection_cube(masses, min_tokens=32) == (2, 4, 4)
+    assert recommend_selection_cube({(1, 2, 2): 0.9, (2, 2, 2): 0.7}) == (1, 2, 2)  # none large enough: all
+    assert recommend_selection_cube({}) is None
+
+
 def test_observe_a_freshly_trained_checkpoint(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     Trainer(tiny_config(run_dir, "train.steps=4", "train.ckpt_every=4"), quiet=True).run()
@@ -166,17 +226,27 @@ def test_observe_a_freshly_trained_checkpoint(tmp_path, monkeypatch):
     assert loc["far_fraction"] == [0.0, 0.0]  # no two tokens of a 4×8×8 grid are more than 7 apart
     assert len(result["dynamics"]["steps"]) == 2  # log_every=2 over 4 steps
     assert "Recommendation" in result["summary"]
+    sel = result["selection"]
+    assert sel["model_cube"] == [2, 2, 2] and sel["cubes"][0] == [2, 2, 2]  # the model's cube is compared first
+    assert sel["skipped"] == [[8, 4, 4]]  # T = 4
+    assert len(sel["mass"]) == 2 and all(len(row) == len(sel["cubes"]) for row in sel["mass"])
+    assert all(0.0 < value <= 1.0 for row in sel["mass"] for value in row)
+    large = [(m, math.prod(c), c) for c, m in zip(sel["cubes"], sel["mean_mass"]) if math.prod(c) >= 64]
+    assert sel["recommended"] == max(large)[2]
 
     # The CLI helpers: a run folder, a single cube, an explicit θ.
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--checkpoint", str(run_dir), "--out", str(tmp_path / "cli"), "--clips", "1",
-                              "--cubes", "2,2,2", "--theta", "0.5", "--rows", "16"])
+                              "--cubes", "2,2,2", "--theta", "0.5", "--rows", "16", "--selection-cubes", "1,8,8"])
     assert run(args) == 0
     written = json.loads((tmp_path / "cli" / "observations.json").read_text())
     assert written["theta"] == 0.5 and written["neighbours"]["cubes"] == [[2, 2, 2]]
+    assert written["selection"]["cubes"] == [[2, 2, 2], [1, 8, 8]]
     with pytest.raises(ValueError, match="--cubes"):
         run(parser.parse_args(["--checkpoint", str(run_dir), "--cubes", "2,2"]))
+    with pytest.raises(ValueError, match="--selection-cubes"):
+        run(parser.parse_args(["--checkpoint", str(run_dir), "--selection-cubes", "2,x,2"]))
 
     # The forward runs in the run's training precision (bf16 autocast on a GPU, where float32 attention would take
     # the PyTorch reference instead of the kernels): here a CPU bf16 autocast stands in for it.

@@ -140,6 +140,10 @@ def test_quality_bench_writes_a_complete_report(quality_run):
         values = [g[level] for g in granularity]
         assert all(0 < v <= 1 for v in values) and values == sorted(values), (level, values)
     assert "## Selection granularity" in (out / "report.md").read_text()
+    # The cube recommended by selection mass, among the compared cubes, named in the report's observations.
+    selection = results["observations"]["selection"]
+    assert selection["recommended"] in selection["cubes"]
+    assert "- recommended cube: " + "×".join(map(str, selection["recommended"])) in (out / "report.md").read_text()
     # The window's boxes against the best selection of as many key blocks, on the dense and the DSV model.
     budget = results["window_budget"]
     assert [sorted(budget[m]) for m in ("dense", "DSV")] == [
