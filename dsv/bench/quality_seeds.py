@@ -344,14 +344,42 @@ def targets(loss: dict, fvd: dict | None, rows: dict[str, dict], loss_ema: dict 
                    "met": None if dense_only else all(worse.values()),
                    "spread": "; ".join(f"{what}: window worst in {_worst_count(window_seeds[what])} of "
                                        f"{len(window_seeds[what]['seeds'])} seeds" for what in worse),
-                   "resolution": "-"})
+                   "resolution": "-" if dense_only else "; ".join(
+                       f"{what}: {window_resolution(window_seeds[what])}" for what in worse)})
     return judged
+
+
+def window_margins(stats: dict) -> list[float]:
+    """Per seed, how much worse the window is than the worse of dense and DSV: its gap to dense minus the larger
+    of 0 (dense) and DSV's gap; above 0 where the window is worse than both in that seed."""
+    window, dsv = stats["gaps"]["window"]["per_seed"], stats["gaps"]["dsv"]["per_seed"]
+    return [w - max(0.0, d) for w, d in zip(window, dsv)]
+
+
+def window_resolution(stats: dict) -> str:
+    """Whether the `CONFIDENCE` t-interval of the mean per-seed margin (`window_margins`) lies above 0 (resolved:
+    worse than both), under it (resolved: not worse than both) or across it. Paired by seed, so it is stricter than
+    the comparison of the means: a window worse than dense in one seed and than DSV in another has no margin."""
+    from scipy.stats import t as student_t
+
+    margins = window_margins(stats)
+    if len(margins) < 2:
+        return "not resolved (one seed)"
+    mean = statistics.fmean(margins)
+    half_width = (float(student_t.ppf(0.5 + CONFIDENCE / 2, len(margins) - 1)) * statistics.stdev(margins)
+                  / math.sqrt(len(margins)))
+    interval = f"mean per-seed margin over the worse of dense and DSV {mean:+.2%}, {mean - half_width:+.1%}…" \
+               f"{mean + half_width:+.1%}"
+    if mean - half_width > 0:
+        return f"resolved: worse than both ({interval})"
+    if mean + half_width < 0:
+        return f"resolved: not worse than both ({interval})"
+    return f"not resolved ({interval} crosses 0)"
 
 
 def _worst_count(stats: dict) -> int:
     """Seeds where window is above both dense and DSV (its per-seed gap above 0 and above DSV's)."""
-    window, dsv = stats["gaps"]["window"]["per_seed"], stats["gaps"]["dsv"]["per_seed"]
-    return sum(w > max(0.0, d) for w, d in zip(window, dsv))
+    return sum(margin > 0 for margin in window_margins(stats))
 
 
 def code_column(results: dict) -> str:

@@ -7,7 +7,16 @@ import statistics
 
 import pytest
 
-from dsv.bench.quality_seeds import check_comparable, over_seeds, resolution, seed_rows, seeds_to_resolve, targets
+from dsv.bench.quality_seeds import (
+    check_comparable,
+    over_seeds,
+    resolution,
+    seed_rows,
+    seeds_to_resolve,
+    targets,
+    window_margins,
+    window_resolution,
+)
 from dsv.cli import main
 
 COMMAND = "dsv bench quality --recipe quality_gpu --set data.frames=32 --out OUT --seed 0"
@@ -77,6 +86,30 @@ def test_the_targets_are_judged_on_the_means_over_seeds_with_the_per_seed_spread
     # Window: loss +1.0% (worse than both), FVD +3.3% against DSV's 0%: worse in both on the means.
     assert window_row["met"] and "loss: window worst in 1 of 3 seeds; FVD: window worst in 1 of 2 seeds" == \
         window_row["spread"]
+    # Met on the means, yet paired by seed the window's margins are +1%, -1%, -2% (loss): not resolved.
+    assert window_margins(loss) == pytest.approx([-0.01, 0.02, -0.02])
+    assert window_row["resolution"].startswith("loss: not resolved (mean per-seed margin over the worse of dense "
+                                               "and DSV -0.33%")
+    assert "; FVD: not resolved (" in window_row["resolution"]
+
+
+def test_window_resolution_pairs_the_window_with_the_worse_of_dense_and_dsv_per_seed():
+    # 95% t-quantile with 4 seeds: 3.18.
+    def stats(per_seed: dict[str, tuple[float, float, float]]) -> dict:
+        return over_seeds({seed: dict(zip(("dense", "dsv", "window"), v)) for seed, v in per_seed.items()})
+
+    # The window 3-5% above dense, DSV at most +1%: margins +2, +4, +3, +5% (mean 3.5%, s.d. 1.29%, ±2.05%).
+    worse = stats({"1": (1.0, 1.01, 1.03), "2": (1.0, 0.99, 1.04), "3": (1.0, 1.0, 1.03), "4": (1.0, 1.0, 1.05)})
+    assert window_margins(worse) == pytest.approx([0.02, 0.04, 0.03, 0.05])
+    assert window_resolution(worse) == ("resolved: worse than both (mean per-seed margin over the worse of dense "
+                                        "and DSV +3.50%, +1.4%…+5.6%)")
+    # Below dense in every seed: resolved the other way.
+    better = stats({s: (1.0, 1.0, 0.97 - 0.01 * int(s)) for s in "1234"})
+    assert window_resolution(better).startswith("resolved: not worse than both (mean per-seed margin over the "
+                                                "worse of dense and DSV -5.50%")
+    # Worse than dense where DSV is worse still: no margin in that seed, though the means may say "worse".
+    assert window_margins(stats({"1": (1.0, 1.06, 1.05)})) == pytest.approx([-0.01])
+    assert window_resolution(stats({"1": (1.0, 1.0, 1.05)})) == "not resolved (one seed)"
 
 
 def test_dsv_below_dense_by_more_than_the_tolerance_meets_the_targets_over_seeds():
