@@ -12,8 +12,9 @@ Definitions (θ: the critical mass, the run's ``attention.theta`` unless given):
 - overlap of two queries i, j of one cube: ``|C_i ∩ C_j| / |C_i|``, the fraction of i's critical keys that j
   also holds; a cube's overlap is the mean over its ordered pairs i != j (Jaccard is reported beside it);
 - selection mass of a cube shape: the softmax mass a query keeps when its cube's queries share the exact best
-  set of whole key cubes of that shape (the kernels' blocks), ``(1 - s)`` of them per head (s: the head's
-  sparsity at θ; interpolated between whole numbers of cubes): what a perfect predictor would keep with that cube.
+  set of whole key cubes of that shape (the kernels' blocks at the default ``attention.kv_block = 0``; a run with
+  other key blocks is compared at cube-sized ones), ``(1 - s)`` of them per head (s: the head's sparsity at θ;
+  interpolated between whole numbers of cubes): what a perfect predictor would keep with that cube.
 """
 
 from __future__ import annotations
@@ -237,10 +238,13 @@ def selection_mass(q: torch.Tensor, k: torch.Tensor, grid: tuple[int, int, int],
         index = oracle_index(grouped_q, grouped_k, keep.to(torch.int32).to(q.device), group, group, scale=scale)
         return index_recall(grouped_q, grouped_k, index, grouped_rows, scale=scale)
 
-    below = mass_at(fewer.clamp(min=1)) * (fewer >= 1).to(q.device)  # no key cube: no mass
-    above = mass_at(fewer + 1)
-    weight = (blocks - fewer).to(device=q.device, dtype=above.dtype)
-    return below + weight * (above - below)
+    weight = (blocks - fewer).to(device=q.device, dtype=torch.float32)
+    # Each side only where a head needs it (a head below one key cube: no mass below; a whole number: none above).
+    below = (mass_at(fewer.clamp(min=1)) * (fewer >= 1).to(q.device) if bool((fewer >= 1).any())
+             else torch.zeros(q.shape[0], q.shape[1], device=q.device))
+    if not bool((weight > 0).any()):
+        return below
+    return below + weight * (mass_at(fewer + 1) - below)
 
 
 def recommend_selection_cube(masses: dict[tuple[int, int, int], float], min_tokens: int = EFFICIENT_CUBE_TOKENS):
@@ -578,7 +582,8 @@ def _selection_summary(sel: dict) -> list[str]:
               "predictor keeps with that cube; mean over sampled rows, clips and heads. The overlap above asks "
               "whether neighbours need the same keys; this asks what one shared selection of whole blocks costs.")]
     if sel["skipped"]:
-        lines.append("Skipped (not dividing the grid): " + ", ".join(_cube_name(c) for c in sel["skipped"]) + ".")
+        lines.append("Skipped (one token, or not dividing the grid): "
+                     + ", ".join(_cube_name(c) for c in sel["skipped"]) + ".")
     if not sel["cubes"]:
         return lines
     header = " | ".join(f"{_cube_name(c)} ({t})" for c, t in zip(sel["cubes"], sel["tokens"]))

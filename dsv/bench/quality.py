@@ -1224,9 +1224,11 @@ def render_report(results: dict) -> str:
                                                          else "×".join(map(str, obs["neighbours"]["recommended"])))]
     selection = obs.get("selection")  # results of code before the selection-mass comparison lack it
     if selection and selection["recommended"] is not None:
+        among = (f"among cubes of ≥ {selection['min_tokens']} tokens"
+                 if math.prod(selection["recommended"]) >= selection["min_tokens"] else
+                 f"among the measured cubes (none of ≥ {selection['min_tokens']} tokens divides the grid)")
         lines.append("- recommended cube: " + "×".join(map(str, selection["recommended"])) + ", the most attention "
-                     f"mass under one shared exact selection of whole key cubes among cubes of ≥ "
-                     f"{selection['min_tokens']} tokens; per cube (tokens: mean mass) "
+                     f"mass under one shared exact selection of whole key cubes {among}; per cube (tokens: mean mass) "
                      + ", ".join(f"{'×'.join(map(str, c))} ({t}: {m:.3f})" for c, t, m in
                                  zip(selection["cubes"], selection["tokens"], selection["mean_mass"])))
     if results["granularity"]:

@@ -162,12 +162,14 @@ def brute_force_selection_mass(q, k, grid, cube, blocks_kept: int, rows, scale):
     return mass[:, :, rows].mean(-1)
 
 
-@pytest.mark.parametrize("cube", [(1, 2, 4), (2, 2, 2), (2, 1, 4)])
+@pytest.mark.parametrize("cube", [(2, 2, 2), (2, 1, 4), (1, 2, 2), (2, 2, 4)])
 def test_selection_mass_against_the_written_out_selection_and_interpolated(cube):
-    grid = (2, 4, 4)
-    q, k = torch.randn(2, 3, 32, 8, dtype=torch.float64) * 1.5, torch.randn(2, 3, 32, 8, dtype=torch.float64)
-    rows, scale = torch.tensor([0, 5, 9, 18, 31]), 8 ** -0.5
-    num_blocks = 32 // math.prod(cube)  # 4
+    grid = (2, 4, 8)
+    perm, inv = cube_permutation(grid, cube)
+    assert not torch.equal(perm, inv)  # so that mapping the raster rows the wrong way round fails
+    q, k = torch.randn(2, 3, 64, 8, dtype=torch.float64) * 1.5, torch.randn(2, 3, 64, 8, dtype=torch.float64)
+    rows, scale = torch.tensor([0, 5, 9, 18, 31, 40, 63]), 8 ** -0.5
+    num_blocks = 64 // math.prod(cube)  # 4 to 16
     for kept in (1, 2, 3):  # whole numbers of key cubes: the exact selection
         sparsity = torch.full((3,), 1.0 - kept / num_blocks, dtype=torch.float64)
         expected = brute_force_selection_mass(q, k, grid, cube, kept, rows, scale)
@@ -194,6 +196,10 @@ def test_selection_mass_favours_the_cube_whose_queries_need_the_same_keys():
     flat = float(selection_mass(q, k, grid, (1, 2, 2), sparsity, rows, scale=1.0))
     across = float(selection_mass(q, k, grid, (4, 1, 1), sparsity, rows, scale=1.0))
     assert flat > 0.99 and across < 0.26
+    # The ends: no key kept holds no mass, every key kept all of it.
+    for sparsity, mass in ((1.0, 0.0), (0.0, 1.0)):
+        kept = selection_mass(q, k, grid, (1, 2, 2), torch.tensor([sparsity], dtype=torch.float64), rows, scale=1.0)
+        assert float(kept) == pytest.approx(mass, abs=1e-6)
 
 
 def test_recommend_selection_cube():

@@ -86,7 +86,7 @@ def test_the_targets_are_judged_on_the_means_over_seeds_with_the_per_seed_spread
     # Window: loss +1.0% (worse than both), FVD +3.3% against DSV's 0%: worse in both on the means.
     assert window_row["met"] and "loss: window worst in 1 of 3 seeds; FVD: window worst in 1 of 2 seeds" == \
         window_row["spread"]
-    # Met on the means, yet paired by seed the window's margins are +1%, -1%, -2% (loss): not resolved.
+    # Met on the means, yet paired by seed the window's margins are -1%, +2%, -2% (loss): not resolved.
     assert window_margins(loss) == pytest.approx([-0.01, 0.02, -0.02])
     assert window_row["resolution"].startswith("loss: not resolved (mean per-seed margin over the worse of dense "
                                                "and DSV -0.33%")
