@@ -254,6 +254,14 @@ def recommend_selection_cube(masses: dict[tuple[int, int, int], float], min_toke
     return max(candidates, key=lambda cube: (masses[cube], math.prod(cube)), default=None)
 
 
+def recommendation_scope(selection: dict) -> str:
+    """Which cubes ``selection`` (the ``"selection"`` of ``observe_checkpoint``) recommended from, in words."""
+    if math.prod(selection["recommended"]) >= selection["min_tokens"]:
+        return (f"among the cubes of at least {selection['min_tokens']} tokens (smaller blocks run the sparse "
+                "kernels at ~3x the cost per kept key)")
+    return f"among the measured cubes (none of at least {selection['min_tokens']} tokens divides the grid)"
+
+
 def usable_cubes(cubes, grid: tuple[int, int, int]) -> list[tuple[int, int, int]]:
     """The ``cubes`` that divide ``grid`` and hold at least two tokens (an overlap needs a pair)."""
     return [c for c in cubes if math.prod(c) > 1 and all(g % s == 0 for g, s in zip(grid, c))]
@@ -596,11 +604,8 @@ def _selection_summary(sel: dict) -> list[str]:
     own = sel["mean_mass"][sel["cubes"].index(sel["model_cube"])] if sel["model_cube"] in sel["cubes"] else None
     against = ("" if own is None or best == sel["model_cube"] else
                f"; the model's cube {_cube_name(sel['model_cube'])} keeps {own:.3f}")
-    among = (f"among the cubes of at least {sel['min_tokens']} tokens (smaller blocks run the sparse kernels at "
-             "~3x the cost per kept key)" if math.prod(best) >= sel["min_tokens"] else
-             f"among the measured cubes (none of at least {sel['min_tokens']} tokens divides the grid)")
-    lines += ["", f"**Recommendation:** cube {_cube_name(best)} ({best_mass:.3f}), the most selection mass {among}"
-                  f"{against}."]
+    lines += ["", f"**Recommendation:** cube {_cube_name(best)} ({best_mass:.3f}), the most selection mass "
+                  f"{recommendation_scope(sel)}{against}."]
     return lines
 
 

@@ -68,6 +68,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dsv.analysis.observations import recommendation_scope
 from dsv.analysis.profile import WINDOW_BUDGET_COLUMNS, window_budget_lines
 from dsv.bench.sample_store import SampleStore, machine_name
 from dsv.cli import EXIT_UNFINISHED, kept_mass, positive_float, positive_int
@@ -1224,11 +1225,9 @@ def render_report(results: dict) -> str:
                                                          else "×".join(map(str, obs["neighbours"]["recommended"])))]
     selection = obs.get("selection")  # results of code before the selection-mass comparison lack it
     if selection and selection["recommended"] is not None:
-        among = (f"among cubes of ≥ {selection['min_tokens']} tokens"
-                 if math.prod(selection["recommended"]) >= selection["min_tokens"] else
-                 f"among the measured cubes (none of ≥ {selection['min_tokens']} tokens divides the grid)")
         lines.append("- recommended cube: " + "×".join(map(str, selection["recommended"])) + ", the most attention "
-                     f"mass under one shared exact selection of whole key cubes {among}; per cube (tokens: mean mass) "
+                     f"mass under one shared exact selection of whole key cubes {recommendation_scope(selection)}; "
+                     "per cube (tokens: mean mass) "
                      + ", ".join(f"{'×'.join(map(str, c))} ({t}: {m:.3f})" for c, t, m in
                                  zip(selection["cubes"], selection["tokens"], selection["mean_mass"])))
     if results["granularity"]:

@@ -262,16 +262,20 @@ def over_seeds(per_seed: dict[str, dict[str, float]]) -> dict:
     return {"seeds": list(per_seed), "means": means, "gaps": gaps}
 
 
+def half_width(standard_error: float, seeds: int) -> float:
+    """Half the `CONFIDENCE` t-interval of a mean of ``seeds`` values with this standard error."""
+    from scipy.stats import t as student_t
+
+    return float(student_t.ppf(0.5 + CONFIDENCE / 2, seeds - 1)) * standard_error
+
+
 def resolution(gap: float, standard_error: float | None, tolerance: float, seeds: int) -> str:
     """Whether the `CONFIDENCE` t-interval `gap ± t · standard_error` (the mean of `seeds` per-seed gaps and its
     standard error) lies at or under the bound `+tolerance` (resolved: met), above it (resolved: missed) or across
     it (not resolved); lower is better, so the bound is one-sided (`TOLERANCE_RULE`)."""
-    from scipy.stats import t as student_t
-
     if standard_error is None or seeds < 2:
         return "not resolved (one seed)"
-    half_width = float(student_t.ppf(0.5 + CONFIDENCE / 2, seeds - 1)) * standard_error
-    low, high = gap - half_width, gap + half_width
+    low, high = gap - half_width(standard_error, seeds), gap + half_width(standard_error, seeds)
     if meets_tolerance(high, tolerance):
         return f"resolved: met ({low:+.1%}…{high:+.1%})"
     if not meets_tolerance(low, tolerance):
@@ -287,11 +291,8 @@ def seeds_to_resolve(gap: float, spread: float, tolerance: float, seeds: int) ->
     ``+tolerance`` if the mean of the per-seed gaps stayed ``gap`` and their standard deviation ``spread`` (a
     planning figure: both move as seeds are added, so where the true gap is ``gap`` that count resolves the target
     about half the time); None beyond `MOST_SEEDS`."""
-    from scipy.stats import t as student_t
-
     for count in range(seeds + 1, MOST_SEEDS + 1):
-        half_width = float(student_t.ppf(0.5 + CONFIDENCE / 2, count - 1)) * spread / math.sqrt(count)
-        if half_width < abs(tolerance - gap):
+        if half_width(spread / math.sqrt(count), count) < abs(tolerance - gap):
             return count
     return None
 
@@ -360,19 +361,16 @@ def window_resolution(stats: dict) -> str:
     """Whether the `CONFIDENCE` t-interval of the mean per-seed margin (`window_margins`) lies above 0 (resolved:
     worse than both), under it (resolved: not worse than both) or across it. Paired by seed, so it is stricter than
     the comparison of the means: a window worse than dense in one seed and than DSV in another has no margin."""
-    from scipy.stats import t as student_t
-
     margins = window_margins(stats)
     if len(margins) < 2:
         return "not resolved (one seed)"
     mean = statistics.fmean(margins)
-    half_width = (float(student_t.ppf(0.5 + CONFIDENCE / 2, len(margins) - 1)) * statistics.stdev(margins)
-                  / math.sqrt(len(margins)))
-    interval = f"mean per-seed margin over the worse of dense and DSV {mean:+.2%}, {mean - half_width:+.1%}…" \
-               f"{mean + half_width:+.1%}"
-    if mean - half_width > 0:
+    width = half_width(statistics.stdev(margins) / math.sqrt(len(margins)), len(margins))
+    interval = f"mean per-seed margin over the worse of dense and DSV {mean:+.2%}, {mean - width:+.1%}…" \
+               f"{mean + width:+.1%}"
+    if mean - width > 0:
         return f"resolved: worse than both ({interval})"
-    if mean + half_width < 0:
+    if mean + width < 0:
         return f"resolved: not worse than both ({interval})"
     return f"not resolved ({interval} crosses 0)"
 
