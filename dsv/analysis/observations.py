@@ -33,7 +33,7 @@ from dsv.analysis.checkpointed_model import load_model, run_precision
 from dsv.analysis.profile import check_clips_and_theta, heatmap, heldout_clips
 from dsv.ops import head_sparsity, index_recall, oracle_index
 from dsv.ops.grouping import check_cube_tiles, check_sequence_matches_grid, cube_permutation
-from dsv.ops.index import check_bhsd, compute_dtype, resolve_chunk_size
+from dsv.ops.index import check_bhsd, compute_dtype, resolve_chunk_size, resolve_scale
 from dsv.train.checkpoint import resolve_checkpoint
 
 NEAR, FAR = 5, 10
@@ -78,7 +78,7 @@ def _sorted_chunks(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, scale: 
     weights sorted descending, and the key each weight belongs to. ``rows_per_chunk`` must be a multiple of
     whatever unit the caller needs whole (cube volume); ``None`` sizes chunks to the memory budget."""
     batch, heads, seq_len, dim = check_bhsd({"q": q, "k": k})
-    scale = dim**-0.5 if scale is None else scale
+    scale = resolve_scale(scale, dim)
     dtype = compute_dtype(q.dtype)
     # Per row: scores, sorted weights, cumulative sums, masks and distances, plus int64 sort ids.
     chunk = resolve_chunk_size(rows_per_chunk, rows.numel(), batch * heads * seq_len * 48, "rows_per_chunk")

@@ -1327,7 +1327,11 @@ def _sample_run(mode: str, run_dir: Path, num: int, args, device: torch.device, 
     from dsv.analysis.noise_budgets import NoiseLevelBudgets
     from dsv.analysis.sample import attention_paths, calibrate_for_sampling, similarity
 
-    model, cfg, _ = load_model(str(run_dir), str(device))
+    model, cfg, step = load_model(str(run_dir), str(device))
+    if step != cfg.train.steps:
+        # The runs are judged at equal steps: a run's newest checkpoint short of its end is not a finished run.
+        raise RuntimeError(f"{run_dir}: the newest checkpoint is at step {step}, not the run's train.steps="
+                           f"{cfg.train.steps}; --resume finishes the run")
 
     def sample_with(model_of_set, times: int, budgets=None) -> tuple[torch.Tensor, list[float], dict]:
         # The attention paths the sampling took (read after it: a layer records the path of its last forward).

@@ -52,7 +52,7 @@ class SampleStore:
         self.reused: list[str] = []
 
     def key(self, run_dir: Path, name: str, repeats: int) -> dict:
-        # The checkpoint `load_model` loads (checkpoints/latest), and the digests its manifest checks it by.
+        # The checkpoint `load_model` loads (the newest complete one), and the digests its manifest checks it by.
         checkpoint = resolve_checkpoint(run_dir)
         digests = json.loads((checkpoint / MANIFEST).read_text()).get("sha256")
         return {**self.settings, "set": name, "timing_repeats": repeats, "checkpoint": checkpoint.name,

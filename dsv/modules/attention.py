@@ -75,7 +75,14 @@ class DSVAttentionCore(nn.Module):
 
     def __init__(self, dim: int, heads: int, head_dim: int, cfg: AttentionConfig | None = None):
         super().__init__()
+        for name, value in (("dim", dim), ("heads", heads), ("head_dim", head_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{type(self).__name__}: {name} must be a positive int, got {value!r}")
+        if cfg is not None and not isinstance(cfg, AttentionConfig):
+            raise ValueError(f"{type(self).__name__}: cfg must be a dsv.AttentionConfig or None, got "
+                             f"{type(cfg).__name__}")
         self.cfg = cfg or AttentionConfig()
+        self.dim = dim
         self.heads = heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
@@ -299,9 +306,9 @@ class DSVAttentionCore(nn.Module):
     def check_input(self, x: torch.Tensor, grid: tuple[int, int, int]) -> None:
         """Reject `x` unless it is `[B, T*H*W, C]` for `grid`, finite (when `cfg.check_finite`), and the
         layer has the controller its mode needs."""
-        if x.dim() != 3:
-            raise ValueError(f"{type(self).__name__} layer {self.layer_index}: expects x of shape [B, S, C], "
-                             f"got {tuple(x.shape)}")
+        if x.dim() != 3 or x.shape[0] == 0 or x.shape[2] != self.dim or not x.dtype.is_floating_point:
+            raise ValueError(f"{type(self).__name__} layer {self.layer_index}: expects x of shape [B, S, C] with "
+                             f"B >= 1 and C = {self.dim}, floating, got {tuple(x.shape)} {x.dtype}")
         check_sequence_matches_grid(x.shape[1], grid)
         self.check_input_values(x)
 
@@ -582,14 +589,11 @@ class DSVAttentionCore(nn.Module):
             loss_ema.copy_(_ema(loss_ema, loss, cfg.ema_momentum))
         if not controller.profile_due():
             return
-        if self.predictor is not None and any_rank(~torch.isfinite(loss_ema)):
-            # Checked on profiling steps only (a device sync): a diverged predictor must not pass as
-            # "never measured" and let the stage switch go ahead on the other layers.
-            raise FloatingPointError(f"DSVAttention layer {self.layer_index}: the predictor loss is not finite (on "
-                                     "this rank or another of the run)")
         rows = sample_query_rows(seq_len, stride, offset=controller.step // profile_period, device=q.device)
         with torch.no_grad():
             sparsity = head_sparsity(q, k, rows, cfg.theta, scale=self.scale)
+        self._check_profile_finite(loss_ema, sparsity)
+        with torch.no_grad():
             sparsity_ema.copy_(_ema(sparsity_ema, sparsity, cfg.ema_momentum))
             if cfg.mode == "dense":
                 return
@@ -601,6 +605,25 @@ class DSVAttentionCore(nn.Module):
             recall_ema.copy_(_ema(recall_ema, recall, cfg.ema_momentum))
             if controller.current_stage == 2:
                 self.update_keep_boost(keep_boost, recall)
+
+    def _check_profile_finite(self, loss_ema: torch.Tensor, sparsity: torch.Tensor) -> None:
+        """Raise on a profiling step (one device sync, decided over all ranks) where the predictor loss is not
+        finite or the measured sparsity is NaN (q or k not finite while the input x was: the layer's
+        projections or norms diverged). A diverged predictor must not pass as "never measured" and let the
+        stage switch go ahead on the other layers, nor a NaN head count as the sparsest there is."""
+        bad_loss = ~torch.isfinite(loss_ema) if self.predictor is not None else torch.zeros((), dtype=torch.bool,
+                                                                                             device=sparsity.device)
+        bad_qk = torch.isnan(sparsity).any()
+        if not any_rank(bad_loss | bad_qk):
+            return
+        name = f"{type(self).__name__} layer {self.layer_index}"
+        if bool(bad_qk):
+            raise FloatingPointError(f"{name}: NaN or Inf in the attention's q or k while its input x is finite: "
+                                     "the layer's projections or norms diverged")
+        if bool(bad_loss):
+            raise FloatingPointError(f"{name}: the predictor loss is not finite")
+        raise FloatingPointError(f"{name}: the predictor loss or the attention's q/k is not finite on another rank "
+                                 "of the run")
 
     @property
     def has_learned(self) -> bool:
@@ -707,9 +730,10 @@ class DSVAttention(DSVAttentionCore):
         qk_norm: bool = True,
         bias: bool = True,
     ):
-        if head_dim is None and dim % heads:
-            raise ValueError(f"dim={dim} is not divisible by heads={heads}; pass head_dim explicitly")
-        head_dim = head_dim or dim // heads
+        if isinstance(heads, int) and heads >= 1 and head_dim is None:
+            if dim % heads:
+                raise ValueError(f"dim={dim} is not divisible by heads={heads}; pass head_dim explicitly")
+            head_dim = dim // heads
         super().__init__(dim, heads, head_dim, cfg)
         inner = heads * head_dim
         self.to_qkv = nn.Linear(dim, 3 * inner, bias=bias)

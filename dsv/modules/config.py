@@ -146,6 +146,9 @@ class AttentionConfig:
                              f"got {self.recall_target}")
         if not 0.0 <= self.ema_momentum < 1.0:
             raise ValueError(f"attention.ema_momentum must be in [0, 1), got {self.ema_momentum}")
+        if self.min_stage1_steps < 0 or self.max_stage1_steps < 0:
+            raise ValueError(f"attention.min_stage1_steps and max_stage1_steps must be >= 0, got "
+                             f"{self.min_stage1_steps} and {self.max_stage1_steps}")
         if self.max_stage1_steps and self.max_stage1_steps < self.min_stage1_steps:
             raise ValueError(f"attention.max_stage1_steps={self.max_stage1_steps} is below "
                              f"attention.min_stage1_steps={self.min_stage1_steps} (0 = no maximum)")
@@ -178,9 +181,6 @@ class AttentionConfig:
         if self.mode == "dsv" and self.switch_loss_threshold == 0 and self.max_stage1_steps == 0:
             raise ValueError("attention.switch_loss_threshold=0 with max_stage1_steps=0 never leaves stage 1 (dense); "
                              "set a loss threshold, a maximum number of stage-1 steps, or attention.mode=dense")
-        if self.min_stage1_steps < 0 or self.max_stage1_steps < 0:
-            raise ValueError(f"attention.min_stage1_steps and max_stage1_steps must be >= 0, got "
-                             f"{self.min_stage1_steps} and {self.max_stage1_steps}")
         if not 0.0 <= self.sparse_threshold <= 1.0:
             raise ValueError(f"attention.sparse_threshold must be a sparsity in [0, 1], got {self.sparse_threshold}")
         if self.keep_margin < 0:

@@ -8,6 +8,7 @@ buffers, so all of it is part of the model's `state_dict` and of every checkpoin
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from dataclasses import dataclass
 
@@ -86,6 +87,8 @@ class StepEvents:
 class DSVController(nn.Module):
     def __init__(self, cfg: AttentionConfig):
         super().__init__()
+        if not isinstance(cfg, AttentionConfig):
+            raise ValueError(f"DSVController: cfg must be a dsv.AttentionConfig, got {type(cfg).__name__}")
         self.cfg = cfg
         self.register_buffer("stage", torch.tensor(1, dtype=torch.long))
         self.register_buffer("switch_step", torch.tensor(-1, dtype=torch.long))
@@ -93,6 +96,8 @@ class DSVController(nn.Module):
         # Increments in `begin_step`: a layer remembers how to re-select the keys of each training forward of
         # the step under it, so that an activation-checkpointing recompute uses its forward's keys.
         self.forward_id = 0
+        # `forward_id` at the last `end_step`: an `end_step` that finds it unchanged had no `begin_step` before it.
+        self._ended_forward_id = 0
         self._layers: list = []
         self._stage_host = 1
         self._warned_untrained_step = False
@@ -107,6 +112,13 @@ class DSVController(nn.Module):
         self._layers = [m for m in model.modules() if isinstance(m, DSVAttentionCore)]
         if not self._layers:
             raise ValueError("attach: the model has no DSV attention layers (DSVAttention or an integration)")
+        scheduled = [index for index, layer in enumerate(self._layers) if layer.cfg.mode not in FIXED_MODES]
+        if self.cfg.mode in FIXED_MODES and scheduled:
+            # Its end_step would run no schedule: those layers' predictors would train for nothing and never
+            # switch to sparse attention.
+            raise ValueError(f"attach: the controller's cfg.mode is {self.cfg.mode!r}, but layers {scheduled} have "
+                             f"mode {self._layers[scheduled[0]].cfg.mode!r}, whose stages it runs: build the "
+                             "controller with the layers' AttentionConfig")
         for index, layer in enumerate(self._layers):
             layer.bind(self, index)
         return self
@@ -134,7 +146,11 @@ class DSVController(nn.Module):
         return self._stage_host
 
     def begin_step(self, step: int) -> None:
-        self.step = step
+        """Called before each training step's forwards with the number of optimizer steps done so far."""
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise ValueError(f"begin_step: step must be a non-negative int (optimizer steps done so far), "
+                             f"got {step!r}")
+        self.step = int(step)
         self.forward_id += 1
         if self.cfg.host_offload:
             release_parked()
@@ -154,6 +170,12 @@ class DSVController(nn.Module):
         events = StepEvents()
         if self.cfg.mode in FIXED_MODES:  # no stages to run
             return events
+        if self.forward_id == self._ended_forward_id:
+            # The step's forwards would all have claimed the previous step's work as done (a layer learns and
+            # profiles once per begin_step): the predictors would learn nothing and DSV stay dense for good.
+            raise RuntimeError("end_step: no begin_step(step) since the last end_step; call "
+                               "controller.begin_step(step) before each step's forwards")
+        self._ended_forward_id = self.forward_id
         self._warn_if_nothing_trained()
         profiled = self.profile_due()
         if self._stage_host == 1:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import operator
 
 import torch
 
@@ -31,9 +32,14 @@ def outside_inference_mode():
 
 
 def _as_shape(value, name: str) -> tuple[int, int, int]:
-    """Return ``value`` as a tuple of three positive ints, or raise ValueError naming ``name``."""
+    """Return ``value`` as a tuple of three positive ints, or raise ValueError naming ``name``. Sizes must be
+    integers (Python, NumPy or 0-d integer tensors): a float or a string is refused, not truncated."""
+    if isinstance(value, (str, bytes)):
+        raise ValueError(f"{name} must be a sequence of three ints (T, H, W), got {value!r}")
     try:
-        shape = tuple(int(size) for size in value)
+        if any(isinstance(size, bool) for size in value):
+            raise TypeError
+        shape = tuple(operator.index(size) for size in value)
     except TypeError:
         raise ValueError(f"{name} must be a sequence of three ints (T, H, W), got {value!r}") from None
     if len(shape) != 3:

@@ -236,7 +236,8 @@ def select_top_blocks(scores: torch.Tensor, keep: torch.Tensor) -> tuple[torch.T
         ``(indices int32 [B, H, R, max(keep)], counts int32 [B, H, R])`` in the ``SparseIndex`` layout.
     """
     if bool(torch.isnan(scores).any()):
-        raise ValueError("scores contain NaN; block selection would be arbitrary")
+        raise ValueError("scores contain NaN (from a NaN or Inf in the estimate's inputs: in a DSV layer, its "
+                         "predictor's weights or the layer input); block selection would be arbitrary")
     batch, heads, rows, num_kv_blocks = scores.shape
     max_keep = int(keep.max())
     # A stable descending sort keeps equal scores in ascending block order, so the lower id wins ties.
@@ -290,6 +291,16 @@ def check_bhsd(tensors: dict[str, torch.Tensor]) -> tuple[int, int, int, int]:
         if tensor.device != first.device:
             raise ValueError(f"{name} is on {tensor.device} but {names[0]} is on {first.device}")
     return tuple(first.shape)
+
+
+def resolve_scale(scale, head_dim: int) -> float:
+    """The softmax scale: ``head_dim ** -0.5`` for None, else ``scale`` as a float if it is a finite real
+    number > 0; raises ValueError naming ``scale`` otherwise (a string, a bool, 0, a negative or NaN)."""
+    if scale is None:
+        return head_dim**-0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite float or None (D ** -0.5), got {scale!r}")
+    return float(scale)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

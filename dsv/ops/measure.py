@@ -19,6 +19,7 @@ from dsv.ops.index import (
     check_keep_blocks,
     compute_dtype,
     resolve_chunk_size,
+    resolve_scale,
     select_top_blocks,
 )
 
@@ -142,7 +143,7 @@ def critical_counts(
     _, _, seq_len, dim = check_bhsd({"q": q, "k": k})
     rows = _check_rows(rows, seq_len, q.device)
     _check_theta(theta)
-    scale = dim**-0.5 if scale is None else scale
+    scale = resolve_scale(scale, dim)
     chunk = _row_chunk(q, rows.numel())
     k = k.to(compute_dtype(k.dtype))  # once, not per chunk (a full copy of the keys at bf16 input)
     counts = []
@@ -164,10 +165,14 @@ def head_sparsity(
 ) -> torch.Tensor:
     """Per-head sparsity: mean over batch and sampled rows of ``1 - critical_count / S``.
 
-    Args: as ``critical_counts``. Returns float32 ``[H]``.
+    Args: as ``critical_counts``. Returns float32 ``[H]``; NaN for a head whose sampled query rows or keys
+    hold a NaN or Inf (a count over non-finite weights would read as the sparsest head there is).
     """
     counts = critical_counts(q, k, rows, theta, scale)
-    return (1.0 - counts.double() / q.shape[2]).mean(dim=(0, 2)).float()
+    sparsity = (1.0 - counts.double() / q.shape[2]).mean(dim=(0, 2)).float()
+    rows = _check_rows(rows, q.shape[2], q.device)
+    finite = torch.isfinite(q[:, :, rows]).all(dim=(0, 2, 3)) & torch.isfinite(k).all(dim=(0, 2, 3))
+    return torch.where(finite, sparsity, float("nan"))
 
 
 def index_recall(
@@ -196,7 +201,7 @@ def index_recall(
         raise ValueError(f"index must be a SparseIndex, got {type(index).__name__}")
     index.check_matches(batch, heads, seq_len, q.device, "index")
     rows = _check_rows(rows, seq_len, q.device)
-    scale = dim**-0.5 if scale is None else scale
+    scale = resolve_scale(scale, dim)
     num_kv_blocks = index.num_kv_blocks
     token_block = torch.arange(seq_len, device=q.device) // index.kv_block
     # PAD entries map to an extra column that is dropped, so only real ids mark blocks as selected.
@@ -246,7 +251,7 @@ def oracle_index(
     num_groups = math.ceil(seq_len / group_size)
     num_kv_blocks = math.ceil(seq_len / kv_block)
     keep = check_keep_blocks(keep_blocks, heads, num_kv_blocks, q.device)
-    scale = dim**-0.5 if scale is None else scale
+    scale = resolve_scale(scale, dim)
     # Per group: G rows of scores and probabilities (float64 bound) plus the per-block sort temporaries.
     bytes_per_group = batch * heads * (2 * group_size * seq_len * 8 + num_kv_blocks * 24)
     chunk = resolve_chunk_size(chunk_groups, num_groups, bytes_per_group, "chunk_groups")
@@ -382,7 +387,7 @@ def keep_blocks_from_sparsity(
     """Key blocks to keep per head: ``clamp(ceil((1 - sparsity + margin) * NKB), floor_blocks, NKB)``.
 
     Args:
-        sparsity: float ``[H]`` measured head sparsity.
+        sparsity: float ``[H]`` measured head sparsity; a head not measured (NaN) keeps every block.
         num_kv_blocks: ``NKB``.
         floor_blocks: least blocks any head keeps, >= 1 (capped at ``NKB``).
         margin: extra kept fraction on top of ``1 - sparsity``: one for all heads, or float ``[H]``.
@@ -401,4 +406,6 @@ def keep_blocks_from_sparsity(
         margin = margin.to(device=sparsity.device, dtype=torch.float64)
     wanted = (1.0 - sparsity.double() + margin) * num_kv_blocks
     keep = torch.ceil(wanted - (WHOLE_BLOCK_TOLERANCE + torch.finfo(torch.float32).eps * num_kv_blocks))
+    # A head not measured (NaN, as the layers' sparsity buffers start) keeps every block: dense is exact.
+    keep = torch.where(torch.isnan(keep), float(num_kv_blocks), keep)
     return keep.clamp(min=floor_blocks).clamp(max=num_kv_blocks).to(torch.int32)

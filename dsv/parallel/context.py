@@ -453,13 +453,12 @@ class ContextParallel:
             layer.loss_ema.copy_(_ema(layer.loss_ema, loss, cfg.ema_momentum))
         if not profile:
             return
-        if layer.predictor is not None and any_rank(~torch.isfinite(layer.loss_ema)):
-            raise FloatingPointError(f"DSVAttention layer {layer.layer_index}: the predictor loss is not finite (on "
-                                     "this rank or another of the run)")
         rows = sample_query_rows(seq_len, stride, offset=controller.step // profile_period, device=q.device)
         with torch.no_grad():
             sparsity = self._sum_heads(head_sparsity(q_all, k_all, rows, cfg.theta, scale=layer.scale), heads,
                                        layer.heads, layout)
+        layer._check_profile_finite(layer.loss_ema, sparsity)
+        with torch.no_grad():
             layer.sparsity_ema.copy_(_ema(layer.sparsity_ema, sparsity, cfg.ema_momentum))
             if cfg.mode == "dense":
                 return

@@ -1,7 +1,8 @@
 """Atomic checkpoints: safetensors weights + the full training state, verified on load.
 
 Layout: `<run>/checkpoints/step_00000100/{model.safetensors, state.pt, manifest.json}` and
-`<run>/checkpoints/latest` (the name of the newest complete checkpoint). A checkpoint is written into a
+`<run>/checkpoints/latest` (the name of the newest complete checkpoint, for people and scripts; readers take the
+newest complete checkpoint folder, as resuming does). A checkpoint is written into a
 temporary folder and renamed into place only when complete, so a crash while saving never damages an
 existing checkpoint. The manifest holds SHA-256 digests, so a truncated or altered file is detected.
 """
@@ -176,8 +177,9 @@ def list_checkpoints(run_dir: str | Path, repair: bool = False) -> list[Path]:
 
 def remove_unfinished_saves(run_dir: str | Path) -> list[str]:
     """Delete what crashed saves left in a run's checkpoint folder: unfinished ``.tmp_step_*`` folders (never
-    renamed into a checkpoint) and ``.stale_step_*`` copies of re-saved steps whose new copy is complete.
-    A stale copy whose step is missing is the only copy of it: ``list_checkpoints`` moves it back first.
+    renamed into a checkpoint), temporary files of the ``latest`` file and ``.stale_step_*`` copies of re-saved
+    steps whose new copy is complete. A stale copy whose step is missing is the only copy of it:
+    ``list_checkpoints`` moves it back first.
 
     Call it only while holding the run folder's lock (``lock_run_dir``): a ``.tmp_`` folder of a save in
     progress elsewhere would be deleted under its writer. Best effort: a folder that cannot be deleted warns
@@ -187,6 +189,12 @@ def remove_unfinished_saves(run_dir: str | Path) -> list[str]:
     if not root.is_dir():
         return []
     removed = []
+    for leftover in sorted(root.glob(".latest.tmp*")):  # the `latest` file of a save cut short
+        try:
+            leftover.unlink()
+            removed.append(leftover.name)
+        except OSError as err:
+            warnings.warn(f"could not delete {leftover}, left by a crashed save ({err})", stacklevel=2)
     for leftover in sorted(root.glob(".tmp_step_*")) + sorted(root.glob(".stale_step_*")):
         if not leftover.is_dir():
             continue
@@ -223,20 +231,19 @@ def checkpoint_step(run_dir: str | Path) -> int | None:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder, or a run folder (its `latest` checkpoint)."""
+    """A checkpoint folder, or a run folder: its newest complete checkpoint, the one `--resume` continues from.
+    Not the `latest` file's: a save writes that after renaming the checkpoint into place, so a crash between the
+    two leaves it naming the step before (or missing after a run's first save), and readers that followed it
+    loaded an older step than the trainer continues from, without a word."""
     path = Path(path)
     if (path / MANIFEST).is_file():
         return path
-    latest = checkpoint_root(path) / "latest"
-    if latest.is_file():
-        name = latest.read_text().strip()
-        # Listed, not repaired: a trainer may hold the folder (an interrupted re-save reads from its old copy).
-        match = [p for p in list_checkpoints(path) if _step_name(p) == name]
-        if match:
-            return match[0]
-        raise CheckpointError(f"{latest} names {name}, which is missing or incomplete")
+    # Listed, not repaired: a trainer may hold the folder (an interrupted re-save reads from its old copy).
+    existing = list_checkpoints(path)
+    if existing:
+        return existing[-1]
     raise CheckpointError(f"no checkpoint at {path}: expected a checkpoint folder with {MANIFEST} "
-                          f"or a run folder with checkpoints/latest")
+                          f"or a run folder with complete checkpoints under checkpoints/")
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, dict]:

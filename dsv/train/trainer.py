@@ -175,6 +175,9 @@ class Trainer:
                             else None)
         self.quiet = quiet or self.rank != 0  # rank 0 alone logs and writes
         self._run_lock = None
+        if resume and not self.run_dir.is_dir():
+            # Before the lock, which would create the folder: a mistyped out_dir must not leave one behind.
+            raise CheckpointError(f"--resume: no checkpoint to continue: {self.run_dir} does not exist")
         try:
             # Rank 0 writes the folder, so it alone locks it, before looking at what the folder holds.
             self._run_lock = lock_run_dir(self.run_dir) if self.rank == 0 else None

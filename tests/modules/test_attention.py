@@ -387,6 +387,53 @@ def test_bad_inputs_raise_clear_errors():
     for bad in (-1, 1):
         with pytest.raises(ValueError, match=r"attention.predictor_keys must be an int, 0 \(every key\) or >= 2"):
             AttentionConfig(predictor_keys=bad)
+    with pytest.raises(ValueError, match="min_stage1_steps and max_stage1_steps must be >= 0"):
+        AttentionConfig(max_stage1_steps=-3)
+
+
+@pytest.mark.parametrize("mode", ["dense", "dsv", "window"])
+def test_inputs_of_the_wrong_form_name_x_or_grid(mode):
+    """Each raised deep inside before (a matmul's shape or dtype error, a NaN predictor loss for an empty
+    batch, a grid silently truncated to ints)."""
+    model = make(mode)
+    expected = rf"expects x of shape \[B, S, C\] with B >= 1 and C = {DIM}, floating"
+    for x in (torch.randn(1, 64, DIM + 1, dtype=torch.float64), torch.randn(0, 64, DIM, dtype=torch.float64),
+              torch.ones(1, 64, DIM, dtype=torch.int64)):
+        with pytest.raises(ValueError, match=expected):
+            model.attn(x, GRID)
+    x = torch.randn(1, 64, DIM, dtype=torch.float64)
+    for grid in ((4.5, 4, 4), ("4", "4", "4"), "444", (True, 8, 8)):
+        with pytest.raises(ValueError, match="grid must be a sequence of three ints"):
+            model.attn(x, grid)
+    import numpy as np
+
+    assert model.attn(x, (np.int64(4), torch.tensor(4), 4)).shape == x.shape  # integers of any library
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(dim=0, heads=2), "dim must be a positive int, got 0"),
+    (dict(dim=DIM, heads=0), "heads must be a positive int, got 0"),
+    (dict(dim=DIM, heads=-2), "heads must be a positive int, got -2"),
+    (dict(dim=DIM, heads=2, head_dim=0), "head_dim must be a positive int, got 0"),  # was replaced by dim // heads
+    (dict(dim=DIM, heads=2, cfg={"mode": "dsv"}), "cfg must be a dsv.AttentionConfig or None, got dict"),
+])
+def test_bad_constructor_arguments_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DSVAttention(**kwargs)
+
+
+def test_nan_in_q_or_k_with_finite_input_raises_at_the_next_profile():
+    """Diverged projections make q/k NaN while x is finite: before, the NaN rows counted as the sparsest heads
+    there are and the predictor went NaN in silence; now the profiling step names the layer and the cause."""
+    model = make("dsv", profile_every_stage1=1)
+    x = torch.randn(1, 64, DIM, dtype=torch.float64)
+    with torch.no_grad():
+        model.attn.to_qkv.weight[0, 0] = float("nan")  # the first q channel of head 0
+    model.controller.begin_step(0)
+    with pytest.raises(FloatingPointError, match="DSVAttention layer 0: NaN or Inf in the attention's q or k while "
+                                                 "its input x is finite"):
+        model(x)
+    assert torch.isnan(model.attn.sparsity_ema).all()  # never measured: the NaN did not reach the EMA
 
 
 

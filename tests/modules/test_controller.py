@@ -133,3 +133,30 @@ def test_a_step_whose_forwards_do_not_train_warns_once():
         warnings.simplefilter("error")
         model(x, t)
         ctrl.end_step()  # once
+
+
+def test_the_step_protocol_is_checked():
+    """A loop without begin_step trained the predictors once and then never again, silently (each layer learns
+    once per begin_step); a float or string step failed deep inside; a controller built with a fixed mode over
+    DSV layers never ran their stages."""
+    import numpy as np
+    import pytest
+
+    from dsv.modules.controller import DSVController
+
+    ctrl = model_with().controller
+    with pytest.raises(RuntimeError, match=r"end_step: no begin_step\(step\) since the last end_step"):
+        ctrl.end_step()
+    ctrl.begin_step(np.int64(0))
+    assert ctrl.step == 0 and type(ctrl.step) is int
+    ctrl.end_step()
+    with pytest.raises(RuntimeError, match="no begin_step"):
+        ctrl.end_step()
+    for bad in (2.0, "3", -1, True):
+        with pytest.raises(ValueError, match="begin_step: step must be a non-negative int"):
+            ctrl.begin_step(bad)
+    model = model_with()
+    with pytest.raises(ValueError, match=r"controller's cfg.mode is 'dense', but layers \[0, 1, 2\] have mode 'dsv'"):
+        DSVController(AttentionConfig(mode="dense")).attach(model)
+    with pytest.raises(ValueError, match="cfg must be a dsv.AttentionConfig, got NoneType"):
+        DSVController(None)

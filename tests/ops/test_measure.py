@@ -271,6 +271,25 @@ def test_keep_blocks_from_sparsity():
         keep_blocks_from_sparsity(sparsity, 10, floor_blocks=0)
     with pytest.raises(ValueError, match=r"sparsity must be a 1-D floating tensor"):
         keep_blocks_from_sparsity(torch.tensor([[0.5]]), 10, floor_blocks=1)
+    # A head never measured (NaN, as the layers' buffers start) keeps every block; it cast to -2**31 before.
+    assert keep_blocks_from_sparsity(torch.tensor([float("nan"), 0.5]), 10, floor_blocks=1).tolist() == [10, 5]
+
+
+def test_head_sparsity_is_nan_for_heads_with_non_finite_q_or_k():
+    """A NaN row's weights compare False with theta, so it counted one critical key: the sparsest head there
+    is. Now such a head reads NaN (and a DSV layer's profiling step raises on it); the others are unchanged."""
+    q, k = peaky_inputs(2, 3, 20, 4)
+    rows = torch.arange(0, 20, 2)
+    clean = head_sparsity(q, k, rows)
+    q_bad, k_bad = q.clone(), k.clone()
+    q_bad[1, 0, 4, 2] = float("nan")  # a sampled row of head 0
+    k_bad[0, 2, 7, 1] = float("inf")  # a key of head 2
+    got = head_sparsity(q_bad, k_bad, rows)
+    assert torch.isnan(got[0]) and torch.isnan(got[2])
+    assert got[1] == clean[1]
+    q_unsampled = q.clone()
+    q_unsampled[0, 0, 5] = float("nan")  # row 5 is not sampled: its head is measured as before
+    assert torch.equal(head_sparsity(q_unsampled, k, rows), clean)
 
 
 @pytest.mark.parametrize(
@@ -286,6 +305,10 @@ def test_keep_blocks_from_sparsity():
         (lambda q, k, ix: oracle_index(q, k, torch.tensor([1]), 4, 4),
          r"keep_blocks must have shape \[H\]=\[2\]"),
         (lambda q, k, ix: oracle_index(q, k, torch.tensor([1, 1]), 4, 0), r"kv_block must be a positive int"),
+        # A scale <= 0 selected other blocks (0: every score equal) without a word.
+        (lambda q, k, ix: oracle_index(q, k, torch.tensor([1, 1]), 4, 4, scale=-1.0), r"scale must be a positive"),
+        (lambda q, k, ix: head_sparsity(q, k, torch.arange(3), scale=0.0), r"scale must be a positive"),
+        (lambda q, k, ix: index_recall(q, k, ix, torch.arange(3), scale="1"), r"scale must be a positive"),
     ],
 )
 def test_bad_arguments_raise_value_error_naming_the_argument(call, match):

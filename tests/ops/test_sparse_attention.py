@@ -276,7 +276,7 @@ def test_the_triton_path_validates_a_given_index_once_and_the_scale(monkeypatch)
                                          counts=fake_mode.from_tensor(duplicate.counts))
         public.sparse_attention(fake_q, fake_q, fake_q, fake_index)
     assert len(validations) == 1
-    for scale in (0.0, -1.0, float("nan"), float("inf")):
+    for scale in (0.0, -1.0, float("nan"), float("inf"), "1", True):  # "1" raised a bare TypeError before
         with pytest.raises(ValueError, match="scale must be a positive finite float"):
             public.sparse_attention(q, k, v, good, scale=scale)
 

@@ -414,6 +414,7 @@ def test_checkpoint_errors_are_clear_and_keep_saved_files(tmp_path):
     assert {p: p.read_bytes() for c in list_checkpoints(tmp_path) for p in c.iterdir()} == snapshot
     with pytest.raises(CheckpointError, match="no checkpoint"):
         Trainer(tiny_config(tmp_path / "empty", "train.steps=2"), resume=True, quiet=True)
+    assert not (tmp_path / "empty").exists()  # a mistyped out_dir is not created by the refused resume
     with pytest.raises(ValueError, match="no class labels"):  # it would train on the null class alone
         Trainer(tiny_config(tmp_path / "labels", "model.num_classes=4"), quiet=True)
 
@@ -640,6 +641,29 @@ def test_a_resume_deletes_what_crashed_saves_left_and_keeps_every_checkpoint(tmp
     with pytest.warns(UserWarning, match="could not delete .*tmp_step_00000008_96"):
         assert checkpoint.remove_unfinished_saves(tmp_path) == []
     assert (root / ".tmp_step_00000008_96").is_dir()
+
+
+def test_readers_take_the_checkpoint_a_resume_continues_from_when_latest_lags(tmp_path):
+    """A save renames its checkpoint into place, then writes `latest`: a crash between the two left `latest`
+    naming the step before (or none after the first save). `dsv sample`/`profile`/`observe` and the quality
+    bench followed `latest` and loaded the older step while a resume continued from the newer; now every
+    reader takes the newest complete checkpoint, and the next start deletes the crash's temporary file."""
+    from dsv.analysis.checkpointed_model import load_model
+    from dsv.train.checkpoint import checkpoint_step, resolve_checkpoint
+
+    Trainer(tiny_config(tmp_path, "train.steps=4", "train.ckpt_every=2", "train.keep_checkpoints=3"),
+            quiet=True).run()
+    root = tmp_path / "checkpoints"
+    (root / "latest").write_text("step_00000002\n")  # the crash came before `latest` named step 4
+    (root / ".latest.tmp4242").write_text("step_00000004\n")
+    assert resolve_checkpoint(tmp_path).name == "step_00000004" and checkpoint_step(tmp_path) == 4
+    assert load_model(str(tmp_path), "cpu")[2] == 4
+    (root / "latest").unlink()  # a crash in the run's first save: no `latest` at all
+    assert resolve_checkpoint(tmp_path).name == "step_00000004"
+    with pytest.warns(UserWarning, match="deleted .latest.tmp4242, left by a crashed save"):
+        Trainer(tiny_config(tmp_path, "train.steps=6", "train.ckpt_every=2", "train.keep_checkpoints=3"),
+                resume=True, quiet=True).run()
+    assert not (root / ".latest.tmp4242").exists() and (root / "latest").read_text() == "step_00000006\n"
 
 
 def test_a_new_run_sets_aside_the_logs_of_one_that_saved_no_checkpoint(tmp_path):

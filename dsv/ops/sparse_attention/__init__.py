@@ -6,7 +6,7 @@ import importlib.util
 
 import torch
 
-from dsv.ops.index import SparseIndex
+from dsv.ops.index import SparseIndex, resolve_scale
 from dsv.ops.sparse_attention.naive import (
     sparse_attention_reference,
     sparse_attention_reference_with_lse,
@@ -136,8 +136,7 @@ def sparse_attention(
     """
     if not isinstance(index, SparseIndex):
         raise ValueError(f"index must be a SparseIndex, got {type(index).__name__}")
-    if scale is not None and not (0 < scale < float("inf")):
-        raise ValueError(f"scale must be a positive finite float, got {scale}")
+    scale = None if scale is None else resolve_scale(scale, q.shape[-1])
     chosen, _ = resolve_backend(backend, q, index.group_size, index.kv_block)
     if chosen == "triton" and check_index and _values_readable(q):
         index.validate_once()

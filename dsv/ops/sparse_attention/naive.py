@@ -9,11 +9,9 @@ log-sum-exp, FlashAttention-2 style.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from dsv.ops.index import SparseIndex, check_bhsd, compute_dtype, resolve_chunk_size
+from dsv.ops.index import SparseIndex, check_bhsd, compute_dtype, resolve_chunk_size, resolve_scale
 
 
 class _ChunkGeometry:
@@ -217,11 +215,7 @@ def check_sparse_attention_inputs(
     if not isinstance(index, SparseIndex):
         raise ValueError(f"index must be a SparseIndex, got {type(index).__name__}")
     index.check_matches(batch, heads, seq_len, q.device, "index")
-    if scale is None:
-        return dim**-0.5
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be a positive finite float, got {scale!r}")
-    return float(scale)
+    return resolve_scale(scale, dim)
 
 
 def sparse_attention_reference_with_lse(
