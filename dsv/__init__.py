@@ -1,6 +1,6 @@
 """DSV: learned dynamic sparse attention for training video diffusion transformers."""
 
-from dsv.modules.attention import DSVAttention, DSVAttentionCore, model_parameters
+from dsv.modules.attention import DSVAttention, DSVAttentionCore, model_parameters, predictor_parameters
 from dsv.modules.config import AttentionConfig
 from dsv.modules.controller import DSVController
 from dsv.modules.dit import ModelConfig, VideoDiT
@@ -13,4 +13,5 @@ __all__ = [
     "ModelConfig",
     "VideoDiT",
     "model_parameters",
+    "predictor_parameters",
 ]

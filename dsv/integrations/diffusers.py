@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import warnings
 from pathlib import Path
 
@@ -271,12 +272,14 @@ def _append_always_kept(index: SparseIndex, extra_len: int) -> SparseIndex:
 
     Args:
         index: rows `[B, H, ceil(S / G), K]` over `S` tokens.
-        extra_len: number of appended tokens, `L >= 1`.
+        extra_len: number of appended tokens, `L >= 0` (0: `index` itself).
 
     Returns:
         `SparseIndex` with rows `[B, H, ceil((S + L) / G), K + E]`, `E` the key blocks holding extra tokens,
         and `seq_len = S + L`.
     """
+    if extra_len == 0:  # no text tokens (an empty prompt's embedding): nothing to append
+        return index
     seq_len, group_size, kv_block = index.seq_len, index.group_size, index.kv_block
     total = seq_len + extra_len
     batch, heads, groups, width = index.indices.shape
@@ -341,6 +344,13 @@ class CogVideoXDSVProcessor(_OwnAttentionKernels, DSVAttentionCore):
         q_video, k_video, v_video = self._heads(attn, hidden)
         q_text, k_text, v_text = self._heads(attn, encoder_hidden_states)
         if image_rotary_emb is not None:
+            expected = (seq_len, self.head_dim)
+            if any(tuple(f.shape) != expected for f in image_rotary_emb):
+                # Tables of another grid would be read row by row as this grid's positions, without an error.
+                raise ValueError(
+                    f"CogVideoXDSVProcessor: image_rotary_emb must be (cos, sin), each of shape {list(expected)} "
+                    f"for this latent's {seq_len} video tokens; got {[tuple(f.shape) for f in image_rotary_emb]}"
+                )
             freqs = tuple(f.index_select(0, perm) for f in image_rotary_emb)  # [S, D] in grouped order
             q_video, k_video = apply_rotary_emb(q_video, freqs), apply_rotary_emb(k_video, freqs)
         index = self.prepare_index(hidden, q_video, k_video, grid)
@@ -351,7 +361,7 @@ class CogVideoXDSVProcessor(_OwnAttentionKernels, DSVAttentionCore):
         else:
             video_out = self.attend(q, k, v, _append_always_kept(index, q_text.shape[2]))[:, :, :seq_len]
             # Text queries attend densely to every token (their rows in the sparse call saw text keys only).
-            text_out = F.scaled_dot_product_attention(q_text, k, v, scale=self.scale)
+            text_out = F.scaled_dot_product_attention(q_text, k, v, scale=self.scale) if q_text.shape[2] else q_text
             out = torch.cat([video_out, text_out], 2)
         out = out.transpose(1, 2).flatten(2, 3).type_as(q)
         out = attn.to_out[1](attn.to_out[0](out))
@@ -528,7 +538,10 @@ def from_pretrained_local(
     base_keys = set(transformer.state_dict())
     install_dsv(transformer, cfg)
     dsv_keys = set(transformer.state_dict()) - base_keys
-    saved = _tensors_not_in(folder, variant, base_keys)
+    # Only DSV's keys: others the model does not know are diffusers' to ignore or warn about (an older Wan I2V
+    # checkpoint's `norm_added_q`, which the class lists in `_keys_to_ignore_on_load_unexpected`).
+    saved = {key: value for key, value in _tensors_not_in(folder, variant, base_keys).items()
+             if any(re.search(pattern, key) for pattern in _DSV_KEY_PATTERNS)}
     if saved:
         check_layout(saved, f"{CONTROLLER_NAME}.{LAYOUT_BUFFER}", layout_record(cfg),
                      f"from_pretrained_local: the DSV state in {folder}", "cfg")

@@ -807,9 +807,14 @@ def _fingerprint(hidden: torch.Tensor) -> torch.Tensor:
     return sample.sum(dtype=torch.float64)
 
 
+def predictor_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The sparsity predictors' parameters: trained by their own optimizers inside the forward."""
+    return [p for m in model.modules() if isinstance(m, LowRankPredictor) for p in m.parameters()]
+
+
 def model_parameters(model: nn.Module) -> list[nn.Parameter]:
     """Parameters for the model's optimizer: all but the sparsity predictors, which step themselves."""
-    predictor_params = {id(p) for m in model.modules() if isinstance(m, LowRankPredictor) for p in m.parameters()}
+    predictor_params = {id(p) for p in predictor_parameters(model)}
     return [p for p in model.parameters() if id(p) not in predictor_params]
 
 

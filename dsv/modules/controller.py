@@ -121,6 +121,15 @@ class DSVController(nn.Module):
                              "controller with the layers' AttentionConfig")
         for index, layer in enumerate(self._layers):
             layer.bind(self, index)
+        # DistributedDataParallel (as `accelerate` wraps a model) must leave the predictors alone: they take
+        # their gradients and all-reduce them inside the forward, which its reducer reads as parameters that got
+        # no gradient in the backward and stops the next step. It reads this list when it wraps `model`.
+        predictor_ids = {id(p) for layer in self._layers if layer.predictor is not None
+                         for p in layer.predictor.parameters()}
+        ignored = [name for name, p in model.named_parameters() if id(p) in predictor_ids]
+        if ignored:
+            already = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+            model._ddp_params_and_buffers_to_ignore = already + [n for n in ignored if n not in already]
         return self
 
     @property

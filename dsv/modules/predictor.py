@@ -458,6 +458,13 @@ class LowRankPredictor(nn.Module):
         weight non-finite (a finite loss can still have an overflowing gradient): the loss EMA then goes NaN
         in this step and `DSVController.predictor_failed` stops the run before the weights select keys."""
         self.unpark()
+        if not all(p.requires_grad for p in self.parameters()):
+            # Frozen with the model (`model.requires_grad_(False)` before LoRA or fine-tuning): the loss would
+            # have no graph, and a predictor that never learns keeps DSV dense or selects badly.
+            raise RuntimeError("a DSV predictor's parameters do not require grad (frozen with the model?): DSV's "
+                               "predictors train themselves; unfreeze them with `for p in "
+                               "dsv.predictor_parameters(model): p.requires_grad_(True)`, or freeze them by config "
+                               "with attention.predictor_lr=0")
         with torch.enable_grad(), torch.autocast(device_type, enabled=False):
             loss = compute_loss()
             loss.backward()

@@ -603,3 +603,75 @@ def test_appended_text_keys_are_attended_by_every_video_group(seq, kv_block):
         assert len(set(listed)) == len(listed) and listed == sorted(listed)  # each block once, ascending
     expected = F.scaled_dot_product_attention(q[:, :, :seq], k, v, attn_mask=mask)
     torch.testing.assert_close(sparse_attention(q, k, v, index)[:, :, :seq], expected, **TOL64)
+
+
+# ----- found in review (2026-12-06) -----
+
+
+def test_cogvideox_refuses_rotary_tables_of_another_grid_and_runs_without_text_tokens():
+    """Tables built for a larger grid were read row by row as this grid's positions (the stock processor raises
+    on them); an empty text embedding crashed deep inside once a layer ran sparse (the stock model runs it)."""
+    model = tiny_cogvideox()
+    install_dsv(model, cfg("oracle"))
+    x, text, _ = cog_inputs()
+    wrong = tuple(f.double() for f in get_3d_rotary_pos_embed(16, ((0, 0), (4, 6)), (4, 6), 4))  # 96 rows, not 64
+    with pytest.raises(ValueError, match=r"image_rotary_emb must be \(cos, sin\), each of shape \[64, 16\]"):
+        cog_forward(model, (x, text, wrong))
+    _sparse_quarter(model)
+    with torch.no_grad():
+        out = cog_forward(model, (x, text[:, :0], cog_inputs()[2]))
+    assert [layer.last_path for layer in model.dsv_controller.layers] == ["sparse:reference"] * 2
+    assert out.shape == x.shape and torch.isfinite(out).all()
+    q = torch.randn(1, 1, 16, 8, dtype=torch.float64)
+    index = oracle_index(q, q, torch.tensor([1]), 8, 8)
+    assert _append_always_kept(index, 0) is index
+
+
+def test_from_pretrained_local_leaves_keys_diffusers_ignores_to_diffusers(tmp_path):
+    """Older Wan I2V checkpoints hold `attn2.norm_added_q` weights, which WanTransformer3DModel lists in
+    `_keys_to_ignore_on_load_unexpected`: every key the model did not know was taken for DSV state and the
+    folder refused as DSV state of another configuration."""
+    from safetensors.torch import load_file, save_file
+
+    reference = tiny_wan()
+    reference.save_pretrained(tmp_path)
+    weights_file = tmp_path / "diffusion_pytorch_model.safetensors"
+    weights = load_file(weights_file)
+    weights.update({f"blocks.{i}.attn2.norm_added_q.weight": torch.ones(32) for i in range(2)})
+    save_file(weights, weights_file, metadata={"format": "pt"})
+    loaded = from_pretrained_local(tmp_path, cfg("dense"))
+    assert loaded.dsv_controller.current_stage == 1
+
+
+def test_frozen_predictors_are_named_and_ddp_leaves_the_predictors_alone(tmp_path):
+    """`transformer.requires_grad_(False)` (before LoRA) froze the predictors too and the first training
+    forward failed inside autograd; DistributedDataParallel (as accelerate wraps a model) stopped the second
+    step: the predictors take and all-reduce their gradients inside the forward, where its reducer did not
+    expect them."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = tiny_wan()
+    controller = install_dsv(model, cfg("dsv", max_stage1_steps=2, sparse_threshold=0.0, profile_every_stage1=1))
+    inputs = wan_inputs()
+    model.requires_grad_(False)
+    controller.begin_step(0)
+    with pytest.raises(RuntimeError, match="predictor's parameters do not require grad .* dsv.predictor_parameters"):
+        wan_forward(model, inputs)
+    for p in dsv.predictor_parameters(model):
+        p.requires_grad_(True)
+    for p in model.proj_out.parameters():  # a trainable part, as an adapter would be
+        p.requires_grad_(True)
+    assert set(model._ddp_params_and_buffers_to_ignore) == {
+        n for n, p in model.named_parameters() if any(p is q for q in dsv.predictor_parameters(model))}
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        wrapped = DistributedDataParallel(model)
+        for step in range(4):
+            controller.begin_step(step)
+            wan_forward(wrapped, inputs).pow(2).mean().backward()
+            controller.end_step()
+    finally:
+        dist.destroy_process_group()
+    assert controller.current_stage == 2
+    assert [layer.last_path for layer in controller.layers] == ["sparse:reference"] * 2
