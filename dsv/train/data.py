@@ -396,10 +396,15 @@ def build_dataset(cfg: DataConfig) -> VideoClipDataset:
     else:
         videos = _folder_videos(Path(cfg.path), cfg.load_short_side)
     dataset = VideoClipDataset(cfg, videos, photos, train_only_photos)
-    described = [
-        f"{s.name} ({s.kind}, {s.frames} frames{', held out' if s.heldout_from == 0 else ''})"
-        for s in dataset.sources()
-    ]
+    def describe(s: SourceInfo) -> str:
+        if s.kind == "photo":
+            return f"{s.name} (photo{', held out' if s.heldout_from == 0 else ''})"
+        heldout = s.frames - s.heldout_from
+        # A held-out part shorter than a clip stays out of training but gives the held-out batch nothing.
+        short = f", held-out part {heldout} < data.frames: no held-out clips" if heldout < cfg.frames else ""
+        return f"{s.name} (video, {s.frames} frames{short})"
+
+    described = [describe(s) for s in dataset.sources()]
     logger.info("data sources: %s", ", ".join(described))
     return dataset
 
@@ -453,7 +458,21 @@ def _folder_videos(folder: Path, short_side: int) -> dict[str, torch.Tensor]:
     """Every decodable video file under ``folder`` (recursive): relative path -> uint8 [T, H, W, 3]."""
     if not folder.is_dir():
         raise FileNotFoundError(f"data.path: no such folder: {folder}")
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in VIDEO_SUFFIXES)
+    files, ignored = [], {}
+    for entry in sorted(folder.rglob("*")):
+        if entry.is_file() and entry.suffix.lower() in VIDEO_SUFFIXES:
+            files.append(entry)
+        elif entry.is_symlink() and not entry.exists():
+            ignored.setdefault("broken links", []).append(entry)
+        elif entry.is_symlink() and entry.is_dir():
+            ignored.setdefault("linked folders (not searched)", []).append(entry)
+        elif entry.is_file():
+            ignored.setdefault(f"not a video suffix ({', '.join(VIDEO_SUFFIXES)})", []).append(entry)
+    if ignored:
+        listed = "; ".join(f"{reason}: {', '.join(p.relative_to(folder).as_posix() for p in paths[:10])}"
+                           f"{f' and {len(paths) - 10} more' if len(paths) > 10 else ''}"
+                           for reason, paths in ignored.items())
+        warnings.warn(f"data.path: ignoring files under {folder}: {listed}", stacklevel=3)
     if not files:
         raise ValueError(f"data.path: no video files ({', '.join(VIDEO_SUFFIXES)}) under {folder}")
     videos: dict[str, torch.Tensor] = {}

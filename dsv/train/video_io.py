@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import uuid
+import warnings
 from fractions import Fraction
 from pathlib import Path
 
@@ -64,16 +65,52 @@ def read_video(path: str | os.PathLike, short_side: int | None = None) -> torch.
                 raise VideoDecodeError(f"read_video: {path} has no video stream")
             stream = container.streams.video[0]
             stream.thread_type = "AUTO"  # frame + slice threads: decoding the 720p clip dominates load time
-            out_w = out_h = 0
+            out_w = out_h = turns = 0
+            last_time = None
             for frame in container.decode(stream):
                 if not frames:
-                    out_w, out_h = _scaled_size(frame.width, frame.height, short_side)
-                frames.append(frame.to_ndarray(width=out_w, height=out_h, format="rgb24", interpolation="AREA"))
+                    # Quarter turns counterclockwise of the display matrix: a phone stores portrait video as
+                    # landscape frames with a 90-degree rotation, which players (and FFmpeg's CLI) apply.
+                    turns = round(getattr(frame, "rotation", 0) / 90) % 4
+                    shown_w, shown_h = (frame.height, frame.width) if turns % 2 else (frame.width, frame.height)
+                    _warn_if_enlarged(path, min(shown_w, shown_h), short_side)
+                    out_w, out_h = _scaled_size(shown_w, shown_h, short_side)
+                    if turns % 2:
+                        out_w, out_h = out_h, out_w  # decoded in the stored orientation, turned after
+                pixels = frame.to_ndarray(width=out_w, height=out_h, format="rgb24", interpolation="AREA")
+                frames.append(np.ascontiguousarray(np.rot90(pixels, turns)) if turns else pixels)
+                last_time = frame.time if frame.time is not None else last_time
+            _warn_if_cut_short(path, stream, container, last_time)
     except av.FFmpegError as err:
         raise VideoDecodeError(f"read_video: PyAV cannot decode {path}: {err}") from err
     if not frames:
         raise VideoDecodeError(f"read_video: {path} has a video stream but no frame decodes")
     return torch.from_numpy(np.stack(frames))
+
+
+def _warn_if_enlarged(path: Path, stored_short_side: int, short_side: int | None) -> None:
+    if short_side is not None and stored_short_side < short_side:
+        warnings.warn(f"read_video: {path} is {stored_short_side} px on its short side, enlarged to {short_side}: "
+                      "its frames are upsampled", stacklevel=3)
+
+
+def _warn_if_cut_short(path: Path, stream, container, last_time: float | None) -> None:
+    """Warn where the decoded frames end well before the duration the container states: a file cut off by
+    an interrupted copy or download decodes without an error up to where its bytes end."""
+    if last_time is None:
+        return
+    if stream.duration is not None and stream.time_base is not None:
+        stated = float(stream.duration * stream.time_base)
+    elif container.duration is not None:
+        stated = container.duration / av.time_base
+    else:
+        return
+    period = 1.0 / float(stream.average_rate) if stream.average_rate else 0.0
+    decoded = last_time + period
+    # Slack for containers whose stated duration rounds or counts a trailing frame differently.
+    if stated - decoded > max(0.5, 0.1 * stated):
+        warnings.warn(f"read_video: {path} decodes {decoded:.2f} s of the {stated:.2f} s its container states: "
+                      "the file may be cut off (an interrupted copy or download)", stacklevel=3)
 
 
 def _read_video_opencv(path: Path, short_side: int | None) -> torch.Tensor:

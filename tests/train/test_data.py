@@ -231,6 +231,7 @@ def test_user_folder(tmp_path: Path) -> None:
         dataset = build_dataset(cfg)
     messages = " ".join(str(w.message) for w in record)
     assert "broken.webm" in messages and "short.mp4" in messages
+    assert "ignoring files under" in messages and "notes.txt" in messages  # was dropped without a word
     assert {s.name: s.frames for s in dataset.sources()} == {"a.mp4": 40, "sub/b.gif": 30}
     batch = dataset.sample(5, torch.Generator().manual_seed(0))
     assert batch.shape == (5, 3, 6, 16, 16)
@@ -250,6 +251,67 @@ def test_user_folder_errors(tmp_path: Path) -> None:
     write_video(_moving_frames(5, 32, 32), tmp_path / "short.mp4")
     with pytest.warns(UserWarning), pytest.raises(ValueError, match="training clip"):
         build_dataset(DataConfig(path=str(tmp_path), size=16, load_short_side=32))
+
+
+def test_a_phone_video_is_turned_upright(tmp_path: Path) -> None:
+    """Phones store portrait video as landscape frames with a 90-degree display matrix (in the MP4 track
+    header), which players apply; it loaded sideways. The stored frames are bright on their left half: turned
+    clockwise for display, as the matrix [0 1; -1 0] says, that half is the top."""
+    import struct
+
+    stored = torch.zeros(6, 48, 64, 3, dtype=torch.uint8)
+    stored[:, :, :32] = 230
+    path = tmp_path / "phone.mp4"
+    write_video(stored, path)
+    data = bytearray(path.read_bytes())
+    header = data.find(b"tkhd")
+    assert data[header + 4] == 0  # version 0: the matrix sits 40 bytes after the type
+    matrix = header + 4 + 40
+    data[matrix:matrix + 36] = struct.pack(">9I", 0, 0x10000, 0, -0x10000 & 0xFFFFFFFF, 0, 0, 0, 0, 0x40000000)
+    path.write_bytes(bytes(data))
+    frames = read_video(path, short_side=24).float()
+    assert frames.shape == (6, 32, 24, 3)  # portrait, the short side as asked
+    assert frames[:, :12].mean() > 200 and frames[:, 20:].mean() < 30
+
+
+def test_read_video_warns_of_a_cut_off_file_and_of_upsampling(tmp_path: Path) -> None:
+    """A file cut off by an interrupted copy decodes without an error up to where its bytes end: it was used
+    as it was. A source smaller than the asked short side was enlarged in silence."""
+    write_video(_moving_frames(40, 48, 64), tmp_path / "clip.mp4")
+    # Matroska, as a download in progress is: its header comes first, so a cut file still opens (an MP4's index
+    # is written last). MPEG-4 part 2: in every FFmpeg build, a key frame every 12 frames.
+    cut = tmp_path / "cut.mkv"
+    with av.open(str(cut), "w", format="matroska") as sink:
+        stream = sink.add_stream("mpeg4", rate=8)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for frame in _moving_frames(40, 48, 64).numpy():
+            sink.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        sink.mux(stream.encode())
+    whole = cut.read_bytes()
+    cut.write_bytes(whole[: len(whole) // 2])
+    with pytest.warns(UserWarning, match=r"cut\.mkv decodes .* s of the .* s its container states: the file may be "
+                                         "cut off"):
+        frames = read_video(cut, short_side=32)
+    assert 0 < frames.shape[0] < 40
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert read_video(tmp_path / "clip.mp4", short_side=32).shape[0] == 40  # whole: no warning
+    with pytest.warns(UserWarning, match=r"clip\.mp4 is 48 px on its short side, enlarged to 96"):
+        read_video(tmp_path / "clip.mp4", short_side=96)
+
+
+def test_a_video_whose_heldout_part_is_too_short_says_so_in_the_sources_line(tmp_path, caplog) -> None:
+    import logging
+
+    write_video(_moving_frames(40, 48, 64), tmp_path / "a.mp4")
+    write_video(_moving_frames(20, 48, 64), tmp_path / "b.mp4")  # held out: its last 4 frames < 6
+    with caplog.at_level(logging.INFO, logger="dsv.train.data"):
+        build_dataset(DataConfig(path=str(tmp_path), frames=6, size=16, load_short_side=32, heldout_clips=2))
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("data sources"))
+    assert "b.mp4 (video, 20 frames, held-out part 4 < data.frames: no held-out clips)" in line
+    assert "a.mp4 (video, 40 frames)" in line
 
 
 def test_heldout_needs_a_long_enough_part() -> None:
