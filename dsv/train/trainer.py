@@ -496,7 +496,8 @@ class Trainer:
         differing = [s["name"] for s, c in zip(saved, current) if s["sha256"] != c["sha256"]]
         if differing:
             warnings.warn(f"resuming {ckpt}: the decoded pixels of {differing} differ from the run's (another "
-                          "FFmpeg/PyAV build?): the continuation will not be bitwise exact", stacklevel=3)
+                          "FFmpeg/PyAV build, or files whose content was replaced: check them): the continuation "
+                          "will not be bitwise exact", stacklevel=3)
 
     def _set_aside_logs_without_checkpoint(self) -> None:
         """A new run in a folder whose earlier run stopped before its first checkpoint (the folder holds no
