@@ -611,16 +611,15 @@ class DSVAttentionCore(nn.Module):
         finite or the measured sparsity is NaN (q or k not finite while the input x was: the layer's
         projections or norms diverged). A diverged predictor must not pass as "never measured" and let the
         stage switch go ahead on the other layers, nor a NaN head count as the sparsest there is."""
-        bad_loss = ~torch.isfinite(loss_ema) if self.predictor is not None else torch.zeros((), dtype=torch.bool,
-                                                                                             device=sparsity.device)
         bad_qk = torch.isnan(sparsity).any()
-        if not any_rank(bad_loss | bad_qk):
+        bad_loss = ~torch.isfinite(loss_ema) if self.predictor is not None else None
+        if not any_rank(bad_qk if bad_loss is None else bad_qk | bad_loss):
             return
         name = f"{type(self).__name__} layer {self.layer_index}"
         if bool(bad_qk):
             raise FloatingPointError(f"{name}: NaN or Inf in the attention's q or k while its input x is finite: "
                                      "the layer's projections or norms diverged")
-        if bool(bad_loss):
+        if bad_loss is not None and bool(bad_loss):
             raise FloatingPointError(f"{name}: the predictor loss is not finite")
         raise FloatingPointError(f"{name}: the predictor loss or the attention's q/k is not finite on another rank "
                                  "of the run")

@@ -107,7 +107,7 @@ class DSVController(nn.Module):
     def attach(self, model: nn.Module) -> "DSVController":
         """Attach every DSV attention layer (`DSVAttentionCore`: `DSVAttention` or an integration's
         processor) in `model`, in module order, to this controller."""
-        from dsv.modules.attention import DSVAttentionCore
+        from dsv.modules.attention import DSVAttentionCore, predictor_parameters
 
         self._layers = [m for m in model.modules() if isinstance(m, DSVAttentionCore)]
         if not self._layers:
@@ -124,8 +124,7 @@ class DSVController(nn.Module):
         # DistributedDataParallel (as `accelerate` wraps a model) must leave the predictors alone: they take
         # their gradients and all-reduce them inside the forward, which its reducer reads as parameters that got
         # no gradient in the backward and stops the next step. It reads this list when it wraps `model`.
-        predictor_ids = {id(p) for layer in self._layers if layer.predictor is not None
-                         for p in layer.predictor.parameters()}
+        predictor_ids = {id(p) for p in predictor_parameters(model)}
         ignored = [name for name, p in model.named_parameters() if id(p) in predictor_ids]
         if ignored:
             already = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
