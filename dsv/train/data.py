@@ -468,6 +468,17 @@ def _folder_videos(folder: Path, short_side: int) -> dict[str, torch.Tensor]:
             ignored.setdefault("linked folders (not searched)", []).append(entry)
         elif entry.is_file():
             ignored.setdefault(f"not a video suffix ({', '.join(VIDEO_SUFFIXES)})", []).append(entry)
+    # A link to a video already listed (the same file under two names) would count as a second source and
+    # double that video's weight in the clip draw; the file itself is kept, else the first link by name.
+    kept: dict[Path, Path] = {}
+    for entry in sorted(files, key=lambda entry: (entry.is_symlink(), entry)):
+        target = entry.resolve()
+        if target in kept:
+            ignored.setdefault(f"links to a file listed under another name ({kept[target].relative_to(folder)})",
+                               []).append(entry)
+        else:
+            kept[target] = entry
+    files = sorted(kept.values())
     if ignored:
         listed = "; ".join(f"{reason}: {', '.join(p.relative_to(folder).as_posix() for p in paths[:10])}"
                            f"{f' and {len(paths) - 10} more' if len(paths) > 10 else ''}"

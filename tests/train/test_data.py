@@ -226,12 +226,14 @@ def test_user_folder(tmp_path: Path) -> None:
     write_video(_moving_frames(5, 32, 32), tmp_path / "short.mp4")
     (tmp_path / "broken.webm").write_bytes(b"garbage" * 50)
     (tmp_path / "notes.txt").write_text("not a video")
+    (tmp_path / "0_link.mp4").symlink_to(tmp_path / "a.mp4")  # sorts first: the file itself is kept, not the link
     cfg = DataConfig(path=str(tmp_path), frames=6, size=16, load_short_side=32, heldout_clips=3)
     with pytest.warns(UserWarning) as record:
         dataset = build_dataset(cfg)
     messages = " ".join(str(w.message) for w in record)
     assert "broken.webm" in messages and "short.mp4" in messages
     assert "ignoring files under" in messages and "notes.txt" in messages  # was dropped without a word
+    assert "0_link.mp4" in messages  # a link to a listed video counted as a second source
     assert {s.name: s.frames for s in dataset.sources()} == {"a.mp4": 40, "sub/b.gif": 30}
     batch = dataset.sample(5, torch.Generator().manual_seed(0))
     assert batch.shape == (5, 3, 6, 16, 16)
