@@ -30,11 +30,11 @@ import matplotlib.pyplot as plt
 import torch
 
 from dsv.analysis.checkpointed_model import load_model, run_precision
-from dsv.analysis.profile import check_clips_and_theta, heatmap, heldout_clips
+from dsv.analysis.profile import check_clips_and_theta, heatmap, heldout_clips, remove_stale_outputs
 from dsv.ops import head_sparsity, index_recall, oracle_index
 from dsv.ops.grouping import check_cube_tiles, check_sequence_matches_grid, cube_permutation
 from dsv.ops.index import check_bhsd, compute_dtype, resolve_chunk_size, resolve_scale
-from dsv.train.checkpoint import resolve_checkpoint
+from dsv.train.checkpoint import resolve_checkpoint, write_text_atomic
 
 NEAR, FAR = 5, 10
 """A critical key is *near* at distance <= NEAR and *far* at distance > FAR (the paper's 5 and 10 tokens)."""
@@ -331,12 +331,13 @@ def find_metrics(checkpoint: str) -> Path | None:
     return None
 
 
-def sparsity_history(metrics: Path) -> tuple[list[int], torch.Tensor]:
-    """Steps and per-layer mean profiled sparsity ``[steps, L]`` (NaN where never measured) from a metrics log."""
+def sparsity_history(metrics: Path, up_to_step: int) -> tuple[list[int], torch.Tensor]:
+    """Steps up to ``up_to_step`` and per-layer mean profiled sparsity ``[steps, L]`` (NaN where never measured)
+    from a metrics log; an earlier checkpoint's observations leave out the steps its run went on to train."""
     steps, rows = [], []
     for line in metrics.read_text().splitlines():
         record = json.loads(line)
-        if "layers" in record:
+        if "layers" in record and int(record["step"]) <= up_to_step:
             steps.append(int(record["step"]))
             rows.append([sum(layer["sparsity"]) / len(layer["sparsity"]) for layer in record["layers"]])
     return steps, torch.tensor(rows, dtype=torch.float64)
@@ -475,7 +476,7 @@ def observe_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clip
     metrics = find_metrics(checkpoint)
     history = None
     if metrics is not None:
-        steps, history = sparsity_history(metrics)
+        steps, history = sparsity_history(metrics, step)
         if steps:
             _plot_dynamics(steps, history, out / "dynamics.png")
             files.append("dynamics.png")
@@ -505,9 +506,10 @@ def observe_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clip
                       "recommended": None if for_kernels is None else list(for_kernels)},
     }
     summary = _summary(result)
-    (out / "observations.md").write_text(summary)
-    (out / "observations.json").write_text(json.dumps(result, indent=1))
+    write_text_atomic(out / "observations.md", summary)
+    write_text_atomic(out / "observations.json", json.dumps(result, indent=1))
     files += ["observations.md", "observations.json"]
+    remove_stale_outputs(out, ("neighbours.png", "dynamics.png"), files)
     return {**result, "files": [str(out / f) for f in files], "summary": summary}
 
 

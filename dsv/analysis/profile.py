@@ -15,6 +15,7 @@ import torch  # noqa: E402
 from dsv.analysis.checkpointed_model import load_model, run_precision  # noqa: E402
 from dsv.ops import head_sparsity, index_recall, keep_blocks_from_sparsity, oracle_index, window_index  # noqa: E402
 from dsv.ops.measure import jittered_query_rows, recall_at_equal_keep  # noqa: E402
+from dsv.train.checkpoint import write_text_atomic  # noqa: E402
 from dsv.train.data import build_dataset  # noqa: E402
 
 
@@ -128,6 +129,13 @@ def _plot_by_noise_level(by_level: list[dict], sparse_blocks: list[int], path: P
 
 WINDOW_BUDGET_COLUMNS = {"window": "window's boxes", "oracle": "exact top blocks",
                          "selection": "predictor's selection"}
+
+
+def remove_stale_outputs(out: Path, optional: tuple[str, ...], written: list[str]) -> None:
+    """Delete the optional files of `out` that this call did not write: left from an earlier call into the same
+    folder, a plot would contradict the JSON beside it."""
+    for name in set(optional) - set(written):
+        (out / name).unlink(missing_ok=True)
 
 
 def window_budget_lines(window_budget: dict, theta: float) -> list[str]:
@@ -258,11 +266,12 @@ def profile_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clip
                   for entry in by_level]
         _plot_by_noise_level(by_level, sparse_blocks, out / "by_noise_level.png")
         files.append("by_noise_level.png")
-    (out / "profile.md").write_text("\n".join(lines) + "\n")
+    write_text_atomic(out / "profile.md", "\n".join(lines) + "\n")
     result = {"step": step, "theta": theta, "clips": x0.shape[0], "noise_levels": t.tolist(),
               "sparsity": sparsity.tolist(),
               "recall": None if recall is None else recall.tolist(), "granularity": granularity,
               "sparse_blocks": sparse_blocks, "by_noise_level": by_level, "window_budget": window_budget}
-    (out / "profile.json").write_text(json.dumps(result, indent=1))
+    write_text_atomic(out / "profile.json", json.dumps(result, indent=1))
     files += ["profile.md", "profile.json"]
+    remove_stale_outputs(out, ("recall.png", "by_noise_level.png"), files)
     return {**result, "files": [str(out / f) for f in files], "table": "\n".join(lines)}

@@ -6,6 +6,7 @@ import contextlib
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from dsv.analysis.checkpointed_model import load_model, run_precision
@@ -15,14 +16,18 @@ from dsv.train.config import Config
 from dsv.train.video_io import check_writable, write_video
 
 
-def to_uint8_grid(videos: torch.Tensor, columns: int) -> torch.Tensor:
-    """`[N, 3, T, H, W]` in [-1, 1] → one uint8 video `[T, rows*H, columns*W, 3]` tiling the samples."""
+def to_uint8_grid(videos: torch.Tensor, columns: int, even: bool = False) -> torch.Tensor:
+    """`[N, 3, T, H, W]` in [-1, 1] → one uint8 video `[T, rows*H, columns*W, 3]` tiling the samples; with
+    `even`, a black last row and column are added where the grid's height or width is odd (an .mp4's 4:2:0
+    chroma needs even sizes, and its writer would refuse the grid only after all the sampling)."""
     n, c, t, h, w = videos.shape
     rows = -(-n // columns)
     pad = rows * columns - n
     if pad:
         videos = torch.cat([videos, videos.new_full((pad, c, t, h, w), -1.0)])
     grid = videos.view(rows, columns, c, t, h, w).permute(3, 0, 4, 1, 5, 2).reshape(t, rows * h, columns * w, c)
+    if even:
+        grid = torch.nn.functional.pad(grid, (0, 0, 0, grid.shape[2] % 2, 0, grid.shape[1] % 2), value=-1.0)
     return ((grid.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
 
 
@@ -70,6 +75,10 @@ def calibrate_for_sampling(model: VideoDiT, cfg: Config, kept_mass: float, sampl
                                          bf16=dev.type == "cuda" and cfg.train.bf16)
 
 
+# Wang et al.'s SSIM window: a Gaussian of sigma 1.5 truncated at 3.5 sigma, 11 taps.
+SSIM_WINDOW = 11
+
+
 def _generate(checkpoint: str, num: int, steps: int, seed: int, device: str, attention_mode: str | None,
               calibration: dict | None = None, average_weights: bool = False) -> tuple[torch.Tensor, float, dict]:
     """`(videos [N, C, T, H, W] float32 on the CPU, sampling seconds, facts)` from one checkpoint (its weights'
@@ -97,18 +106,30 @@ def attention_paths(model: VideoDiT) -> list[str]:
 
 def similarity(videos: torch.Tensor, reference: torch.Tensor) -> dict:
     """Mean PSNR (dB) and SSIM over the frames of `videos` against `reference`, both `[N, 3, T, H, W]` in
-    [-1, 1] (data range 2).
+    [-1, 1].
 
-    A frame equal to its reference has infinite PSNR: such frames are counted in `identical_frames` and left
-    out of the PSNR mean, which is None when every frame is identical (so the result stays valid JSON)."""
+    SSIM is Wang et al.'s (2004; 11-tap Gaussian window, sigma 1.5), on pixels mapped to [0, 1]: its luminance
+    term assumes non-negative intensities, and on [-1, 1] a mid-grey frame 1% brighter than its reference
+    scored 0.5. Frames smaller than 11 pixels use the largest odd window that fits (`ssim_window`); below 3
+    pixels SSIM is None. A frame equal to its reference has infinite PSNR: such frames are counted in
+    `identical_frames` and left out of the PSNR mean, which is None when every frame is identical (so the
+    result stays valid JSON)."""
     from skimage.metrics import peak_signal_noise_ratio, structural_similarity
 
-    a = videos.clamp(-1, 1).permute(0, 2, 3, 4, 1).reshape(-1, *videos.shape[-2:], videos.shape[1]).numpy()
-    b = reference.clamp(-1, 1).permute(0, 2, 3, 4, 1).reshape(-1, *reference.shape[-2:], reference.shape[1]).numpy()
+    def frames(x: torch.Tensor):  # [N·T, H, W, 3] in [0, 1]
+        return ((x.clamp(-1, 1) + 1) / 2).permute(0, 2, 3, 4, 1).reshape(-1, *x.shape[-2:], x.shape[1]).numpy()
+
+    a, b = frames(videos), frames(reference)
     differing = [(x, y) for x, y in zip(a, b) if (x != y).any()]
-    psnr = [peak_signal_noise_ratio(y, x, data_range=2.0) for x, y in differing]
-    ssim = [structural_similarity(y, x, data_range=2.0, channel_axis=-1) for x, y in zip(a, b)]
-    return {"psnr_db": float(sum(psnr) / len(psnr)) if psnr else None, "ssim": float(sum(ssim) / len(ssim)),
+    psnr = [peak_signal_noise_ratio(y, x, data_range=1.0) for x, y in differing]
+    side = min(a.shape[1:3])
+    window = min(SSIM_WINDOW, side if side % 2 else side - 1)
+    ssim = None
+    if window >= 3:
+        ssim = float(np.mean([structural_similarity(y, x, data_range=1.0, channel_axis=-1, gaussian_weights=True,
+                                                    sigma=1.5, use_sample_covariance=False, win_size=window)
+                              for x, y in zip(a, b)]))
+    return {"psnr_db": float(sum(psnr) / len(psnr)) if psnr else None, "ssim": ssim, "ssim_window": window,
             "identical_frames": len(a) - len(differing), "frames": len(a)}
 
 
@@ -129,7 +150,8 @@ def sample_videos(checkpoint: str, out: str, num: int = 4, steps: int = 25, seed
     check_writable(out)
     videos, seconds, facts = _generate(checkpoint, num, steps, seed, device, attention_mode, calibration,
                                        average_weights)
-    write_video(to_uint8_grid(videos, columns=min(num, 4)), Path(out), fps=fps)
+    write_video(to_uint8_grid(videos, columns=min(num, 4), even=Path(out).suffix.lower() == ".mp4"), Path(out),
+                fps=fps)
     result = {"out": out, "seconds": seconds, **facts}
     if compare_dense:
         dense, dense_seconds, _ = _generate(checkpoint, num, steps, seed, device, "dense",

@@ -72,6 +72,7 @@ from dsv.analysis.observations import recommendation_scope
 from dsv.analysis.profile import WINDOW_BUDGET_COLUMNS, window_budget_lines
 from dsv.bench.sample_store import SampleStore, machine_name
 from dsv.cli import EXIT_UNFINISHED, kept_mass, positive_float, positive_int
+from dsv.train.checkpoint import write_text_atomic
 
 MODES = ("dense", "dsv", "window")
 CONTROL = "dense-control"  # the second dense run of --dense-control
@@ -1021,6 +1022,11 @@ def _psnr_words(similarity: dict) -> str:
     return f"PSNR {similarity['psnr_db']:.2f} dB" + (f" ({identical})" if similarity["identical_frames"] else "")
 
 
+def _ssim_words(similarity: dict) -> str:
+    """SSIM to four places, or why there is none (frames under 3 pixels)."""
+    return "n/a (frames under 3 px)" if similarity["ssim"] is None else f"{similarity['ssim']:.4f}"
+
+
 def noise_level_lines(by_noise_level: dict | None, theta: float) -> list[str]:
     """The report's table of the DSV model's sparsity and its sparse blocks' recall at fixed noise levels
     (``dsv profile --noise-levels``): whether sparse sampling keeps less of the mass at some of its steps. None
@@ -1060,7 +1066,7 @@ def budget_lines(sampling: dict) -> list[str]:
              "| kept mass | calibration (forwards) | sampling | × dense | PSNR vs dense | SSIM | FVD row |",
              "|---|---|---|---|---|---|---|"]
     lines += [f"| {b['kept_mass']:g} | {b['calibration_seconds']:.1f} s | {b['seconds']:.3f} s | "
-              f"**{b['speedup']:.2f}×** | {_psnr_words(b)} | {b['ssim']:.4f} | `{budgets_set(b['kept_mass'])}` |"
+              f"**{b['speedup']:.2f}×** | {_psnr_words(b)} | {_ssim_words(b)} | `{budgets_set(b['kept_mass'])}` |"
               for b in sampling["budgets"]]
     for b in sampling["budgets"]:
         lines += ["", f"Budgets keeping {b['kept_mass']:g} of the mass, by noise level:", "",
@@ -1190,7 +1196,7 @@ def render_report(results: dict) -> str:
                "timed passes (CUDA-synchronised on a GPU) after a warm-up:"), "",
               f"- DSV {sampling['dsv_seconds']:.3f} s, dense {sampling['dense_seconds']:.3f} s: "
               f"**{sampling['speedup']:.2f}×**",
-              f"- DSV samples against dense samples: {_psnr_words(sampling)}, SSIM {sampling['ssim']:.4f}",
+              f"- DSV samples against dense samples: {_psnr_words(sampling)}, SSIM {_ssim_words(sampling)}",
               *noise_level_lines(results.get("by_noise_level"), facts["theta"]),
               *budget_lines(sampling),
               "", "## DSV state at the end (sparsity.png)", "",
@@ -1479,7 +1485,7 @@ def run(args) -> int:
         # Rewritten as each run ends: a command cut short keeps the times of the runs that ended.
         if name is not None:
             leg["seconds"][name] = seconds
-        legs_file.write_text(json.dumps({"legs": legs}, indent=1))
+        write_text_atomic(legs_file, json.dumps({"legs": legs}, indent=1))
 
     record()
     train_all(to_train, runs_dir, gpus, args.runs_per_gpu,
@@ -1522,7 +1528,7 @@ def run(args) -> int:
     wall["training"] = time.perf_counter() - phase
     # Progress on stdout as each phase ends, and the training's numbers on disk: a run cut short in the
     # evaluation still leaves what it measured.
-    (out / "training.json").write_text(json.dumps(
+    write_text_atomic(out / "training.json", json.dumps(
         {"seeds": seeds, "heldout": table, "heldout_by_seed": heldout_by_seed, "switch_step_by_seed": switch_by_seed,
          "mean_sparse_blocks_in_stage2_by_seed": sparse_by_seed, "final_sparse_blocks_by_seed": final_sparse_by_seed,
          "late_means": late, "heldout_ema_by_seed": ema_by_seed, "late_means_ema": late_ema,
@@ -1635,8 +1641,8 @@ def run(args) -> int:
     results["targets"] = targets(results)
     wall["total"] = time.perf_counter() - start
     results["wall_seconds"] = wall
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    write_text_atomic(out / "results.json", json.dumps(results, indent=1))
     report = render_report(results)
-    (out / "report.md").write_text(report)
+    write_text_atomic(out / "report.md", report)
     print(report)
     return 0

@@ -33,6 +33,7 @@ from dsv.bench.quality import (
     save_figure,
     seeds_without_sparse_block,
 )
+from dsv.train.checkpoint import write_text_atomic
 
 # What two reports must share to be one comparison: the training setting and the FVD's sampling (and the overrides
 # that change what a run learns, `learning_overrides`).
@@ -563,7 +564,7 @@ def run(args) -> int:
     tables_ema = {seed: rows[seed]["heldout_ema"] for seed in averaged if rows[seed]["heldout_ema"]}
     by_step, by_step_ema = gaps_by_step(tables), gaps_by_step(tables_ema)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(
+    write_text_atomic(args.out / "results.json", json.dumps(
         {"reports": [name for name, _ in reports],
          "checked_by_recipe_and_overrides_only": checked_without_config(reports), "seeds": rows, "loss": loss,
          "loss_ema": loss_ema, "fvd": fvd, "fvd_ema": fvd_ema, "targets": judged, "loss_gaps_by_step": by_step,
@@ -572,6 +573,6 @@ def run(args) -> int:
         plot_gaps_by_step(tables, tables_ema, by_step, by_step_ema, args.out / "gaps_by_step.png")
     command = shlex.join(["dsv", "bench", "quality-seeds", "--results", *map(str, args.results), "--out", "OUT"])
     report = render(reports, rows, loss, fvd, judged, command, loss_ema, fvd_ema, by_step, by_step_ema)
-    (args.out / "report.md").write_text(report)
+    write_text_atomic(args.out / "report.md", report)
     print(report)
     return 0

@@ -87,7 +87,8 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` whole or not at all: a crash leaves the earlier file (or none), never half of one."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with open(tmp, "w") as f:
         f.write(text)
@@ -121,7 +122,7 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Ten
         "config": config,
         "sha256": {WEIGHTS: _sha256(tmp / WEIGHTS), STATE: _sha256(tmp / STATE)},
     }
-    _write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
+    write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
     for f in (WEIGHTS, STATE):
         with open(tmp / f, "rb+") as handle:
             os.fsync(handle.fileno())
@@ -134,7 +135,7 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Ten
     else:
         os.replace(tmp, final)
     _fsync_dir(root)
-    _write_text_atomic(root / "latest", name + "\n")
+    write_text_atomic(root / "latest", name + "\n")
     for old in list_checkpoints(run_dir)[:-keep]:
         _prune(old)
     return final

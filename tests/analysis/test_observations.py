@@ -20,6 +20,7 @@ from dsv.analysis.observations import (
     recommend_selection_cube,
     run,
     selection_mass,
+    sparsity_history,
     to_raster,
     top_mass,
     uniform_distances,
@@ -208,6 +209,16 @@ def test_recommend_selection_cube():
     assert recommend_selection_cube(masses, min_tokens=32) == (2, 4, 4)
     assert recommend_selection_cube({(1, 2, 2): 0.9, (2, 2, 2): 0.7}) == (1, 2, 2)  # none large enough: all
     assert recommend_selection_cube({}) is None
+
+
+def test_sparsity_history_stops_at_the_checkpoint_step(tmp_path):
+    """An earlier checkpoint of a run that trained on: its dynamics plot showed steps after it."""
+    metrics = tmp_path / "metrics.jsonl"
+    records = [{"step": step, "layers": [{"sparsity": [0.1 * step, 0.3 * step]}]} for step in (2, 4, 6)]
+    metrics.write_text("\n".join(json.dumps(r) for r in [{"step": 3, "loss": 1.0}, *records]) + "\n")
+    steps, history = sparsity_history(metrics, up_to_step=4)
+    assert steps == [2, 4]
+    assert history.flatten().tolist() == pytest.approx([0.4, 0.8])  # per-layer means over heads
 
 
 def test_observe_a_freshly_trained_checkpoint(tmp_path, monkeypatch):

@@ -564,8 +564,11 @@ def test_cli_sample_and_profile_write_their_files(tmp_path, capsys):
         assert sampled["identical_frames"] == sampled["frames"]
     else:
         assert sampled["psnr_db"] > 20.0 and sampled["identical_frames"] < sampled["frames"]
+    (tmp_path / "prof").mkdir()
+    (tmp_path / "prof" / "by_noise_level.png").write_bytes(b"from an earlier profile with --noise-levels")
     assert main(["profile", "--checkpoint", str(run), "--out", str(tmp_path / "prof"), "--clips", "2",
                  "--granularity", "0.5"]) == 0
+    assert not (tmp_path / "prof" / "by_noise_level.png").exists()  # would contradict profile.json
     table = (tmp_path / "prof" / "profile.md").read_text()
     row = next(line for line in table.splitlines() if line.startswith("| 0.50 |"))
     token_recall, cube_recall = (float(x) for x in row.strip("|").split("|")[1:])
