@@ -93,14 +93,16 @@ def _bench(args) -> int:
     raise AssertionError(args.what)
 
 
-def _int_at_least(minimum: int):
+def _int_at_least(minimum: int, maximum: int | None = None):
+    expected = f"an integer >= {minimum}" if maximum is None else f"an integer in [{minimum}, {maximum}]"
+
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
         return value
 
     return parse
@@ -110,6 +112,8 @@ positive_int = _int_at_least(1)
 """argparse type: an int >= 1."""
 non_negative_int = _int_at_least(0)
 """argparse type: an int >= 0."""
+sampling_seed = _int_at_least(0, 2**64 - 2)
+"""argparse type: a noise seed that torch.Generator takes, with one more after it (calibration noise: seed + 1)."""
 
 
 def positive_float(text: str) -> float:
@@ -149,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--out", default="samples.mp4", help="output file (.mp4 or .gif)")
     sample.add_argument("--num", type=positive_int, default=4, help="samples to write")
     sample.add_argument("--steps", type=positive_int, default=25, help="Euler steps")
-    sample.add_argument("--seed", type=int, default=0)
+    sample.add_argument("--seed", type=sampling_seed, default=0)
     sample.add_argument("--device", default="auto")
     sample.add_argument("--attention-mode", default=None, help="override the attention mode (e.g. dense)")
     sample.add_argument("--average-weights", action="store_true",

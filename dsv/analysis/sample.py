@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -96,6 +97,14 @@ def _generate(checkpoint: str, num: int, steps: int, seed: int, device: str, att
     if budgets is not None:
         facts["noise_level_budgets"] = budgets.summary()
         facts["calibration_seconds"] = budgets.seconds
+        facts["ran_sparse"] = any(level["sparse_layers"] for level in facts["noise_level_budgets"])
+    else:
+        facts["ran_sparse"] = any(not path.startswith("dense:") for path in facts["attention_paths"])
+    if not facts["ran_sparse"] and cfg.attention.mode != "dense":
+        why = ("at no noise level did a block's calibrated budget pay against dense" if budgets is not None
+               else "no block is dispatched sparse (a checkpoint from before the stage switch?)")
+        warnings.warn(f"sampling a {cfg.attention.mode} checkpoint ran every block densely: {why}; its time and "
+                      "samples are dense attention's", stacklevel=2)
     return videos, seconds, facts
 
 

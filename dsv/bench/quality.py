@@ -71,7 +71,7 @@ import torch
 from dsv.analysis.observations import recommendation_scope
 from dsv.analysis.profile import WINDOW_BUDGET_COLUMNS, window_budget_lines
 from dsv.bench.sample_store import SampleStore, machine_name
-from dsv.cli import EXIT_UNFINISHED, kept_mass, positive_float, positive_int
+from dsv.cli import EXIT_UNFINISHED, kept_mass, positive_float, positive_int, sampling_seed
 from dsv.train.checkpoint import write_text_atomic
 
 MODES = ("dense", "dsv", "window")
@@ -131,7 +131,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override a config field of all three runs")
     parser.add_argument("--out", type=Path, required=True, help="output folder (must not hold runs yet)")
     parser.add_argument("--sample-steps", type=positive_int, default=25, help="Euler steps per sample")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling noise (the same for every run)")
+    parser.add_argument("--seed", type=sampling_seed, default=0,
+                        help="seed of the sampling noise (the same for every run)")
     # At least one draw: the report's FVD target states the draws' spread, which zero draws would leave as NaN.
     parser.add_argument("--bootstrap", type=positive_int, default=100, help="bootstrap draws for the FVD spread")
     parser.add_argument("--timing-repeats", type=positive_int, default=2,

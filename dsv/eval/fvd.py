@@ -65,6 +65,8 @@ def extract_features(videos: torch.Tensor, i3d: I3D, batch_size: int = 8, layer:
     if not isinstance(videos, torch.Tensor) or videos.ndim != 5:
         shape = tuple(videos.shape) if isinstance(videos, torch.Tensor) else type(videos).__name__
         raise ValueError(f"extract_features: videos must be a tensor [N, 3, T, H, W], got {shape}")
+    if videos.shape[0] < 1:
+        raise ValueError("extract_features: videos holds no video (N = 0)")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"extract_features: batch_size must be an int >= 1, got {batch_size!r}")
     chunks = [i3d.features(videos[i : i + batch_size], layer=layer) for i in range(0, videos.shape[0], batch_size)]

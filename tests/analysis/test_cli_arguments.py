@@ -73,6 +73,16 @@ def test_sample_refuses_a_sparse_mode_that_would_sample_densely(runs, tmp_path, 
     assert sampled["sparse_blocks"] == [0, 1] and out.stat().st_size > 0
 
 
+def test_sampling_that_ran_every_block_densely_says_so(runs, tmp_path):
+    """A DSV checkpoint from before the switch samples with dense attention in every block under mode "dsv": its
+    time and its PSNR against dense were dense against dense, without a word."""
+    with pytest.warns(UserWarning, match="ran every block densely: no block is dispatched sparse"):
+        stage1 = sample_videos(str(runs / "stage1"), str(tmp_path / "a.gif"), num=1, steps=1, device="cpu")
+    assert stage1["mode"] == "dsv" and stage1["ran_sparse"] is False
+    stage2 = sample_videos(str(runs / "stage2"), str(tmp_path / "b.gif"), num=1, steps=1, device="cpu")
+    assert stage2["ran_sparse"] is True
+
+
 def test_sample_checks_its_arguments_before_sampling(runs, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(dsv.analysis.sample, "_generate", _fail_if_sampling)
     checkpoint = str(runs / "stage2")
@@ -81,6 +91,9 @@ def test_sample_checks_its_arguments_before_sampling(runs, tmp_path, capsys, mon
             main(["sample", "--checkpoint", checkpoint, "--out", str(tmp_path / "s.gif"), option, value])
         assert exit_info.value.code == 2
         assert f"argument {option}: expected an integer >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # torch.Generator overflowed after the model had loaded
+        main(["sample", "--checkpoint", checkpoint, "--out", str(tmp_path / "s.gif"), "--seed", str(2**64)])
+    assert f"argument --seed: expected an integer in [0, {2**64 - 2}]" in capsys.readouterr().err
     assert main(["sample", "--checkpoint", checkpoint, "--out", str(tmp_path / "s.avi"), "--num", "1",
                  "--steps", "1"]) == 2
     assert "unsupported suffix '.avi'" in capsys.readouterr().err

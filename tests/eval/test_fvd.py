@@ -185,6 +185,8 @@ def test_rejects_bad_videos(i3d):
         i3d.features(torch.zeros(1, 3, 8, 32, 32))
     with pytest.raises(ValueError, match=r"\[B, 3, T, H, W\]"):
         i3d.features(torch.zeros(3, 16, 32, 32))
+    with pytest.raises(ValueError, match="no video"):  # failed inside torch.cat on an empty list
+        extract_features(torch.zeros(0, 3, 16, 32, 32), i3d)
 
 
 # --------------------------------------------------------------------------- I3D: predictions on real clips
