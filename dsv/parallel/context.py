@@ -138,6 +138,8 @@ class ContextParallel:
         world = dist.get_world_size()
         if not isinstance(size, int) or size < 2 or world % size:
             raise ValueError(f"parallel.cp={size} must be an int >= 2 that divides the world size {world}")
+        if isinstance(hcp_size, bool) or not isinstance(hcp_size, int) or hcp_size < 0:
+            raise ValueError(f"parallel.cp_hcp must be an int >= 0 (0: the planner chooses), got {hcp_size!r}")
         if hcp_size and (mode != "hybrid" or size % hcp_size):
             raise ValueError(f"parallel.cp_hcp={hcp_size} needs cp_mode 'hybrid' and must divide parallel.cp={size}")
         self.size, self.mode, self.hcp_size = size, mode, hcp_size
@@ -244,6 +246,9 @@ class ContextParallel:
             raise ValueError(f"DSVAttention layer {layer.layer_index}: grid {tuple(grid)} has {math.prod(grid)} "
                              f"tokens, but {self.size} ranks x {local_len} local tokens = {seq_len}")
         self._check_input_values(layer, x)
+        if layer.controller is not None:
+            # As `prepare_index` does: the controller warns when the model ran but no forward trained.
+            layer._seen_id = layer.controller.forward_id
         if x.is_cuda:
             release_parked(x.device)  # as each DSVAttention forward starts (the select/update runtime ops)
         check_sequence_split(seq_len, self.size, cfg.group_size, cfg.key_block)

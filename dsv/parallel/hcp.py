@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from dsv.modules.attention import any_rank
 from dsv.ops.index import SparseIndex, check_bhsd
 from dsv.ops.sparse_attention import sparse_attention_reference
 from dsv.parallel.placement import check_placement
@@ -101,22 +102,38 @@ def hcp_attention(
         ``out [B, H, S_local, D]``: this rank's rows of the attention output of every head, in the
         input's head order. Differentiable in ``q``, ``k``, ``v`` (the backward is collective too).
     """
-    batch, heads, local_len, dim = check_bhsd({"q": q, "k": k, "v": v})
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if world > heads:
-        raise ValueError(
-            f"head-wise CP over {world} ranks needs at least {world} heads, got H={heads}; "
-            "use sequence-wise CP (dsv.parallel.scp) for the extra ranks"
-        )
-    check_placement(placement, heads, world)
+    device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+    refusal = None
+    try:
+        batch, heads, local_len, dim = check_bhsd({"q": q, "k": k, "v": v})
+        if world > heads:
+            raise ValueError(
+                f"head-wise CP over {world} ranks needs at least {world} heads, got H={heads}; "
+                "use sequence-wise CP (dsv.parallel.scp) for the extra ranks"
+            )
+        check_placement(placement, heads, world)
+    except ValueError as err:
+        refusal = err
+    _raise_on_every_rank(refusal, device, group)
     rank_heads = [int(h) for h in placement[rank]]
     qkv = torch.cat((q, k, v), dim=-1)  # one exchange for the three tensors
     q_full, k_full, v_full = heads_to_sequence(qkv, placement, group).split(dim, dim=-1)
     out_full = attention_fn(q_full, k_full, v_full, rank_heads)
     expected = (batch, len(rank_heads), world * local_len, dim)
+    shape_error = None
     if tuple(out_full.shape) != expected:
-        raise ValueError(f"attention_fn returned shape {tuple(out_full.shape)}, expected {expected}")
+        shape_error = ValueError(f"attention_fn returned shape {tuple(out_full.shape)}, expected {expected}")
+    _raise_on_every_rank(shape_error, device, group)
     return sequence_to_heads(out_full, placement, group)
+
+
+def _raise_on_every_rank(error: ValueError | None, device: torch.device, group) -> None:
+    """Raise `error` here, and on the other ranks of `group` an error that points to it (one all-reduce):
+    raised on one rank alone, the others waited in the next exchange or failed there with a transport error."""
+    if any_rank(torch.tensor(error is not None, device=device), group):
+        raise error if error is not None else ValueError(
+            "hcp_attention: another rank of the group refused its input (its own error names it)")
 
 
 def heads_to_sequence(x: torch.Tensor, placement: Sequence[Sequence[int]], group=None) -> torch.Tensor:

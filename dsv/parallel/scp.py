@@ -99,6 +99,10 @@ def check_sequence_split(seq_len: int, world: int, group_size: int, kv_block: in
     return local_len
 
 
+REFUSED = -1
+"""The request count a rank sends every peer in the first exchange when its own input is invalid."""
+
+
 def _check_local_index(index: LocalIndex, batch: int, heads: int, local_len: int, world: int) -> None:
     if not isinstance(index, LocalIndex):
         raise ValueError(f"index must be a LocalIndex, got {type(index).__name__}")
@@ -160,9 +164,17 @@ def scp_attention(
         ``sparse_attention`` on the full sequence; differentiable in ``q``, ``k``, ``v`` (collective in
         backward: every rank must run backward). ``stats`` counts the bytes this rank moved.
     """
-    batch, heads, local_len, dim = check_bhsd({"q": q, "k": k, "v": v})
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    _check_local_index(index, batch, heads, local_len, world)
+    try:
+        batch, heads, local_len, dim = check_bhsd({"q": q, "k": k, "v": v})
+        _check_local_index(index, batch, heads, local_len, world)
+    except ValueError:
+        # The peers learn of it in the first exchange, which they are waiting in, and raise too: alone, this
+        # rank's error left them with a transport error of no evident cause, or waiting.
+        device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+        refusal = torch.full((world,), REFUSED, dtype=torch.int64, device=device)
+        dist.all_to_all_single(torch.empty_like(refusal), refusal, group=group)
+        raise
     device, kv_block = q.device, index.kv_block
     local_blocks = local_len // kv_block
     num_blocks = world * local_blocks
@@ -189,6 +201,10 @@ def scp_attention(
         # One host read for the exchange sizes and the most blocks any (batch, head) fetches (0 if none).
         sizes = torch.cat((send_counts, recv_counts, per_pair.max().view(1))).tolist()
         send_list, recv_list, slots = sizes[:world], sizes[world:2 * world], sizes[-1]
+        refused = [peer for peer, count in enumerate(recv_list) if count == REFUSED]
+        if refused:
+            raise ValueError(f"scp_attention: rank(s) {refused} of the group refused their input (their own error "
+                             "names it); this rank stops before the exchange")
         # Owner-local block row: pair * blocks_per_rank + block within the owner's chunk.
         requests = (wanted_pair * local_blocks + wanted_block % local_blocks)[by_owner]
         served = requests.new_empty(sum(recv_list))

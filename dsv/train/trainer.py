@@ -275,10 +275,17 @@ class Trainer:
                              f"launch with torchrun --nproc-per-node a multiple of {par.cp}")
         from dsv.parallel.context import ContextParallel, default_cluster
 
+        head_ranks = par.cp if par.cp_mode in ("hcp", "naive_hcp") else par.cp_hcp
+        if head_ranks > self.cfg.model.heads:  # else found only at the first forward, after setup and resume
+            raise ValueError(f"head-wise CP over {head_ranks} ranks needs at least {head_ranks} heads, model.heads="
+                             f"{self.cfg.model.heads}; use parallel.cp_mode 'scp' or 'hybrid' (or a smaller "
+                             "parallel.cp_hcp)")
         attention = self.cfg.attention
-        cluster = default_cluster(par.cp, par.gpus_per_node if par.cp > par.gpus_per_node else None,
-                                  par.intra_node_gbps, par.inter_node_gbps,
-                                  block=min(attention.group_size, attention.key_block))
+        cluster = None  # only the hybrid planner reads the links (and needs whole nodes of gpus_per_node)
+        if par.cp_mode == "hybrid":
+            cluster = default_cluster(par.cp, par.gpus_per_node if par.cp > par.gpus_per_node else None,
+                                      par.intra_node_gbps, par.inter_node_gbps,
+                                      block=min(attention.group_size, attention.key_block))
         self.context_parallel = ContextParallel(par.cp, par.cp_mode, self.device.type, cluster, hcp_size=par.cp_hcp)
         self.model.enable_context_parallel(self.context_parallel)
         return par.cp

@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "dsv.train.trainer", "dsv.parallel"]
-# Set by pytest per test, and by torch's inductor for its own bookkeeping once anything compiles: neither is
-# something a rank reads, and counting them would spawn every rank after the first compiled test.
-ENVIRON_IGNORED = ("PYTEST_", "_TORCHINDUCTOR_")
+# Set by pytest per test, and by torch's inductor and Triton for their own bookkeeping once anything compiles
+# (their cache folders among them): none is something a rank reads, and counting them would spawn every rank
+# after the first compiled test.
+ENVIRON_IGNORED = ("PYTEST_", "_TORCHINDUCTOR_", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 _forkserver_environ: dict[str, str] | None = None
 """The environment the forkserver started with: its ranks see it, not the caller's later changes."""
 COLLECTIVE_TIMEOUT_S = 30

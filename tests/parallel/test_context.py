@@ -122,6 +122,7 @@ def _bad_configurations(rank, world):
 
     expect("size", lambda: ContextParallel(3, "hcp", "cpu"))
     expect("mode", lambda: ContextParallel(world, "ring", "cpu"))
+    expect("hcp_size", lambda: ContextParallel(world, "hybrid", "cpu", hcp_size=-2))  # 4 % -2 == 0 passed
     x0 = torch.randn(1, 3, 4, 16, 16)
     t = torch.tensor([0.5])
     few_heads = VideoDiT(ModelConfig(in_channels=3, patch=(1, 2, 2), hidden=32, depth=1, heads=2),
@@ -139,6 +140,7 @@ def test_bad_configurations_raise_clear_errors(tmp_path):
     errors = run_distributed(_bad_configurations, 4, out_dir=tmp_path, timeout_s=60)[0]
     assert "divides the world size 4" in errors["size"]
     assert "cp_mode must be one of" in errors["mode"]
+    assert "cp_hcp must be an int >= 0" in errors["hcp_size"]
     assert "needs at least 4 heads, the model has 2" in errors["heads"]
     assert "whole number of" in errors["split"]
 
@@ -163,6 +165,23 @@ def test_nan_on_one_rank_raises_on_every_rank(tmp_path, context_parallel):
     collective (CP's exchanges; FSDP's gathers and the predictors' gradient all-reduce under data parallelism)."""
     messages = run_distributed(_nan_on_one_rank, 2, context_parallel, out_dir=tmp_path, timeout_s=60)
     assert all(m is not None and "of the run" in m for m in messages), messages
+
+
+def _untrained_step(rank, world):
+    model = _model("dsv")
+    model.enable_context_parallel(ContextParallel(world, "scp", "cpu"))
+    model.eval()  # a training loop that forgot model.train()
+    model.controller.begin_step(0)
+    with pytest.warns(UserWarning, match="no forward of this step trained") as record:
+        flow_matching_loss(model, torch.randn(1, 3, 4, 16, 16), torch.tensor([0.5]), torch.randn(1, 3, 4, 16, 16))
+        model.controller.end_step()
+    return len(record)
+
+
+def test_a_step_that_trained_nothing_warns_under_context_parallelism(tmp_path):
+    """The CP path skipped what marks a layer as run this step, so a loop in eval mode (or under no_grad) left
+    the predictors untrained without the warning that one process gives."""
+    assert run_distributed(_untrained_step, 2, out_dir=tmp_path, timeout_s=60) == [1, 1]
 
 
 def _reentrant_checkpointing(rank, world):

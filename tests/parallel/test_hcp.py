@@ -108,13 +108,32 @@ def errors_worker(rank, world):
         all_to_all(q, [1] * world, [1] * world)
     except ValueError as err:
         messages["bad_splits"] = str(err)
+    # Wrong on one rank only, in its input and then in its attention_fn's output: its peers went on into the
+    # exchange and failed there with a transport error, or waited.
+    try:
+        k = q if rank != 2 else torch.randn(1, 4, 4, 6)  # k unlike q
+        hcp_attention(q, k, q, [[0], [1], [2], [3]], dense_attention_fn())
+    except ValueError as err:
+        messages["one_rank_input"] = str(err)
+    dense = dense_attention_fn()
+    try:
+        hcp_attention(q, q, q, [[0], [1], [2], [3]],
+                      lambda *args: dense(*args)[..., :-1, :] if rank == 3 else dense(*args))
+    except ValueError as err:
+        messages["one_rank_output"] = str(err)
     dist.barrier()
     return messages
 
 
 def test_hcp_bad_configurations_raise_clear_errors(tmp_path):
-    for messages in run_distributed(errors_worker, 4, out_dir=tmp_path):
+    results = run_distributed(errors_worker, 4, out_dir=tmp_path)
+    for messages in results:
         assert "needs at least 4 heads, got H=3" in messages["too_few_heads"]
         assert "placement lists 2 ranks, expected 4" in messages["wrong_rank_count"]
         assert "exactly once" in messages["repeated_head"]
         assert "input_splits sum to 4 but x has 1 rows" in messages["bad_splits"]
+    for rank, messages in enumerate(results):
+        assert ("another rank of the group refused" in messages["one_rank_input"]) == (rank != 2)
+        assert ("another rank of the group refused" in messages["one_rank_output"]) == (rank != 3)
+    assert "(1, 4, 4, 6)" in results[2]["one_rank_input"]
+    assert "attention_fn returned shape (1, 1, 15, 8)" in results[3]["one_rank_output"]

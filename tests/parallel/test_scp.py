@@ -139,6 +139,13 @@ def errors_worker(rank, world):
             scp_attention(q, q, q, candidate)
         except ValueError as err:
             messages[name] = str(err)
+    # Invalid on rank 1 only: its peers raised a transport error of no evident cause, or waited.
+    out_of_range = local.indices.clone()
+    out_of_range[0, 0, 0, 0] = 7  # 4 key blocks in all
+    try:
+        scp_attention(q, q, q, local if rank != 1 else LocalIndex(out_of_range, local.counts, 4, 4, 16))
+    except ValueError as err:
+        messages["one_rank"] = str(err)
     dist.barrier()
     return messages
 
@@ -150,10 +157,13 @@ def test_scp_bad_configurations_raise_clear_errors(tmp_path):
         LocalIndex.from_global(random_index(1, 24, 8, 4, [1]), 0, 2)
     with pytest.raises(ValueError, match="whole number of key blocks"):
         check_sequence_split(24, 2, 4, 8)
-    for messages in run_distributed(errors_worker, 2, out_dir=tmp_path):
+    rank0, rank1 = run_distributed(errors_worker, 2, out_dir=tmp_path)
+    for messages in (rank0, rank1):
         assert "must equal N * S_local = 2 * 8" in messages["seq_len"]
         assert "[B, H, NG_local, K_max] = [2, 2, 2, K]" in messages["shape"]
         assert "strictly ascending" in messages["ascending"]
+    assert "rank(s) [1] of the group refused their input" in rank0["one_rank"]
+    assert "valid entries must lie in [0, NKB=4)" in rank1["one_rank"]
 
 
 def subgroups_worker(rank, world, hcp_cases, scp_cases):

@@ -160,3 +160,29 @@ def test_ranks_wait_for_a_save_longer_than_the_process_group_timeout(tmp_path):
     ranks = run_distributed(_train_with_a_slow_save, 2, str(tmp_path / "run"), out_dir=tmp_path, timeout_s=120,
                             collective_timeout_s=WAIT_TEST_TIMEOUT_S)
     assert ranks[0] == ranks[1] == ["step_00000001"]
+
+
+def _construct(rank: int, world: int, root: str, extra: list[str]) -> str | None:
+    from dsv.train.config import apply_overrides
+    from dsv.train.recipes import get_recipe
+    from dsv.train.trainer import Trainer
+
+    cfg = apply_overrides(get_recipe("debug_cpu"), TINY + extra + [f"train.out_dir={root}"])
+    try:
+        Trainer(cfg, quiet=True).close()
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_context_parallel_settings_are_checked_at_setup_for_their_mode(tmp_path):
+    """Head-wise CP over more ranks than heads failed only at the first forward (after setup and any resume);
+    and the planner's whole-node rule refused CP modes that never plan (here 3 ranks with 2 GPUs per node)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    heads = run_distributed(_construct, 2, str(tmp_path / "hcp"), ["parallel.cp=2", "parallel.cp_mode=hcp",
+                            "model.heads=1", "model.hidden=16"], out_dir=tmp_path / "a", timeout_s=60)
+    assert all("needs at least 2 heads, model.heads=1" in message for message in heads), heads
+    scp = run_distributed(_construct, 3, str(tmp_path / "scp"), ["parallel.cp=3", "parallel.cp_mode=scp",
+                          "parallel.gpus_per_node=2"], out_dir=tmp_path / "b", timeout_s=60)
+    assert scp == [None, None, None]
