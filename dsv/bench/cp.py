@@ -10,14 +10,16 @@ attention forward + backward on the same inputs and index:
 
 A correctness gate comes first: each layout's output rows must equal single-GPU sparse attention on the
 whole sequence (same index). Times are the slowest rank's (every rank waits for it at the next
-collective), median over timed steps, CUDA events. The planner's prediction for each layout uses link
-and kernel speeds measured in the same run (all-to-all bandwidth; cuDNN dense and the sparse kernel at
-the profile's mean kept fraction on one GPU), so its error is the cost model's, not the constants'.
+collective), median over timed steps, each synchronised with the GPU at both ends. The planner's
+prediction for each layout uses link and kernel speeds measured in the same run (all-to-all bandwidth;
+cuDNN dense and the sparse kernel at the profile's mean kept fraction on one GPU), so its error is the
+cost model's, not the constants'.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -28,9 +30,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dsv.bench.profiling import write_op_profile
 from dsv.bench.train import _timed
+from dsv.cli import positive_int
 from dsv.ops import estimate_index, keep_blocks_from_sparsity, sparse_attention
 from dsv.parallel.context import MEASURED_HCP_OVERHEAD_S, MEASURED_SCP_OVERHEAD_S, ContextParallel
 from dsv.parallel.hcp import select_heads
@@ -42,11 +46,11 @@ TARGET_HYBRID_OVER_NAIVE_HCP = 1.3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tokens", type=int, nargs="+", default=[32768, 65536], help="sequence lengths S")
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--block", type=int, default=128, help="query group size = key block size")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per layout (after 3 warm-up)")
+    parser.add_argument("--tokens", type=positive_int, nargs="+", default=[32768, 65536], help="sequence lengths S")
+    parser.add_argument("--heads", type=positive_int, default=16)
+    parser.add_argument("--head-dim", type=positive_int, default=128)
+    parser.add_argument("--block", type=positive_int, default=128, help="query group size = key block size")
+    parser.add_argument("--steps", type=positive_int, default=10, help="timed steps per layout (after 3 warm-up)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="cpu: gloo and float32 (a functional check; its times mean nothing)")
     parser.add_argument("--out", type=Path, default=None, help="write the markdown report here (rank 0)")
@@ -97,8 +101,10 @@ def _rates(heads: int, seq_len: int, dim: int, block: int, mean_keep: float, dev
     for t in (q, k, v):
         t.requires_grad_(True)
     flops = 14.0 * heads * seq_len * seq_len * dim
-    dense_ms = _median_ms(_fwd_bwd(lambda a, b, c: F.scaled_dot_product_attention(a, b, c), q, k, v, grad), 5,
-                          device)
+    # cuDNN by name on a GPU: SDPA's default order would take another backend wherever cuDNN is not preferred.
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION) if torch.device(device).type == "cuda" else contextlib.nullcontext():
+        dense_ms = _median_ms(_fwd_bwd(lambda a, b, c: F.scaled_dot_product_attention(a, b, c), q, k, v, grad), 5,
+                              device)
     blocks = seq_len // block
     keep = torch.full((heads,), max(1, round(mean_keep * blocks)))
     q_lr, k_lr = (torch.randn(1, heads, seq_len, 16, device=device) for _ in range(2))

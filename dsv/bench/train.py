@@ -179,12 +179,17 @@ def _memory_history(folder: Path | None, name: str, device: torch.device):
 
 def _timed_steps(run: _Run, args, name: str, device: torch.device, period: int = 1) -> tuple[float, float, float]:
     """Median ms per step of the timed steps (after warm-up; of whole periods of `period` steps, see
-    `_Run.median_ms`) and their peak GiB, allocated and requested, under the allocator history if asked."""
+    `_Run.median_ms`) and their peak GiB, allocated and requested; then, if asked, the allocator history of
+    one more period, untimed (recording every allocation's Python stack slows the steps it covers)."""
     run.warm_up(args.warmup)
     _reset_peak(device)  # after the warm-up, for every mode alike: the peaks of the timed steps
+    ms = run.median_ms(0, args.steps, period=period)
+    peaks = _peak_gib(device), _peak_requested_gib(device)
     with _memory_history(args.memory_history, name, device):
-        ms = run.median_ms(0, args.steps, period=period)
-    return ms, _peak_gib(device), _peak_requested_gib(device)
+        if args.memory_history is not None:
+            for _ in range(period):
+                run.step()
+    return ms, *peaks
 
 
 class GateFailure(Exception):
@@ -468,6 +473,9 @@ def run(args) -> int:
     if "dsv" in args.modes:
         profile = paper_profile(cfg.model.depth, cfg.model.heads) if args.profile == "paper" \
             else load_profile(args.profile)
+        if len(profile) != cfg.model.depth or any(len(row) != cfg.model.heads for row in profile):
+            raise ValueError(f"--profile {args.profile}: {len(profile)} layers × {sorted({len(r) for r in profile})} "
+                             f"heads, the model has {cfg.model.depth} layers × {cfg.model.heads} heads")
     learn_every = cfg.attention.learn_every_stage2
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     rows, gates = [], []
@@ -479,8 +487,11 @@ def run(args) -> int:
             run_ = _Run(cfg, mode, tokens, args.spatial, device)
             row = {"tokens": tokens, "mode": mode, "notes": ""}
             if mode == "dsv":
+                # Stage-1 steps: the layers see their shapes and backends before dispatch. The peak is the
+                # second's: the first runs before AdamW has created its state (twice the parameters' bytes).
+                run_.step()
                 _reset_peak(device)
-                run_.step()  # one stage-1 step: the layers see their shapes and backends before dispatch
+                run_.step()
                 stage1_peak = _peak_gib(device)
                 run_.enter_stage2(profile)
             try:

@@ -2,6 +2,8 @@
 
 import argparse
 
+import pytest
+
 from tests.parallel import run_distributed
 
 
@@ -71,3 +73,14 @@ def test_cp_bench_gate_fails_on_a_nan_or_a_wrong_gradient_on_one_rank(tmp_path):
         assert codes == [1, 1], broken
         report = report_path.read_text()
         assert "FAILED" in report and "relative error of out, dq, dk, dv" in report, broken
+
+
+def test_cp_bench_refuses_zero_steps_before_anything_runs(capsys):
+    """--steps 0 failed after every gate and the calibration, in statistics.median of no times."""
+    from dsv.bench.cp import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--steps", "0"])
+    assert "argument --steps: expected an integer >= 1" in capsys.readouterr().err

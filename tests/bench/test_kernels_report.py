@@ -28,8 +28,26 @@ def test_report_rows_have_every_column_and_the_gpu_time_ratio():
     dsv = table[-1].split("|")
     assert dsv[9].strip() == "9.20 (1.25×)"  # 11.5 / 9.2 GPU ms
     assert dsv[7].strip() == "8.0" and dsv[8].strip() == "1.20"  # × dense, × Flex by wall time
-    assert "Hopper forward, fused Hopper backward; target ≥8×: met" in table[-1]
+    assert "Hopper forward, fused Hopper backward; target ≥8×: met (8.00×)" in table[-1]
     assert table[2].split("|")[9].strip() == "79.00"  # dense: GPU ms without a ratio
+    rows[-1]["ms"] = 10.02  # 7.98×: the one-place column reads 8.0, the note says why it is missed
+    dsv = [line for line in _report(rows, args, "a GPU", "a kernel", "a backward").splitlines()][-1]
+    assert dsv.split("|")[7].strip() == "8.0" and "target ≥8×: missed (7.98×)" in dsv
+
+
+def test_kernels_cli_refuses_sizes_and_sparsities_out_of_range(capsys):
+    """A sparsity of -0.2 kept more blocks than exist and ran dense under its label; 1.5 kept one block; zero
+    or negative sizes failed only after the gate or the dense timing."""
+    from dsv.bench.kernels import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for option, value in (("--sparsities", "-0.2"), ("--sparsities", "1.0"), ("--batch", "0"), ("--heads", "-1"),
+                          ("--seq-lens", "0"), ("--rep-ms", "-3")):
+        with pytest.raises(SystemExit):
+            parser.parse_args([option, value])
+        assert f"argument {option}: expected" in capsys.readouterr().err
+    assert parser.parse_args(["--sparsities", "0", "0.95"]).sparsities == [0.0, 0.95]
 
 
 def test_flex_autotunes_where_its_default_backward_tiles_do_not_divide_the_blocks():
@@ -78,7 +96,7 @@ def test_one_sequence_length_runs_every_method_and_checks_flex_against_dsv(monke
     estimate_kernels = importlib.import_module("dsv.ops.estimate.triton_kernels")
     attention_kernels = importlib.import_module("dsv.ops.sparse_attention.triton_kernels")
     monkeypatch.setattr(kernels, "_bench_ms", lambda fn, rep_ms: (fn(), 1.0)[1])
-    monkeypatch.setattr(kernels, "_peak_gib", lambda fn: (fn(), 0.5)[1])
+    monkeypatch.setattr(kernels, "_peak_gib", lambda fn, inputs: (fn(), 0.5)[1])
     monkeypatch.setattr(kernels, "_gpu_kernel_ms", lambda fn, reps=10: (fn(), 0.9)[1])
     monkeypatch.setattr(kernels, "_cudnn_attention", F.scaled_dot_product_attention)
     monkeypatch.setattr(estimate_kernels, "estimate_index_triton", estimate_index)

@@ -1,6 +1,7 @@
 """`dsv bench train` runs every mode on a tiny shape and reports DSV in stage 2 with sparse blocks, after
 correctness gates that fail the command on NaN steps or wrong sparse attention."""
 
+import json
 import math
 import re
 
@@ -373,3 +374,28 @@ def test_bench_train_checks_every_token_count_and_the_profile_before_running(tmp
     assert "--tokens 128 100: each must be a multiple of --spatial² = 64" in capsys.readouterr().err
     code = main(["bench", "train", *TINY, "--modes", "dense", "dsv", "--profile", str(tmp_path / "missing.json")])
     assert code != 0 and not built
+    # A readable profile of another model's shape: found only after dense and window had run.
+    (tmp_path / "other.json").write_text(json.dumps(paper_profile(32, 16)))
+    code = main(["bench", "train", *TINY, "--modes", "dense", "dsv", "--profile", str(tmp_path / "other.json")])
+    assert code == 2 and not built
+    assert "32 layers × [16] heads, the model has 5 layers × 2 heads" in capsys.readouterr().err
+
+
+def test_the_stage1_peak_is_of_a_step_with_the_optimizer_state(monkeypatch, capsys):
+    """AdamW creates its state (twice the parameters' bytes) in the first step's optimizer.step: a peak over the
+    run's first step left it out, and stage 1 read 6-12 GiB cheaper than dense at the 2.7B shape."""
+    runs, state_at_reset = [], []
+    original_init, original_reset = bench_train._Run.__init__, bench_train._reset_peak
+
+    def init(self, *args):
+        original_init(self, *args)
+        runs.append(self)
+
+    def reset(device):
+        state_at_reset.append(len(runs[-1].optimizer.state) if runs else None)
+        original_reset(device)
+
+    monkeypatch.setattr(bench_train._Run, "__init__", init)
+    monkeypatch.setattr(bench_train, "_reset_peak", reset)
+    assert main(["bench", "train", *TINY, "--modes", "dsv"]) == 0
+    assert state_at_reset and all(count for count in state_at_reset), state_at_reset
