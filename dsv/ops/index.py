@@ -171,6 +171,11 @@ class SparseIndex:
 
         Ties at the selection boundary keep the lower block id.
         """
+        for name, value in (("group_size", group_size), ("kv_block", kv_block), ("seq_len", seq_len)):
+            # Here, not at the index's first use: 0 divided below, and a NumPy int made an index that
+            # `validate` then refused.
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"SparseIndex.from_topk: {name} must be a positive int, got {value!r}")
         num_groups = math.ceil(seq_len / group_size)
         num_kv_blocks = math.ceil(seq_len / kv_block)
         if scores.dim() != 4 or tuple(scores.shape[2:]) != (num_groups, num_kv_blocks):
@@ -306,3 +311,13 @@ def resolve_scale(scale, head_dim: int) -> float:
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype of the reference ops: float64 for float64 inputs, float32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def values_readable(q: torch.Tensor) -> bool:
+    """Whether reading tensor values on the host is possible here: not while tracing (torch.compile, fake or
+    functional tensors under a dispatch mode) nor while a CUDA graph is being captured."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    # Plain tensors and parameters hold real values; other subclasses (fake, functional) may not.
+    return not (torch.compiler.is_compiling() or type(q) not in (torch.Tensor, torch.nn.Parameter)
+                or _get_current_dispatch_mode() is not None or (q.is_cuda and torch.cuda.is_current_stream_capturing()))

@@ -21,6 +21,7 @@ from dsv.ops.index import (
     resolve_chunk_size,
     resolve_scale,
     select_top_blocks,
+    values_readable,
 )
 
 WHOLE_BLOCK_TOLERANCE = 1e-4
@@ -200,6 +201,10 @@ def index_recall(
     if not isinstance(index, SparseIndex):
         raise ValueError(f"index must be a SparseIndex, got {type(index).__name__}")
     index.check_matches(batch, heads, seq_len, q.device, "index")
+    # As `sparse_attention` does (where values can be read): a duplicate id counted once here but twice in
+    # `kept_fraction`, an id of NKB fell into the dropped padding column.
+    if values_readable(q):
+        index.validate_once()
     rows = _check_rows(rows, seq_len, q.device)
     scale = resolve_scale(scale, dim)
     num_kv_blocks = index.num_kv_blocks
@@ -350,6 +355,7 @@ def window_index(
     group_size, seq_len = math.prod(cube), math.prod(grid)
     _check_positive_int(batch, "batch")
     _check_positive_int(heads, "heads")
+    _check_positive_int(kv_block, "kv_block")  # a NumPy int passed the test below, then failed validation
     if kv_block not in (1, group_size):
         raise ValueError(
             f"kv_block must be 1 or the cube volume {group_size} for a window index, got {kv_block}"

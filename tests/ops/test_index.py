@@ -165,3 +165,12 @@ def test_validate_names_the_broken_field(change, match):
 def test_from_topk_rejects_bad_arguments(scores, keep, match):
     with pytest.raises(ValueError, match=match):
         SparseIndex.from_topk(scores, keep, group_size=3, kv_block=2, seq_len=12)
+
+
+@pytest.mark.parametrize("geometry", [{"group_size": 0}, {"kv_block": -2}, {"seq_len": 12.0}])
+def test_from_topk_checks_its_geometry_first(geometry):
+    """group_size=0 raised ZeroDivisionError; a float or NumPy geometry built an index validate then refused."""
+    arguments = {"group_size": 3, "kv_block": 2, "seq_len": 12} | geometry
+    name = next(iter(geometry))
+    with pytest.raises(ValueError, match=f"from_topk: {name} must be a positive int"):
+        SparseIndex.from_topk(torch.randn(1, 2, 4, 6), torch.tensor([1, 2]), **arguments)

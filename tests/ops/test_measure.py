@@ -1,6 +1,7 @@
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -142,6 +143,16 @@ def test_index_recall_of_full_index_is_one():
     torch.testing.assert_close(index_recall(q, k, full, torch.arange(20)), torch.ones(1, 2))
 
 
+def test_index_recall_refuses_an_invalid_index():
+    """A duplicate id was counted once here and twice by kept_fraction; an id of NKB fell into the padding."""
+    q, k = peaky_inputs(1, 1, 16, 8)
+    for row in ([3, 3], [2, 4]):  # 4 key blocks: id 4 is NKB
+        indices = torch.tensor([[[[0, 1], [1, 2], [2, 3], row]]], dtype=torch.int32)
+        index = SparseIndex(indices, torch.full((1, 1, 4), 2, dtype=torch.int32), 4, 4, 16)
+        with pytest.raises(ValueError, match="SparseIndex.indices valid entries"):
+            index_recall(q, k, index, torch.arange(16))
+
+
 def brute_force_oracle(q, k, keep, group_size, kv_block):
     B, H, S, _ = q.shape
     num_kv_blocks = math.ceil(S / kv_block)
@@ -241,6 +252,7 @@ def test_full_window_keeps_every_block():
         ({"grid": (5, 4, 4)}, r"grid T=5 is not divisible by cube t=2"),
         ({"window_frac": 0.0}, r"window_frac must lie in \(0, 1\]"),
         ({"heads": 0}, r"heads must be a positive int"),
+        ({"kv_block": np.int64(8)}, r"kv_block must be a positive int, got np.int64\(8\)"),  # built, then refused
     ],
 )
 def test_window_index_rejects_bad_arguments(kwargs, match):

@@ -1,5 +1,6 @@
 import dataclasses
 import math
+import warnings
 
 import pytest
 import torch
@@ -206,6 +207,24 @@ def test_dispatcher_backends():
         sparse_attention(q, k, v, index, backend="triton")
     with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'reference', 'triton'\), got 'cuda'"):
         sparse_attention(q, k, v, index, backend="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_auto_says_once_per_reason_when_the_reference_runs_on_a_gpu(monkeypatch):
+    """float32 on a GPU takes the reference, many times slower than the kernels: "auto" used to say nothing."""
+    import dsv.ops.sparse_attention as public
+
+    monkeypatch.setattr(public, "_WARNED_FALLBACKS", set())
+    cpu_index = random_index(1, 2, 64, 16, 16, [1, 2])
+    index = dataclasses.replace(cpu_index, indices=cpu_index.indices.cuda(), counts=cpu_index.counts.cuda())
+    q, k, v = (t.cuda() for t in make_inputs(1, 2, 64, 16, torch.float32))
+    with pytest.warns(UserWarning, match="the PyTorch reference runs on cuda:0, not the Triton kernels: dtype"):
+        sparse_attention(q, k, v, index)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same reason again: silent
+        sparse_attention(q, k, v, index)
+        sparse_attention(q, k, v, index, backend="reference")  # asked for: silent
 
 
 def good_arguments():

@@ -608,3 +608,21 @@ def test_gpu_estimate_matches_reference(dtype):
     got = estimate_index_triton(q_int, k_int, keep, G, kv)
     want = estimate_index(q_int, k_int, keep, G, kv)
     assert torch.equal(got.indices, want.indices)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_float64_estimation_goes_to_the_reference():
+    """The kernels score in float32: blocks 1e-12 apart tied and the lower id won, where the reference (float64)
+    picks the higher one. float64 inputs now take the reference under "auto"."""
+    from dsv.ops.estimate import estimate_index as estimate_index_auto
+    from dsv.ops.estimate import triton_estimation_unsupported
+
+    q_lr = torch.ones(1, 1, 48, 1, dtype=torch.float64, device="cuda")
+    k_lr = torch.tensor([1.0] * 16 + [1.0 + 1e-12] * 16 + [0.5] * 16, dtype=torch.float64, device="cuda")
+    k_lr = k_lr.view(1, 1, 48, 1)
+    keep = torch.tensor([1], device="cuda")
+    assert "float64" in triton_estimation_unsupported(q_lr, 16, 48)
+    chosen = estimate_index_auto(q_lr, k_lr, keep, 16, 16)
+    reference = estimate_index(q_lr, k_lr, keep, 16, 16)
+    assert torch.equal(chosen.indices, reference.indices) and int(reference.indices[0, 0, 0, 0]) == 1

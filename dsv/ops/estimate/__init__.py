@@ -20,6 +20,8 @@ def triton_estimation_unsupported(q_lr: torch.Tensor, kv_block: int, seq_len: in
         return f"inputs are on {q_lr.device}; the Triton kernels need a CUDA device"
     if not TRITON_INSTALLED:
         return "triton is not installed (pip install 'dsv[triton]')"
+    if q_lr.dtype == torch.float64:
+        return "float64 inputs; the kernels score in float32, which can tie blocks the reference tells apart"
     from dsv.ops.estimate.triton_kernels import MAX_KV_BLOCKS
 
     if -(-(q_lr.shape[2] if seq_len is None else seq_len) // kv_block) > MAX_KV_BLOCKS:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import warnings
 
 import torch
 
-from dsv.ops.index import SparseIndex, resolve_scale
+from dsv.ops.index import SparseIndex, resolve_scale, values_readable
 from dsv.ops.sparse_attention.naive import (
     sparse_attention_reference,
     sparse_attention_reference_with_lse,
@@ -98,14 +99,8 @@ def resolve_backend(backend: str, q: torch.Tensor, group_size: int, kv_block: in
     return ("triton" if reason is None else "reference"), reason
 
 
-def _values_readable(q: torch.Tensor) -> bool:
-    """Whether reading tensor values on the host is possible here: not while tracing (torch.compile, fake or
-    functional tensors under a dispatch mode) nor while a CUDA graph is being captured."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-    # Plain tensors and parameters hold real values; other subclasses (fake, functional) may not.
-    return not (torch.compiler.is_compiling() or type(q) not in (torch.Tensor, torch.nn.Parameter)
-                or _get_current_dispatch_mode() is not None or (q.is_cuda and torch.cuda.is_current_stream_capturing()))
+_WARNED_FALLBACKS: set[str] = set()
+"""Reasons `sparse_attention(backend="auto")` has warned of on CUDA, once each."""
 
 
 def sparse_attention(
@@ -137,8 +132,14 @@ def sparse_attention(
     if not isinstance(index, SparseIndex):
         raise ValueError(f"index must be a SparseIndex, got {type(index).__name__}")
     scale = None if scale is None else resolve_scale(scale, q.shape[-1])
-    chosen, _ = resolve_backend(backend, q, index.group_size, index.kv_block)
-    if chosen == "triton" and check_index and _values_readable(q):
+    chosen, reason = resolve_backend(backend, q, index.group_size, index.kv_block)
+    if backend == "auto" and chosen == "reference" and q.is_cuda and not torch.compiler.is_compiling() \
+            and reason not in _WARNED_FALLBACKS:
+        # Once per reason: on a GPU the reference is many times slower, and "auto" would not say so.
+        _WARNED_FALLBACKS.add(reason)
+        warnings.warn(f"sparse_attention: the PyTorch reference runs on {q.device}, not the Triton kernels: "
+                      f"{reason}", stacklevel=2)
+    if chosen == "triton" and check_index and values_readable(q):
         index.validate_once()
     if chosen == "triton":
         from dsv.ops.sparse_attention.triton_kernels import sparse_attention_triton
