@@ -185,8 +185,8 @@ def _timed_steps(run: _Run, args, name: str, device: torch.device, period: int =
     _reset_peak(device)  # after the warm-up, for every mode alike: the peaks of the timed steps
     ms = run.median_ms(0, args.steps, period=period)
     peaks = _peak_gib(device), _peak_requested_gib(device)
-    with _memory_history(args.memory_history, name, device):
-        if args.memory_history is not None:
+    if args.memory_history is not None:
+        with _memory_history(args.memory_history, name, device):
             for _ in range(period):
                 run.step()
     return ms, *peaks

@@ -601,7 +601,7 @@ class DSVAttentionCore(nn.Module):
             keep_blocks = keep_blocks_from_sparsity(sparsity_ema, -(-seq_len // cfg.key_block),
                                                     cfg.keep_floor_blocks, self.budget_margin(keep_boost))
             index = self.compute_index(hidden, q, k, grid, keep_blocks=keep_blocks)
-            recall = index_recall(q, k, index, rows, scale=self.scale).mean(0)
+            recall = index_recall(q, k, index, rows, scale=self.scale, check_index=False).mean(0)
             recall_ema.copy_(_ema(recall_ema, recall, cfg.ema_momentum))
             if controller.current_stage == 2:
                 self.update_keep_boost(keep_boost, recall)

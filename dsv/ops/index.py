@@ -63,9 +63,7 @@ class SparseIndex:
     def validate(self) -> None:
         """Check every invariant of the index; raise ValueError naming the offending field."""
         for name in ("group_size", "kv_block", "seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"SparseIndex.{name} must be a positive int, got {value!r}")
+            check_positive_int(getattr(self, name), f"SparseIndex.{name}")
         for name in ("indices", "counts"):
             tensor = getattr(self, name)
             if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.int32:
@@ -174,8 +172,7 @@ class SparseIndex:
         for name, value in (("group_size", group_size), ("kv_block", kv_block), ("seq_len", seq_len)):
             # Here, not at the index's first use: 0 divided below, and a NumPy int made an index that
             # `validate` then refused.
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"SparseIndex.from_topk: {name} must be a positive int, got {value!r}")
+            check_positive_int(value, f"SparseIndex.from_topk: {name}")
         num_groups = math.ceil(seq_len / group_size)
         num_kv_blocks = math.ceil(seq_len / kv_block)
         if scores.dim() != 4 or tuple(scores.shape[2:]) != (num_groups, num_kv_blocks):
@@ -306,6 +303,13 @@ def resolve_scale(scale, head_dim: int) -> float:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a positive finite float or None (D ** -0.5), got {scale!r}")
     return float(scale)
+
+
+def check_positive_int(value, name: str) -> int:
+    """`value` if it is a Python int >= 1 (not a bool, a float or a NumPy int), else ValueError naming it."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

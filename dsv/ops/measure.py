@@ -17,6 +17,7 @@ from dsv.ops.index import (
     SparseIndex,
     check_bhsd,
     check_keep_blocks,
+    check_positive_int,
     compute_dtype,
     resolve_chunk_size,
     resolve_scale,
@@ -29,12 +30,6 @@ WHOLE_BLOCK_TOLERANCE = 1e-4
 up: float32 sparsity such as 0.9 (stored as 0.8999999762) would otherwise keep one block more than ``ceil``
 of the exact value. The eps term grows with the blocks, as that rounding error does (it reached a whole
 block at ~16k key blocks)."""
-
-
-def _check_positive_int(value, name: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 def _check_rows(rows: torch.Tensor, seq_len: int, device: torch.device) -> torch.Tensor:
@@ -78,8 +73,8 @@ def sample_query_rows(seq_len: int, stride: int, offset: int = 0,
 
     Made on the device directly: a copy from host memory would wait for the device's whole stream, once
     per layer and step in training."""
-    _check_positive_int(seq_len, "seq_len")
-    _check_positive_int(stride, "stride")
+    check_positive_int(seq_len, "seq_len")
+    check_positive_int(stride, "stride")
     first = offset % stride
     if first >= seq_len:
         raise ValueError(
@@ -97,8 +92,8 @@ def jittered_query_rows(seq_len: int, stride: int, generator: torch.Generator,
     likely: rows come in grouped (cube) order, so a fixed stride sees only some in-cube offsets (only w offset 0
     of a 2x4x4 cube at stride 4) and never the cube's edge rows, which its shared selection serves worst.
     Drawn on the CPU from ``generator`` (reproducible whatever the device)."""
-    _check_positive_int(seq_len, "seq_len")
-    _check_positive_int(stride, "stride")
+    check_positive_int(seq_len, "seq_len")
+    check_positive_int(stride, "stride")
     starts = torch.arange(0, seq_len, stride)
     widths = (seq_len - starts).clamp(max=stride)
     jitter = (torch.rand(starts.numel(), generator=generator, dtype=torch.float64) * widths).long()
@@ -112,7 +107,7 @@ def sample_key_positions(seq_len: int, count: int, seed: int,
 
     The draw depends on ``seed`` alone (its own generator, made on the device: no host copy), so every rank
     and a resumed run draw the same keys. Uniform, not strided: a stride aliases with the token grid."""
-    _check_positive_int(seq_len, "seq_len")
+    check_positive_int(seq_len, "seq_len")
     if count < 0:
         raise ValueError(f"count must be >= 0 (0 = every key), got {count}")
     if count == 0 or count >= seq_len:
@@ -182,6 +177,7 @@ def index_recall(
     index: SparseIndex,
     rows: torch.Tensor,
     scale: float | None = None,
+    check_index: bool = True,
 ) -> torch.Tensor:
     """Dense attention mass that an index keeps, averaged over sampled query rows.
 
@@ -193,6 +189,9 @@ def index_recall(
         index: ``SparseIndex`` for these inputs.
         rows: integer ``[R]`` query row ids in ``[0, S)``.
         scale: softmax scale, default ``D ** -0.5``.
+        check_index: validate the index once (`SparseIndex.validate_once`, host reads), as `sparse_attention`
+            does: a duplicate id would count once here but twice in `kept_fraction`, an id of NKB not at all.
+            DSV's own layers pass False for the indices they make (their profiling steps).
 
     Returns:
         float32 ``[B, H]`` in ``[0, 1]``.
@@ -201,9 +200,7 @@ def index_recall(
     if not isinstance(index, SparseIndex):
         raise ValueError(f"index must be a SparseIndex, got {type(index).__name__}")
     index.check_matches(batch, heads, seq_len, q.device, "index")
-    # As `sparse_attention` does (where values can be read): a duplicate id counted once here but twice in
-    # `kept_fraction`, an id of NKB fell into the dropped padding column.
-    if values_readable(q):
+    if check_index and values_readable(q):
         index.validate_once()
     rows = _check_rows(rows, seq_len, q.device)
     scale = resolve_scale(scale, dim)
@@ -251,8 +248,8 @@ def oracle_index(
         ``SparseIndex`` with ``indices [B, H, NG, max(keep)]``.
     """
     batch, heads, seq_len, dim = check_bhsd({"q": q, "k": k})
-    _check_positive_int(group_size, "group_size")
-    _check_positive_int(kv_block, "kv_block")
+    check_positive_int(group_size, "group_size")
+    check_positive_int(kv_block, "kv_block")
     num_groups = math.ceil(seq_len / group_size)
     num_kv_blocks = math.ceil(seq_len / kv_block)
     keep = check_keep_blocks(keep_blocks, heads, num_kv_blocks, q.device)
@@ -353,9 +350,9 @@ def window_index(
     _, inv = cube_permutation(grid, cube)
     grid, cube = tuple(int(size) for size in grid), tuple(int(size) for size in cube)
     group_size, seq_len = math.prod(cube), math.prod(grid)
-    _check_positive_int(batch, "batch")
-    _check_positive_int(heads, "heads")
-    _check_positive_int(kv_block, "kv_block")  # a NumPy int passed the test below, then failed validation
+    check_positive_int(batch, "batch")
+    check_positive_int(heads, "heads")
+    check_positive_int(kv_block, "kv_block")  # a NumPy int passed the test below, then failed validation
     if kv_block not in (1, group_size):
         raise ValueError(
             f"kv_block must be 1 or the cube volume {group_size} for a window index, got {kv_block}"
@@ -403,8 +400,8 @@ def keep_blocks_from_sparsity(
     """
     if not (isinstance(sparsity, torch.Tensor) and sparsity.dim() == 1 and sparsity.dtype.is_floating_point):
         raise ValueError("sparsity must be a 1-D floating tensor [H]")
-    _check_positive_int(num_kv_blocks, "num_kv_blocks")
-    _check_positive_int(floor_blocks, "floor_blocks")
+    check_positive_int(num_kv_blocks, "num_kv_blocks")
+    check_positive_int(floor_blocks, "floor_blocks")
     if isinstance(margin, torch.Tensor):
         if margin.shape != sparsity.shape:
             raise ValueError(f"margin must be a float or a tensor of sparsity's shape {tuple(sparsity.shape)}, "

@@ -470,8 +470,8 @@ class ContextParallel:
             keep_blocks = keep_blocks_from_sparsity(layer.sparsity_ema, -(-seq_len // cfg.key_block),
                                                     cfg.keep_floor_blocks, layer.budget_margin(layer.keep_boost))
             index = self._index(layer, x, q, k, layout, grid, keep_blocks.cpu())
-            recall = self._sum_heads(index_recall(q_all, k_all, index, rows, scale=layer.scale).mean(0), heads,
-                                     layer.heads, layout)
+            recall = index_recall(q_all, k_all, index, rows, scale=layer.scale, check_index=False).mean(0)
+            recall = self._sum_heads(recall, heads, layer.heads, layout)
             layer.recall_ema.copy_(_ema(layer.recall_ema, recall, cfg.ema_momentum))
             if controller.current_stage == 2:
                 layer.update_keep_boost(layer.keep_boost, recall)

@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsv.ops.index import check_positive_int
 from dsv.parallel.placement import place_heads
 
 ATTENTION_FLOPS_PER_QK_DIM = 14
@@ -53,7 +54,7 @@ class AttentionShape:
 
     def __post_init__(self):
         for name in ("tokens", "heads", "head_dim", "batch", "bytes_per_element"):
-            _check_positive_int(getattr(self, name), name)
+            check_positive_int(getattr(self, name), name)
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,8 @@ class Cluster:
     scp_overhead_s: float = 0.0
 
     def __post_init__(self):
-        _check_positive_int(self.gpus, "gpus")
-        _check_positive_int(self.gpus_per_node, "gpus_per_node")
+        check_positive_int(self.gpus, "gpus")
+        check_positive_int(self.gpus_per_node, "gpus_per_node")
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
             raise ValueError(
                 f"gpus={self.gpus} must fill whole nodes of gpus_per_node={self.gpus_per_node} "
@@ -155,11 +156,6 @@ class ModelPlan:
     @property
     def hybrid_s(self) -> float:
         return sum(block.hybrid.time_s for block in self.blocks)
-
-
-def _check_positive_int(value, name: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def factorisations(cluster: Cluster, heads: int) -> list[tuple[int, int]]:
@@ -372,8 +368,8 @@ def paper_profile(layers: int = 32, heads: int = 16) -> list[list[float]]:
     [0.90, 0.99]. Head ``h`` of layer ``l`` sits at fraction ``frac((l * heads + h + 1) * 0.618...)`` of
     its range (a golden-ratio sequence: evenly spread, no random generator).
     """
-    _check_positive_int(layers, "layers")
-    _check_positive_int(heads, "heads")
+    check_positive_int(layers, "layers")
+    check_positive_int(heads, "heads")
     if layers < 5:
         raise ValueError(
             f"the paper profile needs at least 5 layers (3 dense, 1 at ~0.75, the last dense), got {layers}"
