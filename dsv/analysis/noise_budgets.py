@@ -207,7 +207,7 @@ def calibrate_noise_level_budgets(model, clips: torch.Tensor, kept_mass: float, 
                 for i, layer in enumerate(layers):
                     keep, mass = _smallest_meeting(tried[i], kept_mass)
                     mean_keep = float(keep.mean())
-                    pays, _ = layer.sparse_pays(mean_keep, batch=sampling_batch)
+                    pays, _ = layer.sparse_pays(keep, batch=sampling_batch)
                     keeps.append(keep.tolist())
                     # Without a speed model, the dispatch's threshold read as a budget: a block at the threshold
                     # keeps 1 - threshold of the keys, and a wider budget (a high kept mass) is not worth the kernels.

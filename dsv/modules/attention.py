@@ -196,27 +196,34 @@ class DSVAttentionCore(nn.Module):
         if sparse:
             # `dispatch_margin`: a dense block must gain to go sparse, a sparse one stays until it would lose.
             margin = 0.0 if self._use_sparse_host else self.cfg.dispatch_margin
-            pays, reason = self.sparse_pays(float(keep.mean()), margin)
+            pays, reason = self.sparse_pays(keep, margin)
             sparse = sparse if pays is None else pays
             self.dispatch_reason += reason
         self.use_sparse.fill_(sparse)
         self._refresh_host_state()
 
-    def sparse_pays(self, mean_keep: float, margin: float = 0.0, batch: int | None = None) -> tuple[bool | None, str]:
-        """Whether the measured kernel speed (`dsv.modules.dispatch`) predicts sparse attention at kept fraction
-        `mean_keep` faster than dense, by `margin` of dense's time, at this layer's last shape (with `batch`, at
-        that batch size instead); and the numbers as text. None (and "") where no speed model applies:
-        `speed_dispatch` off, a backend without one, or no forward seen yet."""
+    def sparse_pays(self, keep: torch.Tensor, margin: float = 0.0, batch: int | None = None) -> tuple[bool | None, str]:
+        """Whether the measured kernel speed (`dsv.modules.dispatch`) predicts sparse attention at the per-head
+        kept fractions `keep` (float ``[H]``) faster than dense, by `margin` of dense's time, at this layer's last
+        shape (with `batch`, at that batch size instead); and the numbers as text. None (and "") where no speed
+        model applies: `speed_dispatch` off, a backend without one, or no forward seen yet."""
         model, blocks = (speed_model(self._last_backend, self.cfg.group_size, self.cfg.key_block)
                          if self.cfg.speed_dispatch else (None, ""))
         if model is None or self._last_shape is None:
             return None, ""
         last_batch, seq_len = self._last_shape
+        # The kernels run whole key blocks, at least the floor: at short sequences a head's budget rounds up by
+        # a sizeable fraction, which the model must be given rather than the fraction asked for.
+        num_kv_blocks = -(-seq_len // self.cfg.key_block)
+        kept_blocks = keep_blocks_from_sparsity(1.0 - keep.detach().double().cpu(), num_kv_blocks,
+                                                self.cfg.keep_floor_blocks)
+        run_keep = float(kept_blocks.double().mean()) / num_kv_blocks
         shape = (last_batch if batch is None else batch, self.heads, seq_len, self.head_dim)
         dense_ms = model.dense_ms(*shape)
-        return model.pays(mean_keep, *shape, margin=margin), (
-            f"; {self._last_backend} speed model ({blocks}): sparse {model.sparse_ms(mean_keep, *shape):.2f} ms vs "
-            f"dense {dense_ms:.2f} ms" + (f" (to go sparse: < {(1.0 - margin) * dense_ms:.2f} ms)" if margin else ""))
+        return model.pays(run_keep, *shape, margin=margin), (
+            f"; {self._last_backend} speed model ({blocks}): sparse {model.sparse_ms(run_keep, *shape):.2f} ms at "
+            f"{run_keep:.3f} kept in whole key blocks vs dense {dense_ms:.2f} ms"
+            + (f" (to go sparse: < {(1.0 - margin) * dense_ms:.2f} ms)" if margin else ""))
 
     def set_step_budget(self, keep_fraction: list[float] | None, sparse: bool = True) -> None:
         """Run the following forwards with these per-head kept fractions, sparse or dense, in place of the

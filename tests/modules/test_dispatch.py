@@ -77,6 +77,23 @@ def test_a_layer_with_small_cubes_stays_dense_where_their_kernels_lose():
     assert layer.use_sparse
 
 
+def test_the_speed_model_is_given_the_kept_fraction_the_kernels_run():
+    """Budgets run as whole key blocks and at least `keep_floor_blocks` of them: the dispatch prices that, not
+    the fraction asked for. Three quarters of 128 blocks as the floor: 5% asked runs 75%, slower than dense."""
+    from dsv.modules.dispatch import H200_TRITON_64
+
+    shape = (8, 6, 8192, 64)
+    assert H200_TRITON_64.pays(0.05, *shape) and not H200_TRITON_64.pays(0.75, *shape)
+    layer = DSVAttention(384, 6, cfg=AttentionConfig(cube=(4, 4, 4), sparse_threshold=0.5, keep_floor_blocks=96))
+    layer._last_backend, layer._last_shape = "triton", (8, 8192)
+    layer.sparsity_ema.fill_(0.95)
+    layer.dispatch()
+    assert not layer.use_sparse and "at 0.750 kept in whole key blocks" in layer.dispatch_reason
+    layer.cfg = AttentionConfig(cube=(4, 4, 4), sparse_threshold=0.5, keep_floor_blocks=2)
+    layer.dispatch()
+    assert layer.use_sparse and "at 0.055 kept in whole key blocks" in layer.dispatch_reason  # ceil(6.4) of 128
+
+
 def test_blocks_near_the_break_even_keep_their_path():
     """attention.dispatch_margin: a dense block goes sparse only for a predicted saving of at least the margin,
     a sparse one goes back to dense only where sparse is predicted slower: the band keeps blocks near the
