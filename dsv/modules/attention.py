@@ -183,6 +183,8 @@ class DSVAttentionCore(nn.Module):
 
     def dispatch(self) -> None:
         """Decide dense or sparse for this block from its profiled sparsity, and each head's budget."""
+        if self.cfg.mode not in ("dsv", "oracle"):
+            return  # a window or dense layer under a controller of DSV layers: its attention is fixed by its mode
         sparsity = self.sparsity_ema
         if torch.isnan(sparsity).any():
             return  # never profiled: stay as is

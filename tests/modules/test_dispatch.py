@@ -124,3 +124,15 @@ def test_blocks_near_the_break_even_keep_their_path():
     no_band.sparsity_ema.fill_(1 - 0.62)
     no_band.dispatch()
     assert no_band.use_sparse
+
+
+def test_window_and_dense_layers_keep_their_mode_under_a_dispatching_controller():
+    """One controller may serve layers of several modes (a model built with per-layer configs): the stage-2
+    dispatch leaves a window or dense layer's path and its stated reason as its mode fixes them."""
+    for mode, runs_sparse in (("window", True), ("dense", False)):
+        layer = DSVAttention(64, 4, cfg=AttentionConfig(mode=mode, sparse_threshold=0.5))
+        reason, use_sparse = layer.dispatch_reason, bool(layer.use_sparse)
+        layer.sparsity_ema.fill_(0.95 if mode == "dense" else 0.1)
+        layer.dispatch()
+        assert layer.dispatch_reason == reason and reason.startswith(f"attention.mode={mode}")
+        assert layer.runs_sparse() is runs_sparse and bool(layer.use_sparse) is use_sparse
