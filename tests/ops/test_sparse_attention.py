@@ -1,4 +1,5 @@
 import dataclasses
+import importlib
 import math
 import warnings
 
@@ -213,8 +214,8 @@ def test_dispatcher_backends():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_auto_says_once_per_reason_when_the_reference_runs_on_a_gpu(monkeypatch):
     """float32 on a GPU takes the reference, many times slower than the kernels: "auto" used to say nothing."""
-    import dsv.ops.sparse_attention as public
-
+    # The package, not the function of the same name that dsv.ops exports (`import ... as` would find that).
+    public = importlib.import_module("dsv.ops.sparse_attention")
     monkeypatch.setattr(public, "_WARNED_FALLBACKS", set())
     cpu_index = random_index(1, 2, 64, 16, 16, [1, 2])
     index = dataclasses.replace(cpu_index, indices=cpu_index.indices.cuda(), counts=cpu_index.counts.cuda())
