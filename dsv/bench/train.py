@@ -106,8 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "device time to FOLDER/<tokens>-<mode>.txt; on CUDA the report adds its GPU time by "
                              "kernel category")
     parser.add_argument("--memory-history", type=Path, default=None, metavar="FOLDER",
-                        help="record the CUDA allocator's history over each run's timed steps and dump it to "
-                             "FOLDER/<tokens>-<mode>.pickle (view at pytorch.org/memory_viz)")
+                        help="after timing, record the CUDA allocator's history over one more step of each "
+                             "run (DSV: one update period; untimed, since recording every allocation's stack "
+                             "slows it) and dump it to FOLDER/<tokens>-<mode>.pickle (pytorch.org/memory_viz)")
 
 
 def _timed(fn, device: torch.device) -> float:
