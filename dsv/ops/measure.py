@@ -136,9 +136,15 @@ def critical_counts(
     Returns:
         int64 ``[B, H, R]`` counts in ``[1, S]``.
     """
-    _, _, seq_len, dim = check_bhsd({"q": q, "k": k})
-    rows = _check_rows(rows, seq_len, q.device)
+    _, _, seq_len, _ = check_bhsd({"q": q, "k": k})
+    return _critical_counts(q, k, _check_rows(rows, seq_len, q.device), theta, scale)
+
+
+def _critical_counts(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, theta: float,
+                     scale: float | None) -> torch.Tensor:
+    """`critical_counts` on q, k and int64 rows already checked (each row check reads the device)."""
     _check_theta(theta)
+    seq_len, dim = q.shape[2], q.shape[3]
     scale = resolve_scale(scale, dim)
     chunk = _row_chunk(q, rows.numel())
     k = k.to(compute_dtype(k.dtype))  # once, not per chunk (a full copy of the keys at bf16 input)
@@ -164,9 +170,10 @@ def head_sparsity(
     Args: as ``critical_counts``. Returns float32 ``[H]``; NaN for a head whose sampled query rows or keys
     hold a NaN or Inf (a count over non-finite weights would read as the sparsest head there is).
     """
-    counts = critical_counts(q, k, rows, theta, scale)
-    sparsity = (1.0 - counts.double() / q.shape[2]).mean(dim=(0, 2)).float()
-    rows = _check_rows(rows, q.shape[2], q.device)
+    _, _, seq_len, _ = check_bhsd({"q": q, "k": k})
+    rows = _check_rows(rows, seq_len, q.device)
+    counts = _critical_counts(q, k, rows, theta, scale)
+    sparsity = (1.0 - counts.double() / seq_len).mean(dim=(0, 2)).float()
     finite = torch.isfinite(q[:, :, rows]).all(dim=(0, 2, 3)) & torch.isfinite(k).all(dim=(0, 2, 3))
     return torch.where(finite, sparsity, float("nan"))
 
