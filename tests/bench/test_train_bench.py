@@ -3,6 +3,7 @@ correctness gates that fail the command on NaN steps or wrong sparse attention."
 
 import json
 import math
+import pickle
 import re
 
 import pytest
@@ -225,6 +226,30 @@ def test_stage2_training_step_has_no_host_sync_on_gpu(host_offload):
         run.step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_memory_history_holds_each_runs_allocations_with_their_python_stacks_on_gpu(tmp_path):
+    """`--memory-history` dumps one allocator snapshot per run that torch's memory viewer reads: allocations
+    recorded with the Python frames that made them (DSV's code among them), after the timed steps."""
+    folder = tmp_path / "mem"
+    tiny_gpu = [arg if arg != "cpu" else "cuda" for arg in TINY]
+    tiny_gpu[tiny_gpu.index("128")] = "512"  # 8×8×8 tokens: whole 4×4×4 cubes, 64-token groups as in training
+    tiny_gpu[tiny_gpu.index("attention.cube=2,2,2")] = "attention.cube=4,4,4"
+    tiny_gpu[tiny_gpu.index("model.hidden=32")] = "model.hidden=64"  # head dim 32, as the other GPU bench test
+    code = main(["bench", "train", *tiny_gpu, "--modes", "dense", "dsv", "--warmup", "0", "--steps", "1",
+                 "--memory-history", str(folder)])
+    assert code == 0
+    assert sorted(p.name for p in folder.iterdir()) == ["512-dense.pickle", "512-dsv.pickle"]
+    for name in ("dense", "dsv"):
+        with open(folder / f"512-{name}.pickle", "rb") as f:
+            snapshot = pickle.load(f)
+        allocs = [e for trace in snapshot["device_traces"] for e in trace if e["action"] == "alloc"]
+        assert allocs, f"{name}: no allocation recorded"
+        files = {frame["filename"] for e in allocs for frame in e.get("frames", [])}
+        assert any("/dsv/" in f.replace("\\", "/") and f.endswith(".py") for f in files), \
+            f"{name}: no Python frame of DSV's code among {sorted(files)[:5]}"
 
 
 def test_gate_tolerance_is_two_units_of_the_dtypes_eps():
