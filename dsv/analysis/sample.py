@@ -14,7 +14,7 @@ from dsv.analysis.checkpointed_model import load_model, run_precision
 from dsv.analysis.noise_budgets import NoiseLevelBudgets, calibrate_noise_level_budgets, noise_level_budgets
 from dsv.modules.dit import VideoDiT, sample_euler
 from dsv.train.config import Config
-from dsv.train.video_io import check_writable, write_video
+from dsv.train.video_io import check_fps, check_writable, write_video
 
 
 def to_uint8_grid(videos: torch.Tensor, columns: int, even: bool = False) -> torch.Tensor:
@@ -119,10 +119,11 @@ def similarity(videos: torch.Tensor, reference: torch.Tensor) -> dict:
 
     SSIM is Wang et al.'s (2004; 11-tap Gaussian window, sigma 1.5), on pixels mapped to [0, 1]: its luminance
     term assumes non-negative intensities, and on [-1, 1] a mid-grey frame 1% brighter than its reference
-    scored 0.5. Frames smaller than 11 pixels use the largest odd window that fits (`ssim_window`); below 3
-    pixels SSIM is None. A frame equal to its reference has infinite PSNR: such frames are counted in
-    `identical_frames` and left out of the PSNR mean, which is None when every frame is identical (so the
-    result stays valid JSON)."""
+    scored 0.5. Frames smaller than 11 pixels are filtered with the same Gaussian (borders reflected) and its
+    map is averaged over the centre left after cropping half the largest odd window that fits (`ssim_window`)
+    from each side, skimage's border crop; below 3 pixels SSIM is None. A frame equal to its reference has
+    infinite PSNR: such frames are counted in `identical_frames` and left out of the PSNR mean, which is None
+    when every frame is identical (so the result stays valid JSON)."""
     from skimage.metrics import peak_signal_noise_ratio, structural_similarity
 
     def frames(x: torch.Tensor):  # [N·T, H, W, 3] in [0, 1]
@@ -150,13 +151,14 @@ def sample_videos(checkpoint: str, out: str, num: int = 4, steps: int = 25, seed
     `calibration` (`{"kept_mass": ..., "clips": ...}`), each step runs at budgets calibrated for its noise level
     (`dsv.analysis.noise_budgets`), summarised in the result. With `average_weights`, the run's moving average of
     its weights (`train.ema_decay`) samples, the dense comparison's too.
-    Bad arguments (`num` or `steps` below 1, an `out` the writer cannot write here: another suffix, or .mp4
-    without PyAV) raise ValueError before any sampling."""
+    Bad arguments (`num` or `steps` below 1, an `fps` not above 0, an `out` the writer cannot write here: another
+    suffix, or .mp4 without PyAV) raise ValueError before any sampling."""
     if num < 1:
         raise ValueError(f"num must be >= 1 (samples to write), got {num}")
     if steps < 1:
         raise ValueError(f"steps must be >= 1 (Euler steps; 0 would write the initial noise), got {steps}")
     check_writable(out)
+    check_fps(fps)
     videos, seconds, facts = _generate(checkpoint, num, steps, seed, device, attention_mode, calibration,
                                        average_weights)
     write_video(to_uint8_grid(videos, columns=min(num, 4), even=Path(out).suffix.lower() == ".mp4"), Path(out),

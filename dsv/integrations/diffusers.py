@@ -392,6 +392,11 @@ def _self_attention_layout(transformer: nn.Module):
     )
 
 
+def _check_cfg(cfg, caller: str) -> None:
+    if not isinstance(cfg, AttentionConfig):
+        raise TypeError(f"{caller}: cfg must be a dsv.AttentionConfig, got {type(cfg).__name__}")
+
+
 def install_dsv(transformer: nn.Module, cfg: AttentionConfig) -> DSVController:
     """Install DSV on every self-attention layer of a diffusers video transformer.
 
@@ -412,8 +417,7 @@ def install_dsv(transformer: nn.Module, cfg: AttentionConfig) -> DSVController:
     `fuse_qkv_projections`, ...) would drop the DSV layers that the controller drives: the next forward
     raises.
     """
-    if not isinstance(cfg, AttentionConfig):
-        raise TypeError(f"install_dsv: cfg must be a dsv.AttentionConfig, got {type(cfg).__name__}")
+    _check_cfg(cfg, "install_dsv")
     modules, processor_cls, original_cls, grid_args = _self_attention_layout(transformer)
     if hasattr(transformer, CONTROLLER_NAME):
         raise ValueError(f"install_dsv: {type(transformer).__name__} already has DSV installed ({CONTROLLER_NAME})")
@@ -521,6 +525,7 @@ def from_pretrained_local(
     Returns:
         The transformer, with its controller at `.dsv_controller`.
     """
+    _check_cfg(cfg, "from_pretrained_local")  # before the weights load (minutes for a large model)
     folder = Path(path) / subfolder if subfolder else Path(path)
     config_file = folder / "config.json"
     if not config_file.is_file():

@@ -139,6 +139,13 @@ def _read_video_opencv(path: Path, short_side: int | None) -> torch.Tensor:
     return torch.from_numpy(np.stack(frames))
 
 
+def check_fps(fps) -> None:
+    """Raise ValueError unless `fps` is a number > 0 (as `write_video` takes it): callers check before the work
+    whose frames they write."""
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0:
+        raise ValueError(f"fps must be a number > 0 (frames per second), got {fps!r}")
+
+
 def write_video(frames: torch.Tensor, path: str | os.PathLike, fps: float = 8) -> None:
     """Write frames to ``path`` (.mp4 or .gif, chosen by suffix), atomically.
 
@@ -163,8 +170,7 @@ def write_video(frames: torch.Tensor, path: str | os.PathLike, fps: float = 8) -
         raise ValueError(f"write_video: frames must be a uint8 tensor [T, H, W, 3], got {desc}")
     if frames.shape[0] < 1 or frames.shape[1] < 1 or frames.shape[2] < 1:
         raise ValueError(f"write_video: frames [T, H, W, 3] must be non-empty, got {tuple(frames.shape)}")
-    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0:
-        raise ValueError(f"write_video: fps must be a number > 0, got {fps!r}")
+    check_fps(fps)
     height, width = frames.shape[1], frames.shape[2]
     if suffix == ".mp4" and (height % 2 or width % 2):
         raise ValueError(

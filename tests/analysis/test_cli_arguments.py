@@ -102,7 +102,8 @@ def test_sample_checks_its_arguments_before_sampling(runs, tmp_path, capsys, mon
     assert main(["sample", "--checkpoint", checkpoint, "--out", str(tmp_path / "s.mp4"), "--num", "1",
                  "--steps", "1"]) == 2
     assert ".mp4 needs PyAV (pip install av)" in capsys.readouterr().err
-    for kwargs, match in (({"steps": 0}, "steps must be >= 1"), ({"num": 0}, "num must be >= 1")):
+    for kwargs, match in (({"steps": 0}, "steps must be >= 1"), ({"num": 0}, "num must be >= 1"),
+                          ({"fps": 0}, r"fps must be a number > 0 \(frames per second\), got 0")):
         with pytest.raises(ValueError, match=match):
             sample_videos(checkpoint, str(tmp_path / "s.gif"), **kwargs)
     assert not any(tmp_path.iterdir())

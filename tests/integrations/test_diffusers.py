@@ -413,6 +413,14 @@ def test_from_pretrained_local_plain_folder_gets_fresh_dsv_state(tmp_path):
         from_pretrained_local(tmp_path / "missing", cfg("dense"))
 
 
+def test_from_pretrained_local_checks_cfg_before_loading_the_weights(tmp_path, monkeypatch):
+    tiny_wan().save_pretrained(tmp_path)
+    monkeypatch.setattr(WanTransformer3DModel, "from_pretrained",
+                        classmethod(lambda *args, **kwargs: pytest.fail("weights loaded before cfg was checked")))
+    with pytest.raises(TypeError, match="from_pretrained_local: cfg must be a dsv.AttentionConfig, got dict"):
+        from_pretrained_local(tmp_path, {"mode": "dsv"})
+
+
 @pytest.mark.parametrize("safe_serialization", [True, False])
 def test_from_pretrained_local_restores_saved_dsv_state(tmp_path, safe_serialization):
     settings = dict(max_stage1_steps=2, sparse_threshold=0.0, profile_every_stage1=1)
