@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -153,6 +154,9 @@ def _prune(checkpoint: Path) -> None:
                       stacklevel=3)
 
 
+_CHECKPOINT_NAME = re.compile(r"step_\d{8,}")  # f"step_{step:08d}", as save_checkpoint names them
+
+
 def _step_name(folder: Path) -> str:
     """``step_XXXXXXXX`` for a checkpoint folder and for the old copy a re-save moved aside."""
     return folder.name[len(".stale_"):].rsplit("_", 1)[0] if folder.name.startswith(".stale_") else folder.name
@@ -165,15 +169,18 @@ def list_checkpoints(run_dir: str | Path, repair: bool = False) -> list[Path]:
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return []
-    found = {p.name: p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_")}
+    # Only the names a save writes: a user's copy (`step_00000004_keep`) is neither resumed from nor pruned.
+    found = {p.name: p for p in root.iterdir() if p.is_dir() and _CHECKPOINT_NAME.fullmatch(p.name)}
     for stale in root.glob(".stale_step_*"):
         name = _step_name(stale)
-        if name not in found and (stale / MANIFEST).is_file():
+        if _CHECKPOINT_NAME.fullmatch(name) and name not in found and (stale / MANIFEST).is_file():
             if repair:
                 os.replace(stale, root / name)
                 stale = root / name
             found[name] = stale
-    return [found[name] for name in sorted(found) if (found[name] / MANIFEST).is_file()]
+    # By step, not by name: past step 99,999,999 the name has more digits and would sort first.
+    ordered = sorted(found, key=lambda name: int(name[len("step_"):]))
+    return [found[name] for name in ordered if (found[name] / MANIFEST).is_file()]
 
 
 def remove_unfinished_saves(run_dir: str | Path) -> list[str]:

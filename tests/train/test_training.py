@@ -616,6 +616,31 @@ def test_pruning_renames_before_it_deletes(tmp_path, monkeypatch):
     assert [p.name for p in root.iterdir() if p.name.startswith(".tmp_")] == [f".tmp_step_00000002_prune{os.getpid()}"]
 
 
+def test_a_users_copy_of_a_checkpoint_is_neither_resumed_from_nor_pruned(tmp_path):
+    """Only the names a save writes are checkpoints: a copy kept by hand (`step_00000004_keep`) sorted after the
+    real step 4, was resumed from, and was pruned with the real one at the next saves."""
+    Trainer(tiny_config(tmp_path, "train.steps=4", "train.ckpt_every=2", "train.keep_checkpoints=2"),
+            quiet=True).run()
+    root = tmp_path / "checkpoints"
+    shutil.copytree(root / "step_00000004", root / "step_00000004_keep")
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002", "step_00000004"]
+    Trainer(tiny_config(tmp_path, "train.steps=8", "train.ckpt_every=2", "train.keep_checkpoints=2"),
+            resume=True, quiet=True).run()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000006", "step_00000008"]
+    assert (root / "step_00000004_keep" / "manifest.json").is_file()
+
+
+def test_checkpoints_are_ordered_by_step_past_eight_digits(tmp_path):
+    """Names grow a digit at step 100,000,000: ordered by name, the newest sorted first and `keep=1` deleted the
+    checkpoint just written."""
+    from dsv.train.checkpoint import save_checkpoint
+
+    weights = {"w": torch.zeros(1)}
+    save_checkpoint(tmp_path, 99_999_999, weights, {}, {}, keep=1)
+    newest = save_checkpoint(tmp_path, 100_000_000, weights, {}, {}, keep=1)
+    assert list_checkpoints(tmp_path) == [newest] and newest.name == "step_100000000"
+
+
 def test_a_resume_deletes_what_crashed_saves_left_and_keeps_every_checkpoint(tmp_path, monkeypatch):
     """Unfinished `.tmp_` folders and stale copies of completed re-saves go at the next start; a stale copy
     that is a step's only copy is moved back instead; a folder that cannot be deleted warns and stays."""
