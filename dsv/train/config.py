@@ -75,9 +75,11 @@ class TrainConfig:
         check_config_fields(self, "train")
         if self.device != "auto":
             try:
-                torch.device(self.device)
+                kind = torch.device(self.device).type
             except RuntimeError:
-                raise ValueError(f"train.device must be auto, cpu, cuda or cuda:N, got {self.device!r}") from None
+                kind = None
+            if kind not in ("cpu", "cuda"):  # the trainer's autocast, data and kernels know these two
+                raise ValueError(f"train.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         for name in ("steps", "batch_size", "log_every", "eval_every", "ckpt_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")

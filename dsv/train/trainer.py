@@ -104,6 +104,9 @@ def resolve_device(name: str) -> torch.device:
     device = torch.device(name)  # a valid name: TrainConfig checked it
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"train.device={name!r} but no CUDA device is available")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"train.device={name!r} but this machine has {torch.cuda.device_count()} CUDA "
+                         f"device(s): cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     return device
 
 
@@ -158,6 +161,19 @@ def heldout_targets(n: int, shape: tuple[int, ...], seed: int) -> tuple[torch.Te
     return t, torch.randn((n, *shape), generator=gen)
 
 
+def check_data_fits_model(cfg: Config) -> None:
+    """Refuse, before any run folder is made, a model that the trainer's clips (RGB, `data.frames` frames of
+    `data.size` pixels square) cannot feed: the first forward would fail with a shape error naming neither."""
+    if cfg.model.in_channels != 3:
+        raise ValueError(f"model.in_channels={cfg.model.in_channels}: the trainer's clips are RGB (3 channels)")
+    for name, extent, patch in (("data.frames", cfg.data.frames, cfg.model.patch[0]),
+                                ("data.size", cfg.data.size, cfg.model.patch[1]),
+                                ("data.size", cfg.data.size, cfg.model.patch[2])):
+        if extent % patch:
+            raise ValueError(f"{name}={extent} is not a multiple of model.patch={tuple(cfg.model.patch)} "
+                             f"along its axis ({patch}): the clips cannot be cut into whole patches")
+
+
 class Trainer:
     def __init__(self, cfg: Config, resume: bool = False, quiet: bool = False):
         self._started = time.monotonic()  # train.max_minutes counts from here: the setup is part of a job's time
@@ -166,6 +182,7 @@ class Trainer:
             # The model would see only its null class: the datasets carry no labels to condition on.
             raise ValueError(f"model.num_classes={cfg.model.num_classes}: the trainer's data has no class labels; "
                              "set model.num_classes=0 (class conditioning needs labelled data)")
+        check_data_fits_model(cfg)
         self.run_dir = Path(cfg.train.out_dir)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)

@@ -417,6 +417,14 @@ def test_checkpoint_errors_are_clear_and_keep_saved_files(tmp_path):
     assert not (tmp_path / "empty").exists()  # a mistyped out_dir is not created by the refused resume
     with pytest.raises(ValueError, match="no class labels"):  # it would train on the null class alone
         Trainer(tiny_config(tmp_path / "labels", "model.num_classes=4"), quiet=True)
+    # Shapes the clips cannot feed: refused before any run folder exists, naming the field.
+    for overrides, message in ((["model.in_channels=4"], r"model.in_channels=4: the trainer's clips are RGB"),
+                               (["data.size=15"], r"data.size=15 is not a multiple of model.patch=\(1, 2, 2\)"),
+                               (["model.patch=2,2,2", "data.frames=3"],
+                                r"data.frames=3 is not a multiple of model.patch=\(2, 2, 2\)")):
+        with pytest.raises(ValueError, match=message):
+            Trainer(tiny_config(tmp_path / "shapes", *overrides), quiet=True)
+        assert not (tmp_path / "shapes").exists()
 
 
 def test_resume_recovers_from_a_crash_in_the_logs(tmp_path):
@@ -516,6 +524,8 @@ def test_config_overrides_reject_bad_input():
         ("train.out_dir=", "train.out_dir must name a folder"),
         # Raw torch errors (or a silent default) before: named now, before any run folder exists.
         ("train.device=gpu0", "train.device must be auto, cpu, cuda or cuda:N"),
+        ("train.device=meta", "train.device must be auto, cpu, cuda or cuda:N"),  # valid torch devices the
+        ("train.device=mps", "train.device must be auto, cpu, cuda or cuda:N"),   # trainer cannot run on
         ("model.compile=inductr", "model.compile must be '' \\(eager\\) or a torch.compile backend"),
         ("data.path=", "expected a value, or none for the default"),  # e.g. data.path=$UNSET: not the bundled data
     ]:
