@@ -181,6 +181,13 @@ class VideoDiT(nn.Module):
         tokens = self.patch_embed(x).flatten(2).transpose(1, 2).contiguous()
         tokens = tokens + sincos_position_3d(grid, self.cfg.hidden, x.device).to(tokens.dtype)
         cond = self.t_embed(timestep_embedding(t, 256).to(tokens.dtype))
+        if y is not None:
+            if self.y_embed is None:  # ignored, the model would train unconditionally without a word
+                raise ValueError("y (class labels) given to a model without classes: set model.num_classes > 0, "
+                                 "or pass y=None")
+            if y.shape != (x.shape[0],) or y.dtype.is_floating_point or y.dtype == torch.bool:
+                raise ValueError(f"y must be integer [B]={x.shape[0]} class ids in [0, {self.cfg.num_classes}] "
+                                 f"({self.cfg.num_classes}: the null class), got {y.dtype} {tuple(y.shape)}")
         if self.y_embed is not None:
             if y is None:
                 y = torch.full_like(t, self.cfg.num_classes, dtype=torch.long)  # the null class
@@ -215,6 +222,8 @@ def flow_matching_loss(
     model: VideoDiT, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor, y: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Rectified flow: x_t = (1 - t)·x0 + t·noise; the model predicts the velocity noise - x0."""
+    if noise.shape != x0.shape:  # a broadcast noise would share one draw across the batch without a word
+        raise ValueError(f"noise must have x0's shape {tuple(x0.shape)}, got {tuple(noise.shape)}")
     tb = t.view(-1, 1, 1, 1, 1).to(x0.dtype)
     x_t = (1 - tb) * x0 + tb * noise
     pred = model(x_t, t, y)
@@ -228,6 +237,8 @@ def sample_euler(
 ) -> torch.Tensor:
     """Integrate the learned velocity from t = 1 (noise) to t = 0 (data) with Euler steps; `before_step(t)` is
     called with each step's noise level before its forward (e.g. to set the attention budgets of that level)."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1 (Euler steps; 0 would return the noise), got {steps!r}")
     x = noise
     times = torch.linspace(1.0, 0.0, steps + 1, device=noise.device)
     host_times = torch.linspace(1.0, 0.0, steps + 1).tolist()  # the same values, without a device sync

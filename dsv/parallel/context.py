@@ -395,7 +395,7 @@ class ContextParallel:
         if torch._C._current_graph_task_id() != -1:
             return layer.recall_selection(key, x, lambda: selection()())
         select = selection(keep_for_recompute=training)
-        if training:
+        if training and layer.cfg.mode != "window":  # as `DSVAttentionCore._select`: a window is selected again
             layer.remember_selection(key, x, select)
         return select()
 
