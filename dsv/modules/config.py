@@ -49,13 +49,16 @@ def check_config_fields(config, section: str) -> None:
             accepts, expected = _FIELD_CHECKS[f.type]
             if not accepts(value):
                 raise ValueError(f"{section}.{f.name} must be {expected}, got {value!r}")
-            if f.type in ("int", "float"):
+            # Stored as the declared type: an int in a float field (`lr=1`) made `--set` parse it with int().
+            if f.type == "int":
                 value = _plain(value)
+            elif f.type == "float":
+                value = float(value)
         elif f.type.startswith("tuple["):
             element, expected = (_is_int, "ints") if "int" in f.type else (_is_number, "numbers")
             if not isinstance(value, (tuple, list)) or not all(element(v) for v in value):
                 raise ValueError(f"{section}.{f.name} must be a tuple of {expected}, got {value!r}")
-            value = tuple(_plain(v) for v in value)
+            value = tuple(_plain(v) if element is _is_int else float(v) for v in value)
         setattr(config, f.name, value)
         values = value if isinstance(value, tuple) else (value,)
         if any(isinstance(v, float) and not math.isfinite(v) for v in values):

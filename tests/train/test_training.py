@@ -538,6 +538,18 @@ def test_config_overrides_reject_bad_input():
     assert apply_overrides(base, ["attention.cube=4x4x4"]).attention.cube == (4, 4, 4)
 
 
+def test_float_fields_given_ints_in_python_take_float_overrides():
+    """A config built in Python with an int in a float field (`lr=1`, `betas=(0, 0.99)`) keeps the declared
+    type: `--set` parsed such a field with int() and refused 5e-4."""
+    from dsv.train.config import OptimConfig
+
+    cfg = get_recipe("debug_cpu")
+    cfg.optim = OptimConfig(lr=1, betas=(0, 0.99))
+    assert type(cfg.optim.lr) is float and all(type(b) is float for b in cfg.optim.betas)
+    changed = apply_overrides(cfg, ["optim.lr=5e-4", "optim.betas=0.9,0.999"])
+    assert changed.optim.lr == 5e-4 and changed.optim.betas == (0.9, 0.999)
+
+
 def test_a_stored_config_without_newer_fields_loads_with_a_warning():
     """A checkpoint's config from before a field existed takes today's default for it, and says which."""
     from dsv.train.config import config_from_dict, config_to_dict
