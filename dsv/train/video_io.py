@@ -106,11 +106,14 @@ def _warn_if_cut_short(path: Path, stream, container, last_time: float | None) -
     else:
         return
     period = 1.0 / float(stream.average_rate) if stream.average_rate else 0.0
-    decoded = last_time + period
+    _warn_if_short_of(path, last_time + period, stated)
+
+
+def _warn_if_short_of(path: Path, decoded: float, stated: float) -> None:
     # Slack for containers whose stated duration rounds or counts a trailing frame differently.
     if stated - decoded > max(0.5, 0.1 * stated):
         warnings.warn(f"read_video: {path} decodes {decoded:.2f} s of the {stated:.2f} s its container states: "
-                      "the file may be cut off (an interrupted copy or download)", stacklevel=3)
+                      "the file may be cut off (an interrupted copy or download)", stacklevel=4)
 
 
 def _read_video_opencv(path: Path, short_side: int | None) -> torch.Tensor:
@@ -128,10 +131,15 @@ def _read_video_opencv(path: Path, short_side: int | None) -> torch.Tensor:
             if not ok:
                 break
             if not frames:
+                _warn_if_enlarged(path, min(frame.shape[:2]), short_side)
                 out_w, out_h = _scaled_size(frame.shape[1], frame.shape[0], short_side)
             if frame.shape[:2] != (out_h, out_w):
                 frame = cv2.resize(frame, (out_w, out_h), interpolation=cv2.INTER_AREA)
             frames.append(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
+        # The frame count the container states (0 or less where it states none), as PyAV's duration check.
+        stated_frames, fps = capture.get(cv2.CAP_PROP_FRAME_COUNT), capture.get(cv2.CAP_PROP_FPS)
+        if frames and stated_frames > 0 and fps > 0:
+            _warn_if_short_of(path, len(frames) / fps, stated_frames / fps)
     finally:
         capture.release()
     if not frames:
