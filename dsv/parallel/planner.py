@@ -284,6 +284,11 @@ def hybrid_plan(
     critical rows). ``fetched`` maps an SCP degree ``c`` to the per-head fraction of remote keys that SCP
     moves at that degree (``head_costs``); degrees it lacks use the kept fraction.
     """
+    check_profile([list(sparsity)], shape.heads)  # a longer list planned heads the model does not have
+    for degree, volumes in (fetched or {}).items():
+        if len(volumes) != shape.heads or not all(0 <= v <= 1 for v in volumes):
+            raise ValueError(f"fetched[{degree}] must list {shape.heads} fractions in [0, 1] (one per head), "
+                             f"got {list(volumes)}")
     kept = [1.0 - s if sparse else 1.0 for s in sparsity]
     if not methods:
         raise ValueError("methods must name at least one placement method")

@@ -27,6 +27,7 @@ from dsv.modules.attention import model_parameters
 from dsv.modules.config import FIXED_MODES
 from dsv.modules.dit import VideoDiT, flow_matching_loss
 from dsv.parallel.fsdp import check_replicas_in_sync, shard_model
+from dsv.parallel.scp import check_sequence_split
 from dsv.train.checkpoint import (
     CheckpointError,
     check_weights_match,
@@ -172,6 +173,15 @@ def check_data_fits_model(cfg: Config) -> None:
         if extent % patch:
             raise ValueError(f"{name}={extent} is not a multiple of model.patch={tuple(cfg.model.patch)} "
                              f"along its axis ({patch}): the clips cannot be cut into whole patches")
+    if cfg.parallel.cp > 1:  # the ranks' shares of the sequence (`ContextParallel.shard_tokens`)
+        pt, ph, pw = cfg.model.patch
+        tokens = (cfg.data.frames // pt) * (cfg.data.size // ph) * (cfg.data.size // pw)
+        try:
+            check_sequence_split(tokens, cfg.parallel.cp, cfg.attention.group_size, cfg.attention.key_block)
+        except ValueError as err:
+            raise ValueError(f"parallel.cp={cfg.parallel.cp} cannot split the {tokens} tokens of a clip "
+                             f"(data.frames, data.size, model.patch) by attention.cube={tuple(cfg.attention.cube)} "
+                             f"and attention.kv_block={cfg.attention.kv_block}: {err}") from None
 
 
 class Trainer:

@@ -113,6 +113,19 @@ def test_memory_cap_is_respected_or_refused_clearly():
         hybrid_plan(sparsity, SHAPE, c, True, memory_cap_bytes=sizes[0] - 1)
 
 
+def test_hybrid_plan_checks_its_per_head_inputs():
+    """A list of more sparsities than heads was planned onto heads the model lacks; a kept fraction above 1
+    (sparsity < 0) planned silently, one above 1 failed on a cost; a fetched list of the wrong length passed."""
+    c = cluster(4)
+    for sparsity, match in (([0.9] * 9, "sparsity profile has 9 heads per layer, the model has 8"),
+                            ([-3.0] + [0.9] * 7, r"head 0 must lie in \[0, 1\)"),
+                            ([1.5] + [0.9] * 7, r"head 0 must lie in \[0, 1\)")):
+        with pytest.raises(ValueError, match=match):
+            hybrid_plan(sparsity, SHAPE, c, True)
+    with pytest.raises(ValueError, match=r"fetched\[2\] must list 8 fractions in \[0, 1\]"):
+        hybrid_plan([0.9] * 8, SHAPE, c, True, fetched={2: [0.5] * 9})
+
+
 def test_plan_model_totals_and_dispatch():
     profile = [[0.01] * 8, skewed(8)]
     plan = plan_model(profile, SHAPE, cluster(16))

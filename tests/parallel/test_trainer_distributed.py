@@ -183,6 +183,7 @@ def test_context_parallel_settings_are_checked_at_setup_for_their_mode(tmp_path)
     heads = run_distributed(_construct, 2, str(tmp_path / "hcp"), ["parallel.cp=2", "parallel.cp_mode=hcp",
                             "model.heads=1", "model.hidden=16"], out_dir=tmp_path / "a", timeout_s=60)
     assert all("needs at least 2 heads, model.heads=1" in message for message in heads), heads
+    # 6×8×8 tokens: 128 a rank, whole 2×2×2 cubes (TINY's 4 frames do not split over 3 ranks, refused at setup)
     scp = run_distributed(_construct, 3, str(tmp_path / "scp"), ["parallel.cp=3", "parallel.cp_mode=scp",
-                          "parallel.gpus_per_node=2"], out_dir=tmp_path / "b", timeout_s=60)
+                          "parallel.gpus_per_node=2", "data.frames=6"], out_dir=tmp_path / "b", timeout_s=60)
     assert scp == [None, None, None]

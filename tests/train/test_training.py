@@ -421,7 +421,10 @@ def test_checkpoint_errors_are_clear_and_keep_saved_files(tmp_path):
     for overrides, message in ((["model.in_channels=4"], r"model.in_channels=4: the trainer's clips are RGB"),
                                (["data.size=15"], r"data.size=15 is not a multiple of model.patch=\(1, 2, 2\)"),
                                (["model.patch=2,2,2", "data.frames=3"],
-                                r"data.frames=3 is not a multiple of model.patch=\(2, 2, 2\)")):
+                                r"data.frames=3 is not a multiple of model.patch=\(2, 2, 2\)"),
+                               # 3×6×6 tokens, 54 a rank: not whole 2×2×2 cubes (found at the first step before)
+                               (["data.frames=3", "data.size=12", "parallel.cp=2", "parallel.cp_mode=scp"],
+                                r"parallel.cp=2 cannot split the 108 tokens .* whole number of query groups")):
         with pytest.raises(ValueError, match=message):
             Trainer(tiny_config(tmp_path / "shapes", *overrides), quiet=True)
         assert not (tmp_path / "shapes").exists()
