@@ -544,9 +544,10 @@ def fvd_with_bootstrap(real: np.ndarray, generated_by_seed: dict[str, dict[str, 
     """FVD of each generated feature set of each training seed against ``real`` features, with a paired
     bootstrap: each draw resamples the real clips, and one set of sample indices shared by every generated set
     of every seed (all samples come from the same noise, index by index). Returns ``(by seed, over seeds)``:
-    per seed and set the point value, the draws' std and 5-95% range and, beside a ``dense`` set, the draws'
-    ratio to it; over seeds the same for the mean over seeds of each set that every seed has (the mean of
-    each draw, so the spread is the mean's). With one seed both hold the same numbers."""
+    per seed and set the point value, the draws' std and a 90% basic bootstrap interval (``_fvd_entries``) and,
+    beside a ``dense`` set, that of the ratio to it; over seeds the same for the mean over seeds of each set that
+    every seed has (the mean of each draw, so the spread is the mean's). With one seed both hold the same
+    numbers."""
     from dsv.eval import frechet_distance
 
     counts = {(s, name): len(feats) for s, sets in generated_by_seed.items() for name, feats in sets.items()}
@@ -574,24 +575,39 @@ def fvd_with_bootstrap(real: np.ndarray, generated_by_seed: dict[str, dict[str, 
 
 
 def _fvd_entries(point: dict[str, float], boot: dict[str, list[float]]) -> dict:
-    """Per set: the point FVD, the bootstrap draws' std and 5-95% range, and beside a ``dense`` set the draws'
-    ratio to it (5-95% and the share that meets ``FVD_TOLERANCE``: at most ``1 + FVD_TOLERANCE``; results written
-    before the one-sided rule stored the share within ±``FVD_TOLERANCE`` as ``share_within_tolerance``). A
-    run's moving average of its weights (``average_set``) is compared with dense's average, not its weights."""
+    """Per set: the point FVD, the bootstrap draws' std and a 90% basic bootstrap interval (``p05``-``p95``),
+    and beside a ``dense`` set the same interval of the ratio to it and the share of the interval's distribution
+    that meets ``FVD_TOLERANCE`` (at most ``1 + FVD_TOLERANCE``). Basic (``2·point - draw``), not the draws'
+    own percentiles: a draw repeats clips, which raises a Fréchet distance of few clips, so the draws sit above
+    the point value (at 64 clips a set's draws' 5-95% range could lie wholly above its FVD). Entries written
+    before 2026-12-07 hold the draws' percentiles and lack ``interval``; before the one-sided rule the share
+    within ±``FVD_TOLERANCE`` was stored as ``share_within_tolerance``. A run's moving average of its weights
+    (``average_set``) is compared with dense's average, not its weights."""
     result = {}
     for name, values in boot.items():
         entry = {"fvd": point[name]}
         reference = dense_reference(name)
         if values:
-            entry.update(std=float(np.std(values)), p05=float(np.percentile(values, 5)),
-                         p95=float(np.percentile(values, 95)))
+            reflected = 2 * point[name] - np.array(values)
+            entry.update(std=float(np.std(values)), p05=float(np.percentile(reflected, 5)),
+                         p95=float(np.percentile(reflected, 95)), interval=BASIC_INTERVAL)
             if reference in boot and name != reference:
                 ratio = np.array(values) / np.maximum(np.array(boot[reference]), 1e-12)
+                ratio = 2 * point[name] / max(point[reference], 1e-12) - ratio
                 entry.update(ratio_to_dense_p05=float(np.percentile(ratio, 5)),
                              ratio_to_dense_p95=float(np.percentile(ratio, 95)),
                              share_at_most_tolerance=float(meets_tolerance(ratio - 1, FVD_TOLERANCE).mean()))
         result[name] = entry
     return result
+
+
+BASIC_INTERVAL = "basic"  # `_fvd_entries`' marker of entries whose p05-p95 are a basic bootstrap interval
+
+
+def interval_words(entry: dict) -> str:
+    """How an FVD entry's ``p05``-``p95`` (and ratio ones) were made, for the report's text."""
+    return ("90% basic bootstrap interval" if entry.get("interval") == BASIC_INTERVAL else
+            "the draws' 5–95%, not centred on the point value: results written before 2026-12-07")
 
 
 def i3d_on_bundled_clips(i3d) -> list[dict]:
@@ -868,9 +884,10 @@ def targets(results: dict) -> list[dict]:
         fvd_measured += f" (the models of seed {scored[0]} alone)"
     spread = (f"paired bootstrap ({results['bootstrap']} draws) of DSV/dense{over}: "
               f"{fvd['dsv'].get('ratio_to_dense_p05', float('nan')):.3f}–"
-              f"{fvd['dsv'].get('ratio_to_dense_p95', float('nan')):.3f} (5–95%); "
+              f"{fvd['dsv'].get('ratio_to_dense_p95', float('nan')):.3f} ({interval_words(fvd['dsv'])}); "
               f"at most {1 + FVD_TOLERANCE:.2f} in "
-              f"{100 * fvd['dsv'].get('share_at_most_tolerance', float('nan')):.0f}% of draws")
+              f"{100 * fvd['dsv'].get('share_at_most_tolerance', float('nan')):.0f}% of "
+              f"{'its distribution' if fvd['dsv'].get('interval') == BASIC_INTERVAL else 'draws'}")
     # The held-out loss uses every seed's runs, the FVD those of ``scored``; the DSV facts the first seed's run.
     dense_only = seeds_without_sparse_block(results)
     fvd_dense_only = [seed for seed in dense_only if seed in scored]
@@ -898,7 +915,8 @@ def targets(results: dict) -> list[dict]:
         fvd_control = (f"dense control {control['fvd']:.1f}: {control['fvd'] / fvd['dense']['fvd'] - 1:+.1%} vs "
                        f"dense{over}{fvd_per_seed}, paired bootstrap of control/dense "
                        f"{control.get('ratio_to_dense_p05', float('nan')):.3f}–"
-                       f"{control.get('ratio_to_dense_p95', float('nan')):.3f} (5–95%): the noise floor of this "
+                       f"{control.get('ratio_to_dense_p95', float('nan')):.3f} ({interval_words(control)}): the "
+                       "noise floor of this "
                        "comparison")
     init = "" if results["same_initial_weights"] else (
         "; the DSV model's initial DiT weights differ from dense's (its predictors draw from the same RNG "
@@ -915,7 +933,7 @@ def targets(results: dict) -> list[dict]:
         fvd_ema = (f"the weights' moving averages: DSV {averaged_dsv['fvd']:.1f}, dense {averaged_dense['fvd']:.1f}: "
                    f"{averaged_dsv['fvd'] / averaged_dense['fvd'] - 1:+.1%}{over}, paired bootstrap "
                    f"{averaged_dsv.get('ratio_to_dense_p05', float('nan')):.3f}–"
-                   f"{averaged_dsv.get('ratio_to_dense_p95', float('nan')):.3f} (5–95%)")
+                   f"{averaged_dsv.get('ratio_to_dense_p95', float('nan')):.3f} ({interval_words(averaged_dsv)})")
         if results["dense_control"] and average_set(CONTROL) in fvd:
             fvd_ema += (f"; dense control's average vs dense's: "
                         f"{fvd[average_set(CONTROL)]['fvd'] / averaged_dense['fvd'] - 1:+.1%}")
@@ -1181,7 +1199,8 @@ def render_report(results: dict) -> str:
                + reused_words(results.get("samples_reused"))), ""]
     by_seed = results["fvd_by_seed"] if len(fvd_seeds(results)) > 1 else {}
     seed_heads = "".join(f" seed {seed} |" for seed in by_seed)
-    lines += [f"| set |{seed_heads} FVD{' (mean over seeds)' if by_seed else ''} | bootstrap std | 5–95% |",
+    interval = interval_words(next(iter(results["fvd"].values())))
+    lines += [f"| set |{seed_heads} FVD{' (mean over seeds)' if by_seed else ''} | bootstrap std | {interval} |",
               "|---|" + "---|" * len(by_seed) + "---|---|---|"]
     for name, entry in results["fvd"].items():
         per_seed = "".join(f" {f[name]['fvd']:.1f} |" for f in by_seed.values())
