@@ -277,6 +277,9 @@ class I3D(nn.Module):
             raise ValueError(f"I3D: needs T >= {MIN_FRAMES} frames (FVD uses 16), got T={videos.shape[2]}")
         device = self.logits.conv.weight.device
         videos = videos.to(device=device, dtype=torch.float32)
+        if not bool(torch.isfinite(videos).all()):  # NaN passes every range comparison below
+            raise ValueError("I3D: videos hold NaN or Inf (a diverged model's samples?): their features and FVD "
+                             "would be meaningless")
         lo, hi = videos.aminmax()
         # A small margin for resampling overshoot; anything beyond is most likely [0, 255] or uint8-range data.
         if lo < -1.01 or hi > 1.01:

@@ -183,6 +183,10 @@ def test_rejects_bad_videos(i3d):
         i3d.features(torch.full((1, 3, 16, 32, 32), 255.0))
     with pytest.raises(ValueError, match="T >= 9"):
         i3d.features(torch.zeros(1, 3, 8, 32, 32))
+    nan_video = torch.zeros(1, 3, 16, 32, 32)
+    nan_video[0, 1, 3, 5, 7] = float("nan")  # passed the range check and failed later in the FVD, naming no video
+    with pytest.raises(ValueError, match="videos hold NaN or Inf"):
+        i3d.features(nan_video)
     with pytest.raises(ValueError, match=r"\[B, 3, T, H, W\]"):
         i3d.features(torch.zeros(3, 16, 32, 32))
     with pytest.raises(ValueError, match="no video"):  # failed inside torch.cat on an empty list
