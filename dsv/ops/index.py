@@ -62,13 +62,7 @@ class SparseIndex:
 
     def validate(self) -> None:
         """Check every invariant of the index; raise ValueError naming the offending field."""
-        for name in ("group_size", "kv_block", "seq_len"):
-            check_positive_int(getattr(self, name), f"SparseIndex.{name}")
-        for name in ("indices", "counts"):
-            tensor = getattr(self, name)
-            if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.int32:
-                found = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-                raise ValueError(f"SparseIndex.{name} must be an int32 tensor, got {found}")
+        self._check_fields()
         if self.indices.dim() != 4 or self.indices.shape[-1] < 1:
             raise ValueError(
                 f"SparseIndex.indices must be [B, H, NG, K_max] with K_max >= 1, "
@@ -99,6 +93,16 @@ class SparseIndex:
         ascending = self.indices[..., 1:] > self.indices[..., :-1]
         if bool((valid[..., 1:] & ~ascending).any()):
             raise ValueError("SparseIndex.indices valid entries must be strictly ascending in every row")
+
+    def _check_fields(self) -> None:
+        """The checks that read no tensor values: positive int sizes, int32 tensors."""
+        for name in ("group_size", "kv_block", "seq_len"):
+            check_positive_int(getattr(self, name), f"SparseIndex.{name}")
+        for name in ("indices", "counts"):
+            tensor = getattr(self, name)
+            if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.int32:
+                found = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+                raise ValueError(f"SparseIndex.{name} must be an int32 tensor, got {found}")
 
     def validate_once(self) -> None:
         """`validate` on the first call for this object, nothing after (its tensors are not modified)."""
@@ -138,6 +142,7 @@ class SparseIndex:
 
     def check_matches(self, batch: int, heads: int, seq_len: int, device: torch.device, name: str) -> None:
         """Raise ValueError naming ``name`` unless the index fits attention inputs of these sizes."""
+        self._check_fields()  # before the sizes below use them (a group_size of 0 divided by zero)
         expected = (batch, heads, math.ceil(seq_len / self.group_size))
         if tuple(self.indices.shape[:3]) != expected:
             raise ValueError(

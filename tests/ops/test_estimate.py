@@ -1,4 +1,5 @@
 import math
+import warnings
 
 import pytest
 import torch
@@ -89,6 +90,43 @@ def test_bad_arguments_rejected(q_shape, k_shape, keep, kwargs, match):
     arguments = {"group_size": 4, "kv_block": 4} | kwargs
     with pytest.raises(ValueError, match=match):
         estimate_index(torch.randn(q_shape), torch.randn(k_shape), torch.tensor(keep), **arguments)
+
+
+def test_the_dispatching_entries_check_what_they_read_first():
+    """The backend choice read the input's device and divided by kv_block before any check: a list gave an
+    AttributeError, kv_block=0 a ZeroDivisionError on a GPU."""
+    from dsv.ops.estimate import estimate_index as dispatching_estimate_index
+    from dsv.ops.estimate import estimate_index_from_means
+
+    with pytest.raises(ValueError, match="q_lr must be a torch.Tensor"):
+        dispatching_estimate_index([[1.0]], torch.randn(1, 1, 8, 4), torch.tensor([1]), 4, 4)
+    with pytest.raises(ValueError, match="proxies must be a torch.Tensor"):
+        estimate_index_from_means(None, torch.randn(1, 1, 2, 4), torch.tensor([1]), 4, 4, 8)
+    for kv_block, seq_len, match in ((0, 8, "kv_block must be a positive int, got 0"),
+                                     (4, None, "seq_len must be a positive int, got None")):
+        with pytest.raises(ValueError, match=match):
+            estimate_index_from_means(torch.randn(1, 1, 2, 4), torch.randn(1, 1, 2, 4), torch.tensor([1]), 4,
+                                      kv_block, seq_len)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_auto_estimation_says_once_when_the_reference_runs_on_a_gpu(monkeypatch):
+    """float64 on a GPU takes the reference (the kernel scores in float32): "auto" said nothing."""
+    import importlib
+
+    from dsv.ops.estimate import estimate_index as dispatching_estimate_index
+
+    monkeypatch.setattr(importlib.import_module("dsv.ops.sparse_attention"), "_WARNED_FALLBACKS", set())
+    q_lr, k_lr = torch.randn(1, 2, 32, 4, device="cuda", dtype=torch.float64), torch.randn(
+        1, 2, 32, 4, device="cuda", dtype=torch.float64)
+    with pytest.warns(UserWarning, match="critical-KV estimation: the PyTorch reference runs on cuda:0, not the "
+                                         "Triton kernels: float64 inputs"):
+        dispatching_estimate_index(q_lr, k_lr, torch.tensor([1, 2]), 8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same reason again, or the reference asked for: silent
+        dispatching_estimate_index(q_lr, k_lr, torch.tensor([1, 2]), 8, 8)
+        dispatching_estimate_index(q_lr, k_lr, torch.tensor([1, 2]), 8, 8, backend="reference")
 
 
 def test_dtype_mismatch_rejected():

@@ -244,6 +244,10 @@ def good_arguments():
         (lambda a: {"index": random_index(1, 2, 16, 4, 4, [1, 2])}, r"index.indices has \[B, H, NG\]"),
         (lambda a: {"index": random_index(2, 2, 15, 4, 4, [1, 2])}, r"index.seq_len=15 does not match"),
         (lambda a: {"index": a["index"].indices}, r"index must be a SparseIndex"),
+        # Read before their checks: an AttributeError, a ZeroDivisionError.
+        (lambda a: {"q": a["q"].numpy()}, r"q must be a torch.Tensor \[B, H, S, D\], got ndarray"),
+        (lambda a: {"index": dataclasses.replace(a["index"], group_size=0)},
+         r"SparseIndex.group_size must be a positive int, got 0"),
         (lambda a: {"index": dataclasses.replace(a["index"], counts=a["index"].counts * 0)},
          r"SparseIndex.counts must lie in"),
         (lambda a: {"scale": -1.0}, r"scale must be a positive finite float"),

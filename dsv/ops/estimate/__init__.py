@@ -7,8 +7,8 @@ import torch
 from dsv.ops.estimate.naive import estimate_index as estimate_index_reference
 from dsv.ops.estimate.naive import estimate_index_from_means as estimate_index_from_means_reference
 from dsv.ops.estimate.naive import estimate_rows_from_means as estimate_rows_from_means_reference
-from dsv.ops.index import SparseIndex
-from dsv.ops.sparse_attention import TRITON_INSTALLED
+from dsv.ops.index import SparseIndex, check_positive_int
+from dsv.ops.sparse_attention import TRITON_INSTALLED, warn_reference_fallback
 
 BACKENDS = ("auto", "reference", "triton")
 
@@ -43,7 +43,7 @@ def estimate_index(
     "triton" raises with the reason when it cannot run. Pass `keep_blocks` on the CPU: the kernel then
     needs no device synchronisation.
     """
-    if _use_triton(backend, q_lr, kv_block, q_lr.shape[2]):
+    if _use_triton(backend, q_lr, "q_lr", kv_block, q_lr.shape[2] if isinstance(q_lr, torch.Tensor) else None):
         from dsv.ops.estimate.triton_kernels import estimate_index_triton
 
         return estimate_index_triton(q_lr, k_lr, keep_blocks, group_size, kv_block)
@@ -63,7 +63,7 @@ def estimate_index_from_means(
     query), `block_keys [B, H, NKB, r]` (each key block's mean low-rank key) of a `seq_len`-token sequence.
     A caller whose low-rank rows are linear in a smaller input pools that input instead (see
     `LowRankPredictor.pooled_project`). `backend` as in `estimate_index`."""
-    if _use_triton(backend, proxies, kv_block, seq_len):
+    if _use_triton(backend, proxies, "proxies", kv_block, seq_len):
         from dsv.ops.estimate.triton_kernels import estimate_index_from_means_triton
 
         return estimate_index_from_means_triton(proxies, block_keys, keep_blocks, group_size, kv_block, seq_len)
@@ -84,7 +84,7 @@ def estimate_rows_from_means(
     (`proxies [B, H, n, r]`): `(indices [B, H, n, K_max], counts [B, H, n])`. A group's keys depend on its own
     proxy only, so each rank of sequence-parallel attention selects for its own groups. `backend` as in
     `estimate_index`."""
-    if _use_triton(backend, proxies, kv_block, seq_len):
+    if _use_triton(backend, proxies, "proxies", kv_block, seq_len):
         from dsv.ops.estimate.triton_kernels import estimate_rows_from_means_triton
 
         return estimate_rows_from_means_triton(proxies, block_keys, keep_blocks, group_size, kv_block, seq_len,
@@ -93,12 +93,20 @@ def estimate_rows_from_means(
                                               first_group)
 
 
-def _use_triton(backend: str, x: torch.Tensor, kv_block: int, seq_len: int) -> bool:
+def _use_triton(backend: str, x: torch.Tensor, name: str, kv_block: int, seq_len: int | None) -> bool:
+    """Whether the Triton kernel runs; with "auto" on a GPU, a warning (once per reason) where it does not. The
+    arguments it reads are checked first: the reference checks the rest."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor [B, H, rows, r], got {type(x).__name__}")
+    check_positive_int(kv_block, "kv_block")
+    check_positive_int(seq_len, "seq_len")
     reason = triton_estimation_unsupported(x, kv_block, seq_len) if backend != "reference" else "reference requested"
     if backend == "triton" and reason is not None:
         raise ValueError(f"backend='triton' cannot run: {reason}")
+    if backend == "auto" and reason is not None and x.is_cuda:
+        warn_reference_fallback("critical-KV estimation", x.device, reason, stacklevel=3)
     return reason is None
 
 

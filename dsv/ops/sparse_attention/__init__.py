@@ -99,8 +99,19 @@ def resolve_backend(backend: str, q: torch.Tensor, group_size: int, kv_block: in
     return ("triton" if reason is None else "reference"), reason
 
 
-_WARNED_FALLBACKS: set[str] = set()
-"""Reasons `sparse_attention(backend="auto")` has warned of on CUDA, once each."""
+_WARNED_FALLBACKS: set[tuple[str, str]] = set()
+"""(op, reason) pairs that `warn_reference_fallback` has warned of, once each."""
+
+
+def warn_reference_fallback(op: str, device: torch.device, reason: str, stacklevel: int) -> None:
+    """Warn once per op and reason that `op` with backend "auto" runs its PyTorch reference on a GPU, where it is
+    many times slower than the kernels and "auto" would not say so. Eager calls only (Dynamo cannot trace it).
+    `stacklevel` as `warnings.warn`'s in the caller."""
+    if torch.compiler.is_compiling() or (op, reason) in _WARNED_FALLBACKS:
+        return
+    _WARNED_FALLBACKS.add((op, reason))
+    warnings.warn(f"{op}: the PyTorch reference runs on {device}, not the Triton kernels: {reason}",
+                  stacklevel=stacklevel + 1)
 
 
 def sparse_attention(
@@ -129,16 +140,15 @@ def sparse_attention(
     Returns:
         ``out [B, H, S, D]`` in the input dtype, differentiable in ``q``, ``k``, ``v``.
     """
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(tensor, torch.Tensor):  # before the backend choice reads q's device
+            raise ValueError(f"{name} must be a torch.Tensor [B, H, S, D], got {type(tensor).__name__}")
     if not isinstance(index, SparseIndex):
         raise ValueError(f"index must be a SparseIndex, got {type(index).__name__}")
     scale = None if scale is None else resolve_scale(scale, q.shape[-1])
     chosen, reason = resolve_backend(backend, q, index.group_size, index.kv_block)
-    if backend == "auto" and chosen == "reference" and q.is_cuda and not torch.compiler.is_compiling() \
-            and reason not in _WARNED_FALLBACKS:
-        # Once per reason: on a GPU the reference is many times slower, and "auto" would not say so.
-        _WARNED_FALLBACKS.add(reason)
-        warnings.warn(f"sparse_attention: the PyTorch reference runs on {q.device}, not the Triton kernels: "
-                      f"{reason}", stacklevel=2)
+    if backend == "auto" and chosen == "reference" and q.is_cuda:
+        warn_reference_fallback("sparse_attention", q.device, reason, stacklevel=2)
     if chosen == "triton" and check_index and values_readable(q):
         index.validate_once()
     if chosen == "triton":
