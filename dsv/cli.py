@@ -127,6 +127,34 @@ def positive_float(text: str) -> float:
     return value
 
 
+def device_name(text: str) -> str:
+    """argparse type: "auto" or a device this machine has: "cpu", "cuda" or "cuda:N"."""
+    if text == "auto":
+        return text
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}, but no CUDA device is available here (pass --device cpu)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return text
+
+
+def fraction(text: str) -> float:
+    """argparse type: a fraction in (0, 1] (of the keys kept, say)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {value}")
+    return value
+
+
 def kept_mass(text: str) -> float:
     """argparse type: a share of the attention mass in (0, 1]."""
     try:
@@ -154,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--num", type=positive_int, default=4, help="samples to write")
     sample.add_argument("--steps", type=positive_int, default=25, help="Euler steps")
     sample.add_argument("--seed", type=sampling_seed, default=0)
-    sample.add_argument("--device", default="auto")
+    sample.add_argument("--device", type=device_name, default="auto")
     sample.add_argument("--attention-mode", default=None, help="override the attention mode (e.g. dense)")
     sample.add_argument("--average-weights", action="store_true",
                         help="sample the moving average of the trained weights (runs with train.ema_decay > 0)")
@@ -175,8 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--out", default="profile", help="output folder")
     profile.add_argument("--clips", type=positive_int, default=8, help="held-out clips to measure on")
     profile.add_argument("--theta", type=float, default=None, help="critical mass (default: the run's)")
-    profile.add_argument("--device", default="auto")
-    profile.add_argument("--granularity", type=float, nargs="*", default=[], metavar="KEPT",
+    profile.add_argument("--device", type=device_name, default="auto")
+    profile.add_argument("--granularity", type=fraction, nargs="*", default=[], metavar="KEPT",
                          help="also compare token-level vs key-cube selection recall at these kept fractions")
     profile.add_argument("--noise-levels", type=float, nargs="*", default=[], metavar="T",
                          help="also measure at each of these noise levels t in [0, 1] (1: pure noise) the sparsity and "

@@ -630,7 +630,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--out", default="observations", help="output folder")
     parser.add_argument("--clips", type=int, default=4, help="held-out clips to measure on")
     parser.add_argument("--theta", type=float, default=None, help="critical mass (default: the run's)")
-    parser.add_argument("--device", default="auto")
+    from dsv.cli import device_name  # here: dsv.cli imports this module
+
+    parser.add_argument("--device", type=device_name, default="auto")
     parser.add_argument("--cubes", nargs="+", default=[",".join(map(str, c)) for c in DEFAULT_CUBES],
                         metavar="T,H,W", help="query cubes for the neighbours-share measurement")
     parser.add_argument("--overlap-threshold", type=float, default=0.8,

@@ -6,7 +6,8 @@ it fails. Then per sequence length S: cuDNN SDPA dense, and per sparsity: FlexAt
 ``BlockMask`` of the same index), DSV forward, forward+backward and estimation. Times are medians of
 ``triton.testing.do_bench`` (CUDA events, L2 flushed between runs); TFLOP/s counts attention FLOPs of the
 kept query-key pairs (``4 * pairs * D`` forward, 2.5x that backward); peak memory is
-``torch.cuda.max_memory_allocated`` over one forward+backward, inputs and index included.
+``torch.cuda.max_memory_allocated`` over one forward+backward, q, k, v and the output gradient included, the
+index and the ``BlockMask`` left out alike (``_peak_gib``).
 
 The kernel modules are imported inside ``run``: the CLI imports this module to build its parser, and that
 must not decorate the Triton kernels before a test process sets ``TRITON_INTERPRET``.

@@ -71,7 +71,7 @@ import torch
 from dsv.analysis.observations import recommendation_scope
 from dsv.analysis.profile import WINDOW_BUDGET_COLUMNS, window_budget_lines
 from dsv.bench.sample_store import SampleStore, machine_name
-from dsv.cli import EXIT_UNFINISHED, kept_mass, positive_float, positive_int, sampling_seed
+from dsv.cli import EXIT_UNFINISHED, device_name, kept_mass, positive_float, positive_int, sampling_seed
 from dsv.train.checkpoint import write_text_atomic
 
 MODES = ("dense", "dsv", "window")
@@ -138,7 +138,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timing-repeats", type=positive_int, default=2,
                         help="timed sampling passes of the DSV model, sparse and dense (median reported)")
     parser.add_argument("--observe-clips", type=positive_int, default=4, help="held-out clips for observe/profile")
-    parser.add_argument("--device", default="auto", help="device of the evaluation (the runs pick their own)")
+    parser.add_argument("--device", type=device_name, default="auto",
+                        help="device of the evaluation (the runs pick their own)")
     parser.add_argument("--runs-per-gpu", type=positive_int, default=1,
                         help="training runs at a time on each GPU (they share its time and the host's cores: "
                              "each run's own step time rises); at most, fewer where that leaves every run as many "

@@ -35,10 +35,11 @@ from pathlib import Path
 import torch
 
 from dsv.bench.profiling import write_op_profile
-from dsv.cli import non_negative_int, positive_int
+from dsv.cli import device_name, non_negative_int, positive_int
 from dsv.modules.attention import model_parameters
 from dsv.modules.dit import VideoDiT, flow_matching_loss
 from dsv.ops import sparse_attention, sparse_attention_reference
+from dsv.ops.grouping import check_cube_tiles
 from dsv.parallel.planner import load_profile, paper_profile
 from dsv.train.config import apply_overrides
 from dsv.train.recipes import get_recipe
@@ -99,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default="paper", help="'paper' or a JSON of per-layer per-head sparsity")
     parser.add_argument("--warmup", type=non_negative_int, default=1, help="untimed steps before the timed ones")
     parser.add_argument("--steps", type=positive_int, default=3, help="timed steps per mode (median reported)")
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--device", type=device_name, default="cuda")
     parser.add_argument("--out", type=Path, default=None, help="write the markdown report here")
     parser.add_argument("--op-profile", type=Path, default=None, metavar="FOLDER",
                         help="after timing, profile one more step of each run and write its top operators by "
@@ -470,6 +471,10 @@ def run(args) -> int:
     area = args.spatial * args.spatial
     if any(tokens % area for tokens in args.tokens):
         raise ValueError(f"--tokens {' '.join(map(str, args.tokens))}: each must be a multiple of --spatial² = {area}")
+    if "window" in args.modes:  # the window's boxes need whole cubes
+        for tokens in args.tokens:
+            check_cube_tiles((tokens // area, args.spatial, args.spatial), cfg.attention.cube,
+                             f"--modes window at --tokens {tokens}")
     profile = None
     if "dsv" in args.modes:
         profile = paper_profile(cfg.model.depth, cfg.model.heads) if args.profile == "paper" \

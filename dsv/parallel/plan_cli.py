@@ -35,6 +35,17 @@ PLANNING_DEFAULTS = dict(intra_node_gbps=450.0, inter_node_gbps=50.0, dense_tflo
                          sparse_threshold=0.8)
 
 
+def sparsity_threshold(text: str) -> float:
+    """argparse type: a head sparsity in [0, 1], as `attention.sparse_threshold` (NaN planned every block dense)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a sparsity in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a sparsity in [0, 1], got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
     model.add_argument("--layers", type=int, default=None,
@@ -65,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="sparse kernel TFLOP/s per kept FLOP as a fraction of dense (default 1 = ideal; "
                               "with --recipe, the kernel-speed model's)")
     planning = parser.add_argument_group("planning")
-    planning.add_argument("--sparse-threshold", type=float, default=None,
+    planning.add_argument("--sparse-threshold", type=sparsity_threshold, default=None,
                           help="a block runs sparse when its mean head sparsity is at least this (default 0.8, "
                                "or the recipe's)")
     planning.add_argument("--memory-cap-gib", type=float, default=None,

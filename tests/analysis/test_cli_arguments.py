@@ -102,6 +102,15 @@ def test_sample_checks_its_arguments_before_sampling(runs, tmp_path, capsys, mon
     assert main(["sample", "--checkpoint", checkpoint, "--out", str(tmp_path / "s.mp4"), "--num", "1",
                  "--steps", "1"]) == 2
     assert ".mp4 needs PyAV (pip install av)" in capsys.readouterr().err
+    for option, value, expected in (("--device", "cpux", "expected auto, cpu, cuda or cuda:N, got 'cpux'"),
+                                    ("--device", "mps", "expected auto, cpu, cuda or cuda:N, got 'mps'")):
+        with pytest.raises(SystemExit):  # a torch traceback, or an error naming train.device, before
+            main(["sample", "--checkpoint", checkpoint, "--out", str(tmp_path / "s.gif"), option, value])
+        assert f"argument {option}: {expected}" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            main(["sample", "--checkpoint", checkpoint, "--out", str(tmp_path / "s.gif"), "--device", "cuda"])
+        assert "argument --device: 'cuda', but no CUDA device is available here" in capsys.readouterr().err
     for kwargs, match in (({"steps": 0}, "steps must be >= 1"), ({"num": 0}, "num must be >= 1"),
                           ({"fps": 0}, r"fps must be a number > 0 \(frames per second\), got 0")):
         with pytest.raises(ValueError, match=match):
@@ -117,6 +126,10 @@ def test_profile_takes_theta_0_as_given_and_checks_and_records_the_clips(runs, t
     assert main(["profile", "--checkpoint", checkpoint, "--out", str(tmp_path / "p"), "--theta", "0",
                  "--device", "cpu"]) == 2
     assert "theta must lie in (0, 1], got 0.0" in capsys.readouterr().err
+    for kept in ("0", "1.5"):  # refused after the checkpoint had loaded and the measurement run, before
+        with pytest.raises(SystemExit):
+            main(["profile", "--checkpoint", checkpoint, "--out", str(tmp_path / "p"), "--granularity", kept])
+        assert f"argument --granularity: expected a fraction in (0, 1], got {float(kept)}" in capsys.readouterr().err
     for clips in (0, -3):
         with pytest.raises(ValueError, match="clips must be an integer >= 1"):
             profile_checkpoint(checkpoint, str(tmp_path / "p"), device="cpu", clips=clips)

@@ -368,6 +368,7 @@ def test_finite_gate_names_a_non_finite_or_missing_gradient():
     ("--tokens", "-128", "expected an integer >= 1, got -128"),
     ("--spatial", "0", "expected an integer >= 1, got 0"),
     ("--warmup", "-1", "expected an integer >= 0, got -1"),
+    ("--device", "cpux", "expected auto, cpu, cuda or cuda:N, got 'cpux'"),  # a torch traceback before
 ])
 def test_bench_train_rejects_bad_counts_when_parsing(capsys, flag, value, expected):
     """Checked before any model is built (--steps 0 used to fail after the warm-up: no median of no steps)."""
@@ -404,6 +405,10 @@ def test_bench_train_checks_every_token_count_and_the_profile_before_running(tmp
     code = main(["bench", "train", *TINY, "--modes", "dense", "dsv", "--profile", str(tmp_path / "other.json")])
     assert code == 2 and not built
     assert "32 layers × [16] heads, the model has 5 layers × 2 heads" in capsys.readouterr().err
+    # 320 tokens of 8×8: T=5, which the window's 2×2×2 cubes do not tile (found after dense had been timed).
+    code = main(["bench", "train", *TINY[:at], "320", *TINY[at + 1:], "--modes", "dense", "window"])
+    assert code == 2 and not built
+    assert "--modes window at --tokens 320 needs whole cubes: grid T=5 is not divisible" in capsys.readouterr().err
 
 
 def test_the_stage1_peak_is_of_a_step_with_the_optimizer_state(monkeypatch, capsys):

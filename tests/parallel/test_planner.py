@@ -206,6 +206,10 @@ def test_cli_builtin_profile_and_errors(capsys):
     assert "built-in profile of the DSV paper's 2.7B run" in capsys.readouterr().out
     with pytest.raises(ValueError, match="not in --gpus"):
         plan_cli.run(parse(["--gpus", "4", "--per-block", "8"]))
+    for threshold in ("nan", "-1", "1.5"):  # NaN planned every block dense, -1 blocks of 1.5% sparsity sparse
+        with pytest.raises(SystemExit):
+            parse(["--gpus", "4", "--sparse-threshold", threshold])
+        assert "argument --sparse-threshold: expected a sparsity in [0, 1]" in capsys.readouterr().err
 
 
 def test_cli_plans_with_a_recipes_settings_as_the_trainer_does(capsys):
