@@ -116,15 +116,27 @@ sampling_seed = _int_at_least(0, 2**64 - 2)
 """argparse type: a noise seed that torch.Generator takes, with one more after it (calibration noise: seed + 1)."""
 
 
-def positive_float(text: str) -> float:
-    """argparse type: a finite float > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {value}")
-    return value
+def float_where(expected: str, accepts):
+    """argparse type: a float that `accepts`, else an error saying `expected`."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not accepts(value):  # NaN fails every comparison
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
+        return value
+
+    return parse
+
+
+positive_float = float_where("a finite number > 0", lambda value: 0 < value < float("inf"))
+"""argparse type: a finite float > 0."""
+fraction = float_where("a fraction in (0, 1]", lambda value: 0.0 < value <= 1.0)
+"""argparse type: a fraction in (0, 1] (of the keys kept, say)."""
+kept_mass = float_where("a share of the attention mass in (0, 1]", lambda value: 0.0 < value <= 1.0)
+"""argparse type: a share of the attention mass in (0, 1]."""
 
 
 def device_name(text: str) -> str:
@@ -142,28 +154,6 @@ def device_name(text: str) -> str:
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise argparse.ArgumentTypeError(f"{text!r}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
     return text
-
-
-def fraction(text: str) -> float:
-    """argparse type: a fraction in (0, 1] (of the keys kept, say)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {value}")
-    return value
-
-
-def kept_mass(text: str) -> float:
-    """argparse type: a share of the attention mass in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a share of the attention mass in (0, 1], got {text!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a share of the attention mass in (0, 1], got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

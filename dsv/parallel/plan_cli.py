@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dsv.cli import float_where
 from dsv.parallel.placement import METHODS
 from dsv.parallel.planner import (
     AttentionShape,
@@ -35,15 +36,8 @@ PLANNING_DEFAULTS = dict(intra_node_gbps=450.0, inter_node_gbps=50.0, dense_tflo
                          sparse_threshold=0.8)
 
 
-def sparsity_threshold(text: str) -> float:
-    """argparse type: a head sparsity in [0, 1], as `attention.sparse_threshold` (NaN planned every block dense)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a sparsity in [0, 1], got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a sparsity in [0, 1], got {value}")
-    return value
+# As `attention.sparse_threshold` (NaN planned every block dense).
+sparsity_threshold = float_where("a sparsity in [0, 1]", lambda value: 0.0 <= value <= 1.0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
