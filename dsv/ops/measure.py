@@ -9,6 +9,7 @@ turns measured sparsity into per-head keep counts.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -43,9 +44,15 @@ def _check_rows(rows: torch.Tensor, seq_len: int, device: torch.device) -> torch
     return rows.to(device=device, dtype=torch.int64)
 
 
+def check_unit_fraction(value, name: str) -> None:
+    """Raise ValueError naming `name` unless `value` is a real number in (0, 1] (not a bool, a string or a
+    tensor, which would fail the comparison with a TypeError or an ambiguous truth value)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < value <= 1.0:
+        raise ValueError(f"{name} must lie in (0, 1], got {value!r}")
+
+
 def _check_theta(theta: float) -> None:
-    if not 0.0 < theta <= 1.0:
-        raise ValueError(f"theta must lie in (0, 1], got {theta!r}")
+    check_unit_fraction(theta, "theta")
 
 
 def _softmax_rows(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, scale: float) -> torch.Tensor:
@@ -301,8 +308,7 @@ def recall_at_equal_keep(q: torch.Tensor, k: torch.Tensor, kept_fraction: float,
     Returns:
         ``{kv_block: float32 [B, H] recall}``.
     """
-    if not 0.0 < kept_fraction <= 1.0:
-        raise ValueError(f"kept_fraction must lie in (0, 1], got {kept_fraction!r}")
+    check_unit_fraction(kept_fraction, "kept_fraction")
     result = {}
     for kv_block in kv_blocks:
         keep = torch.full((q.shape[1],), max(1, round(kept_fraction * math.ceil(q.shape[2] / kv_block))),
@@ -364,8 +370,7 @@ def window_index(
         raise ValueError(
             f"kv_block must be 1 or the cube volume {group_size} for a window index, got {kv_block}"
         )
-    if not 0.0 < window_frac <= 1.0:
-        raise ValueError(f"window_frac must lie in (0, 1], got {window_frac!r}")
+    check_unit_fraction(window_frac, "window_frac")
     extents = window_extents(grid, cube, kv_block, window_frac)
     # Window positions are counted in units of `step`: whole cubes, or tokens.
     steps = cube if kv_block == group_size else (1, 1, 1)

@@ -313,6 +313,11 @@ def test_head_sparsity_is_nan_for_heads_with_non_finite_q_or_k():
         (lambda q, k, ix: head_sparsity(q[0], k, torch.arange(3)), r"q must be 4-D"),
         (lambda q, k, ix: head_sparsity(q, k, torch.tensor([-1])), r"rows must lie in \[0, S=20\)"),
         (lambda q, k, ix: head_sparsity(q, k, torch.arange(3), theta=1.5), r"theta must lie in \(0, 1\]"),
+        # Compared without a type check before: a TypeError, or an ambiguous truth value for a tensor.
+        (lambda q, k, ix: head_sparsity(q, k, torch.arange(3), theta="0.9"), r"theta must lie in \(0, 1\], got '0.9'"),
+        (lambda q, k, ix: critical_counts(q, k, torch.arange(3), theta=torch.tensor([0.9, 0.5])),
+         r"theta must lie in \(0, 1\]"),
+        (lambda q, k, ix: window_index((4, 4, 4), (2, 2, 2), 8, 1, 2, "0.5"), r"window_frac must lie in \(0, 1\]"),
         (lambda q, k, ix: index_recall(q, k.float(), ix, torch.arange(3)), r"k has dtype torch.float32"),
         (lambda q, k, ix: index_recall(q[:, :1], k[:, :1], ix, torch.arange(3)),
          r"index.indices has \[B, H, NG\]"),
