@@ -810,20 +810,20 @@ def any_rank(flag: torch.Tensor, group=None) -> bool:
     return bool(flag)
 
 
-def _fingerprint(hidden: torch.Tensor) -> torch.Tensor:
-    """A float64 `[2, B, R]` summary of a layer input, to tell the training forwards of one step apart: for each
-    of up to ~64 sampled tokens per batch row, the sum of ~64 sampled channels and the sum of their magnitudes
-    (a strided view: no copy). One sum over the whole sample matched independent inputs about once in a
-    thousand pairs; every token's sum must match here."""
+def _fingerprint(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float64 summary of a layer input, to tell the training forwards of one step apart: for each of up to
+    ~64 sampled tokens per batch row, the sum of ~64 sampled channels and the sum of their magnitudes, `[B, R]`
+    each (from a strided view: no copy). One sum over the whole sample matched independent inputs about once in
+    a thousand pairs; every token's sum must match here."""
     _, seq_len, channels = hidden.shape
     sample = hidden.detach()[:, ::max(1, seq_len // 64), ::max(1, channels // 64)]
-    return torch.stack([sample.sum(-1, dtype=torch.float64), sample.abs().sum(-1, dtype=torch.float64)])
+    return sample.sum(-1, dtype=torch.float64), sample.abs().sum(-1, dtype=torch.float64)
 
 
-def _same_fingerprint(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _same_fingerprint(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> bool:
     """Whether two `_fingerprint`s come from the same input up to rounding: each token's sum within 1e-4 of its
     magnitude sum (a recompute's input equals the forward's up to kernel rounding)."""
-    if a.shape != b.shape:
+    if a[0].shape != b[0].shape:
         return False
     return bool(((a[0] - b[0]).abs() <= 1e-4 * torch.maximum(a[1], b[1]) + 1e-6).all())
 

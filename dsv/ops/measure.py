@@ -51,10 +51,6 @@ def check_unit_fraction(value, name: str) -> None:
         raise ValueError(f"{name} must lie in (0, 1], got {value!r}")
 
 
-def _check_theta(theta: float) -> None:
-    check_unit_fraction(theta, "theta")
-
-
 def _softmax_rows(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, scale: float) -> torch.Tensor:
     """Dense softmax ``[B, H, R, S]`` of query ``rows`` over all keys, in the compute dtype.
 
@@ -150,7 +146,7 @@ def critical_counts(
 def _critical_counts(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, theta: float,
                      scale: float | None) -> torch.Tensor:
     """`critical_counts` on q, k and int64 rows already checked (each row check reads the device)."""
-    _check_theta(theta)
+    check_unit_fraction(theta, "theta")
     seq_len, dim = q.shape[2], q.shape[3]
     scale = resolve_scale(scale, dim)
     chunk = _row_chunk(q, rows.numel())
