@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 import matplotlib
@@ -339,8 +340,16 @@ def sparsity_history(metrics: Path, up_to_step: int) -> tuple[list[int], torch.T
         record = json.loads(line)
         if "layers" in record and int(record["step"]) <= up_to_step:
             steps.append(int(record["step"]))
-            rows.append([sum(layer["sparsity"]) / len(layer["sparsity"]) for layer in record["layers"]])
+            means = (mean_of_measured(layer["sparsity"]) for layer in record["layers"])
+            rows.append([math.nan if mean is None else mean for mean in means])
     return steps, torch.tensor(rows, dtype=torch.float64)
+
+
+def mean_of_measured(values: list[float | None]) -> float | None:
+    """Mean of a layer's logged per-head values over the heads with a measurement (a head logs None until its
+    first one, or after a non-finite one); None if no head has one."""
+    measured = [v for v in values if v is not None]
+    return statistics.fmean(measured) if measured else None
 
 
 def _save(fig, path: Path) -> None:
@@ -494,7 +503,9 @@ def observe_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clip
                      "uniform_histogram": baseline.tolist()},
         "sparsity": sparsity.tolist(),
         "dynamics": None if history is None else {"metrics": str(metrics), "steps": steps,
-                                                   "mean_sparsity": history.tolist()},
+                                                   # JSON null where a block had no measured head yet
+                                                   "mean_sparsity": [[None if math.isnan(v) else v for v in row]
+                                                                     for row in history.tolist()]},
         "neighbours": {"cubes": [list(c) for c in usable], "skipped": [list(c) for c in skipped],
                        "overlap": overlap.tolist(), "jaccard": jaccard.tolist(),
                        "mean_overlap": [mean_overlap[c] for c in usable], "threshold": overlap_threshold,
@@ -553,8 +564,9 @@ def _summary(r: dict) -> str:
         lines += ["", "| block | " + " | ".join(f"step {s}" for s in (dyn["steps"][0], dyn["steps"][-1])) + " |",
                   "|---|---|---|"]
         for i in range(len(dyn["mean_sparsity"][0])):
-            first, last = dyn["mean_sparsity"][0][i], dyn["mean_sparsity"][-1][i]
-            lines.append(f"| {i} | {first:.3f} | {last:.3f} |")
+            first, last = (("-" if v is None else f"{v:.3f}") for v in (dyn["mean_sparsity"][0][i],
+                                                                         dyn["mean_sparsity"][-1][i]))
+            lines.append(f"| {i} | {first} | {last} |")
     lines += ["", "## Neighbours share (neighbours.png)",
               ("Overlap of queries i, j in one cube = |C_i ∩ C_j| / |C_i| (fraction of i's critical keys that j "
               "also has), mean over ordered pairs i ≠ j, measured cubes, clips and heads; Jaccard beside it. "

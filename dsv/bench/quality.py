@@ -68,7 +68,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dsv.analysis.observations import recommendation_scope
+from dsv.analysis.observations import mean_of_measured, recommendation_scope
 from dsv.analysis.profile import WINDOW_BUDGET_COLUMNS, window_budget_lines
 from dsv.bench.sample_store import SampleStore, machine_name
 from dsv.cli import EXIT_UNFINISHED, device_name, kept_mass, positive_float, positive_int, sampling_seed
@@ -410,7 +410,7 @@ def run_curves(records: list[dict]) -> dict:
     logged = [r for r in records if "loss" in r]
 
     def per_layer(key: str) -> list[list[float | None]]:
-        return [[_mean_of_measured(layer[key]) for layer in r["layers"]] for r in logged]
+        return [[mean_of_measured(layer[key]) for layer in r["layers"]] for r in logged]
 
     return {"steps": [r["step"] for r in logged], "loss": [r["loss"] for r in logged],
             "stage": [r["stage"] for r in logged], "steps_per_s": [r["steps_per_s"] for r in logged],
@@ -421,10 +421,19 @@ def run_curves(records: list[dict]) -> dict:
             "heldout_ema": [[r["step"], r["heldout_loss_ema"]] for r in records if "heldout_loss_ema" in r]}
 
 
-def _mean_of_measured(values: list[float | None]) -> float | None:
-    """Mean of the heads that were measured (None: not yet measured), None if none was."""
-    measured = [v for v in values if v is not None]
-    return statistics.fmean(measured) if measured else None
+def steps_per_second_after(steps: list[int], steps_per_s: list[float], after: int) -> float:
+    """A run's training speed over its logged windows that end after step ``after``: their steps over their
+    summed time (a window's time is its steps, since the previous logged step, over its rate). The mean of the
+    windows' rates would weigh a short window (a run's last, or a resumed leg's first) as much as a full one."""
+    total_steps, total_seconds, previous = 0, 0.0, 0
+    for step, rate in zip(steps, steps_per_s):
+        if step > after:
+            total_steps += step - previous
+            total_seconds += (step - previous) / rate
+        previous = step
+    if not total_steps:
+        raise ValueError(f"no logged training window ends after step {after} (last logged step {previous})")
+    return total_steps / total_seconds
 
 
 def heldout_table(curves: dict[str, dict], key: str = "heldout") -> list[dict]:
@@ -1561,7 +1570,7 @@ def run(args) -> int:
           + (f" (dense control vs dense: {late['control_gap']:+.2%})" if args.dense_control else ""), flush=True)
 
     phase = time.perf_counter()
-    device = resolve_device(args.device)
+    device = resolve_device(args.device, field="--device")
     data = build_dataset(cfg.data)
     real = data.heldout_batch()
     # Sets an earlier command of this folder sampled from the same checkpoints and settings are read back.
@@ -1602,8 +1611,7 @@ def run(args) -> int:
     phase = time.perf_counter()
     # Training speed after DSV's switch, so that every run is compared over the same steps.
     after = facts["switch_step"] or 0
-    stage2_speed = {mode: statistics.fmean(v for s, v in zip(c["steps"], c["steps_per_s"]) if s > after)
-                    for mode, c in curves.items()}
+    stage2_speed = {mode: steps_per_second_after(c["steps"], c["steps_per_s"], after) for mode, c in curves.items()}
     reference = json.loads(args.train_step_json.read_text()) if args.train_step_json.is_file() else None
     _plot_losses(curves, {seed: t for seed, t in heldout_by_seed.items() if seed != first}, facts["switch_step"],
                  out / "losses.png")

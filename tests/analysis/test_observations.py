@@ -221,6 +221,19 @@ def test_sparsity_history_stops_at_the_checkpoint_step(tmp_path):
     assert history.flatten().tolist() == pytest.approx([0.4, 0.8])  # per-layer means over heads
 
 
+def test_sparsity_history_averages_the_measured_heads_only(tmp_path):
+    """A head logs None until its first measurement (or after a non-finite one): the layer's mean is that of its
+    measured heads, NaN where none is (the sum of a None raised a TypeError)."""
+    metrics = tmp_path / "metrics.jsonl"
+    records = [{"step": 2, "layers": [{"sparsity": [None, None]}, {"sparsity": [0.5, None]}]},
+               {"step": 4, "layers": [{"sparsity": [0.2, 0.4]}, {"sparsity": [0.6, 0.8]}]}]
+    metrics.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    steps, history = sparsity_history(metrics, up_to_step=4)
+    assert steps == [2, 4]
+    assert math.isnan(history[0, 0]) and history[0, 1] == pytest.approx(0.5)
+    assert history[1].tolist() == pytest.approx([0.3, 0.7])
+
+
 def test_observe_a_freshly_trained_checkpoint(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     Trainer(tiny_config(run_dir, "train.steps=4", "train.ckpt_every=4"), quiet=True).run()

@@ -32,6 +32,7 @@ from dsv.bench.quality import (
     sample_seeds,
     seed_late_means,
     source_sha256,
+    steps_per_second_after,
     summed_seconds,
     targets,
     train_all,
@@ -892,6 +893,16 @@ def test_three_runs_on_one_gpu_with_three_per_gpu_still_train_together():
     # A fourth run (the dense control) on one GPU with three per GPU: two waves of two, not three and one alone.
     placement = run_placement(plan_runs([*names, CONTROL], ["0"], 3))
     assert {name: len(p["co_runners"]) for name, p in placement.items()} == {name: 1 for name in [*names, CONTROL]}
+
+
+def test_training_speed_after_the_switch_is_its_steps_over_its_time():
+    # Windows of 25 steps at 5/s and 5/s, then a last one of 5 steps at 1/s: 55 steps in 15 s (the mean of the
+    # rates, 3.67/s, weighed the 5-step window as much as a full one). The window ending at the switch is out.
+    steps, rates = [25, 50, 75, 80], [2.0, 5.0, 5.0, 1.0]
+    assert steps_per_second_after(steps, rates, after=25) == pytest.approx(55 / 15)
+    assert steps_per_second_after(steps, rates, after=0) == pytest.approx(80 / 27.5)
+    with pytest.raises(ValueError, match="no logged training window ends after step 80"):
+        steps_per_second_after(steps, rates, after=80)
 
 
 def test_training_speeds_of_runs_that_shared_their_gpus_unequally_are_withheld():
