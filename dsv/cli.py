@@ -141,18 +141,15 @@ kept_mass = float_where("a share of the attention mass in (0, 1]", lambda value:
 
 def device_name(text: str) -> str:
     """argparse type: "auto" or a device this machine has: "cpu", "cuda" or "cuda:N"."""
-    if text == "auto":
-        return text
+    from dsv.train.config import device_absence, parse_device
+
     try:
-        device = torch.device(text)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"{text!r}, but no CUDA device is available here (pass --device cpu)")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise argparse.ArgumentTypeError(f"{text!r}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
+        device = parse_device(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    absent = None if device is None else device_absence(device)
+    if absent is not None:
+        raise argparse.ArgumentTypeError(f"{text!r}, but {absent}")
     return text
 
 

@@ -45,7 +45,7 @@ def load_model(path: str, device: str = "auto", attention_mode: str | None = Non
         cfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, mode=attention_mode))
         reference = build_model(cfg, torch.device("cpu")).state_dict()
         weights = {k: v for k, v in weights.items() if k in reference}
-    model = build_model(cfg, resolve_device(device))
+    model = build_model(cfg, resolve_device(device, field="device"))
     load_weights_into(model, weights, str(ckpt))
     model.controller.step = state["step"]
     if attention_mode is not None and attention_mode != "dense" and not model.controller.sparse_layers():

@@ -47,6 +47,32 @@ class OptimConfig:
                              f"got {self.final_lr_ratio}")
 
 
+def parse_device(name: str) -> torch.device | None:
+    """None for "auto"; else the device ``name`` names, which must be "cpu", "cuda" or "cuda:N" (the trainer's
+    autocast, data and kernels know these two types). A ValueError says the expected forms."""
+    if name == "auto":
+        return None
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"must be auto, cpu, cuda or cuda:N, got {name!r}")
+    return device
+
+
+def device_absence(device: torch.device) -> str | None:
+    """Why this machine lacks ``device``, or None where it has it."""
+    if device.type != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        return "no CUDA device is available here"
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        return f"this machine has {count} CUDA device(s): cuda:0 to cuda:{count - 1}"
+    return None
+
+
 @dataclass
 class TrainConfig:
     steps: int = 200
@@ -73,13 +99,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_config_fields(self, "train")
-        if self.device != "auto":
-            try:
-                kind = torch.device(self.device).type
-            except RuntimeError:
-                kind = None
-            if kind not in ("cpu", "cuda"):  # the trainer's autocast, data and kernels know these two
-                raise ValueError(f"train.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        try:
+            parse_device(self.device)  # its form only: a config may be written on one machine and run on another
+        except ValueError as err:
+            raise ValueError(f"train.device {err}") from None
         for name in ("steps", "batch_size", "log_every", "eval_every", "ckpt_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")

@@ -40,7 +40,7 @@ from dsv.train.checkpoint import (
     remove_unfinished_saves,
     save_checkpoint,
 )
-from dsv.train.config import Config, OptimConfig, config_to_dict
+from dsv.train.config import Config, OptimConfig, config_to_dict, device_absence, parse_device
 from dsv.train.data import build_dataset
 
 # A resumed run must match the checkpoint's configuration except in these fields, which change neither
@@ -99,15 +99,17 @@ def init_distributed(device_name: str) -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
+def resolve_device(name: str, field: str = "train.device") -> torch.device:
+    """The device ``name`` ("auto": CUDA where there is one) on this machine; a ValueError names ``field``."""
+    try:
+        device = parse_device(name)
+    except ValueError as err:
+        raise ValueError(f"{field} {err}") from None
+    if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)  # a valid name: TrainConfig checked it
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"train.device={name!r} but no CUDA device is available")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise ValueError(f"train.device={name!r} but this machine has {torch.cuda.device_count()} CUDA "
-                         f"device(s): cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    absent = device_absence(device)
+    if absent is not None:
+        raise ValueError(f"{field}={name!r}, but {absent}")
     return device
 
 

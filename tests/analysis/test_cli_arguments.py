@@ -102,8 +102,8 @@ def test_sample_checks_its_arguments_before_sampling(runs, tmp_path, capsys, mon
     assert main(["sample", "--checkpoint", checkpoint, "--out", str(tmp_path / "s.mp4"), "--num", "1",
                  "--steps", "1"]) == 2
     assert ".mp4 needs PyAV (pip install av)" in capsys.readouterr().err
-    for option, value, expected in (("--device", "cpux", "expected auto, cpu, cuda or cuda:N, got 'cpux'"),
-                                    ("--device", "mps", "expected auto, cpu, cuda or cuda:N, got 'mps'")):
+    for option, value, expected in (("--device", "cpux", "must be auto, cpu, cuda or cuda:N, got 'cpux'"),
+                                    ("--device", "mps", "must be auto, cpu, cuda or cuda:N, got 'mps'")):
         with pytest.raises(SystemExit):  # a torch traceback, or an error naming train.device, before
             main(["sample", "--checkpoint", checkpoint, "--out", str(tmp_path / "s.gif"), option, value])
         assert f"argument {option}: {expected}" in capsys.readouterr().err

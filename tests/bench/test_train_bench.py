@@ -368,7 +368,7 @@ def test_finite_gate_names_a_non_finite_or_missing_gradient():
     ("--tokens", "-128", "expected an integer >= 1, got -128"),
     ("--spatial", "0", "expected an integer >= 1, got 0"),
     ("--warmup", "-1", "expected an integer >= 0, got -1"),
-    ("--device", "cpux", "expected auto, cpu, cuda or cuda:N, got 'cpux'"),  # a torch traceback before
+    ("--device", "cpux", "must be auto, cpu, cuda or cuda:N, got 'cpux'"),  # a torch traceback before
 ])
 def test_bench_train_rejects_bad_counts_when_parsing(capsys, flag, value, expected):
     """Checked before any model is built (--steps 0 used to fail after the warm-up: no median of no steps)."""

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -539,6 +540,34 @@ def test_config_overrides_reject_bad_input():
     with pytest.raises(ValueError, match="unknown recipe"):
         get_recipe("nope")
     assert apply_overrides(base, ["attention.cube=4x4x4"]).attention.cube == (4, 4, 4)
+
+
+def test_the_config_the_trainer_and_the_cli_check_a_device_by_one_rule(monkeypatch):
+    """train.device's form is checked with the config (it may run on another machine), its presence when the
+    trainer or an analysis resolves it, and both by the CLI's --device; one rule, each message naming its field."""
+    import argparse
+
+    from dsv.cli import device_name
+    from dsv.train.trainer import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with one GPU, as far as these see
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert apply_overrides(get_recipe("debug_cpu"), ["train.device=cuda:3"]).train.device == "cuda:3"
+    assert resolve_device("cuda:0") == torch.device("cuda", 0) and device_name("cuda:0") == "cuda:0"
+    assert resolve_device("auto") == torch.device("cuda")
+    one_gpu = re.escape("'cuda:1', but this machine has 1 CUDA device(s): cuda:0 to cuda:0")
+    with pytest.raises(ValueError, match=f"^train.device={one_gpu}$"):
+        resolve_device("cuda:1")
+    with pytest.raises(ValueError, match=f"^device={one_gpu}$"):
+        resolve_device("cuda:1", field="device")
+    with pytest.raises(argparse.ArgumentTypeError, match=f"^{one_gpu}$"):
+        device_name("cuda:1")
+    with pytest.raises(ValueError, match="^device must be auto, cpu, cuda or cuda:N, got 'mps'$"):
+        resolve_device("mps", field="device")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="^train.device='cuda', but no CUDA device is available here$"):
+        resolve_device("cuda")
+    assert resolve_device("auto") == torch.device("cpu")
 
 
 def test_float_fields_given_ints_in_python_take_float_overrides():
