@@ -185,3 +185,53 @@ def test_a_dsv_layer_with_rotary_dims_trains_and_selects_at_its_grid():
     at_grid = layer.compute_index(hidden, q, k, GRID, keep_blocks=keep)
     elsewhere = layer.compute_index(hidden, q, k, (1, 8, 8), keep_blocks=keep)
     assert (at_grid.counts == 2).all() and not torch.equal(at_grid.indices, elsewhere.indices)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_a_rotary_predictor_selects_the_top_blocks_of_its_float64_scores():
+    """The fused Triton estimation takes the turned rows as any pooled rows: a float32 layer with rotary dims
+    on the GPU keeps, in every group, key blocks that rank first by the same layer's float64 scores on the CPU
+    at this grid (not at another grid of as many tokens, which turns the rows otherwise)."""
+    import copy
+
+    from dsv.modules.attention import DSVAttention
+    from dsv.ops.estimate import triton_estimation_unsupported
+
+    grid, other_grid, dim, heads, keep = (4, 16, 16), (16, 8, 8), 128, 2, 4
+    torch.manual_seed(0)
+    layer = DSVAttention(dim, heads, cfg=AttentionConfig(mode="dsv", cube=(4, 4, 4), predictor_rotary=6))
+    predictor = layer.predictor
+    with torch.no_grad():  # offsets large against the content terms, so that position decides much of the ranking
+        predictor.q_rotary_offset.normal_(0, 3)
+        predictor.k_rotary_offset.normal_(0, 3)
+    reference = copy.deepcopy(layer).double()
+    layer = layer.cuda()
+    seq_len, group, block = 1024, layer.cfg.group_size, layer.cfg.key_block
+    hidden = torch.randn(1, seq_len, dim, dtype=torch.float64)
+    rows = torch.empty(1, heads, seq_len, dim // heads, device="cuda")
+    assert triton_estimation_unsupported(rows, block) is None
+    keep_blocks = torch.full((heads,), keep)
+    chosen = layer.compute_index(hidden.cuda().float(), rows, rows, grid, keep_blocks=keep_blocks)
+    chosen.validate()
+    assert (chosen.counts == keep).all()
+    picked = chosen.indices[0, :, :, :keep].cpu().long()  # [H, NG, keep]
+
+    def float64_scores(at_grid):
+        proxies, keys = reference.predictor.pooled_project(hidden, group, block,
+                                                           reference.predictor_positions(at_grid, hidden.device))
+        return proxies[0] @ keys[0].transpose(-1, -2), proxies[0].norm(dim=-1), keys[0].norm(dim=-1)
+
+    scores, proxy_norms, key_norms = float64_scores(grid)
+    kth_best = scores.topk(keep, dim=-1).values[..., -1:]
+    # float32 rows and products, possibly TF32 (10-bit mantissa) dots in the kernel: a score may be off by
+    # ~2^-10 of |proxy|·|key|; a block within that of the k-th best is a tie the kernel may break either way.
+    slack = 2**-10 * proxy_norms[..., None] * key_norms.amax(-1)[:, None, None]
+    assert (scores.gather(-1, picked) >= kth_best - slack).all()
+
+    def agreement(with_scores):
+        best = with_scores.topk(keep, dim=-1).indices.sort(-1).values
+        return (picked.sort(-1).values == best).all(-1).float().mean().item()
+
+    assert agreement(scores) > 0.9
+    assert agreement(float64_scores(other_grid)[0]) < 0.5, "setup: another grid must rank other blocks first"
