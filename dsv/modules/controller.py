@@ -34,8 +34,8 @@ def layout_record(cfg: AttentionConfig) -> torch.Tensor:
 
 def layout_difference(saved: torch.Tensor, current: torch.Tensor) -> str | None:
     """What differs between two `layout_record`s, by the config's names ("cube=(2, 2, 2) (cfg: (2, 2, 1)), ..."),
-    or None where they agree."""
-    saved, current = saved.to(torch.int64).flatten(), current.to(torch.int64).flatten()
+    or None where they agree. Either may be on any device (a state saved on the CPU, loaded into a model on a GPU)."""
+    saved, current = saved.to("cpu", torch.int64).flatten(), current.to("cpu", torch.int64).flatten()
     if saved.shape != current.shape:
         return f"a layout record of {saved.numel()} values (this version writes {current.numel()})"
     if torch.equal(saved, current):

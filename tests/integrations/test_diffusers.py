@@ -508,6 +508,24 @@ def test_a_state_dict_loaded_by_hand_is_checked_for_its_layout():
     assert "dsv_controller.layout" in result.missing_keys
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_state_saved_on_the_cpu_loads_into_a_model_on_the_gpu_with_its_layout_checked():
+    """`dsv profile` loads a checkpoint's CPU tensors into a model on the GPU: the layout check compares the
+    records across devices, passes where they agree and names the difference where they do not."""
+    source = tiny_wan()
+    install_dsv(source, cfg("dsv"))
+    state = source.state_dict()
+    target = tiny_wan()
+    install_dsv(target, cfg("dsv"))
+    target.cuda().load_state_dict(state)
+    assert torch.equal(target.dsv_controller.layout.cpu(), state["dsv_controller.layout"])
+    other = tiny_wan()
+    install_dsv(other, cfg("dsv", theta=0.95))
+    with pytest.raises(ValueError, match=r"another layout than this model's: saved theta=0.9 \(cfg: 0.95\)"):
+        other.cuda().load_state_dict(state)
+
+
 def test_build_wan_for_training_trains_on_real_video():
     attention = dsv.AttentionConfig(mode="dsv", cube=(2, 4, 4), max_stage1_steps=2, sparse_threshold=0.0,
                                     sample_stride=16, profile_every_stage1=1)
