@@ -53,14 +53,16 @@ SPEED_MODELS = {"triton": H200_TRITON}
 def speed_model(backend: str, group_size: int, kv_block: int) -> tuple[SparseSpeedModel | None, str]:
     """`(model, description)` for a layer's sparse backend and blocks, by the smaller of its query group and
     key block: the 128-, 64- or 32-token model. Blocks under 32 tokens (not measured) take the 32-token
-    model and the description says so; a backend without a model (the reference) gives None."""
+    model and the description says so; a backend without a model (the reference) gives None. The description
+    names the GPU the times come from: on another GPU the model's absolute times are not that GPU's (only
+    their ratio to dense carries over), which a user reading a dispatch decision should know."""
     if backend not in SPEED_MODELS:
         return None, ""
     block = min(group_size, kv_block)
     if block >= 128:
-        return H200_TRITON, "128-token blocks"
+        return H200_TRITON, "128-token blocks, H200 times"
     if block >= 64:
-        return H200_TRITON_64, "64-token blocks"
+        return H200_TRITON_64, "64-token blocks, H200 times"
     if block >= 32:
-        return H200_TRITON_32, "32-token blocks"
-    return H200_TRITON_32, f"{block}-token blocks, not measured: the 32-token model"
+        return H200_TRITON_32, "32-token blocks, H200 times"
+    return H200_TRITON_32, f"{block}-token blocks, not measured: the 32-token model, H200 times"
