@@ -60,9 +60,11 @@ def speed_model(backend: str, group_size: int, kv_block: int) -> tuple[SparseSpe
         return None, ""
     block = min(group_size, kv_block)
     if block >= 128:
-        return H200_TRITON, "128-token blocks, H200 times"
-    if block >= 64:
-        return H200_TRITON_64, "64-token blocks, H200 times"
-    if block >= 32:
-        return H200_TRITON_32, "32-token blocks, H200 times"
-    return H200_TRITON_32, f"{block}-token blocks, not measured: the 32-token model, H200 times"
+        model, words = H200_TRITON, "128-token blocks"
+    elif block >= 64:
+        model, words = H200_TRITON_64, "64-token blocks"
+    elif block >= 32:
+        model, words = H200_TRITON_32, "32-token blocks"
+    else:
+        model, words = H200_TRITON_32, f"{block}-token blocks, not measured: the 32-token model"
+    return model, f"{words}, H200 times"

@@ -1,12 +1,16 @@
 """The predictor's rotary dims (`attention.predictor_rotary`): position enters its scores as it enters the
 scores of a model with rotary embeddings, whose hidden states carry none."""
 
+import copy
+
 import pytest
 import torch
 
+from dsv.modules.attention import DSVAttention
 from dsv.modules.config import AttentionConfig
 from dsv.modules.predictor import LowRankPredictor, position_phasors, rotary_frequencies, turn
 from dsv.ops import estimate_index_from_means, index_recall, oracle_index, sample_query_rows
+from dsv.ops.estimate import triton_estimation_unsupported
 from dsv.ops.estimate.naive import segment_means
 from dsv.ops.grouping import cube_permutation, grouped_positions_on
 from tests.modules.test_attention import DIM, GRID, HEADS, make
@@ -193,11 +197,6 @@ def test_on_the_gpu_a_rotary_predictor_selects_the_top_blocks_of_its_float64_sco
     """The fused Triton estimation takes the turned rows as any pooled rows: a float32 layer with rotary dims
     on the GPU keeps, in every group, key blocks that rank first by the same layer's float64 scores on the CPU
     at this grid (not at another grid of as many tokens, which turns the rows otherwise)."""
-    import copy
-
-    from dsv.modules.attention import DSVAttention
-    from dsv.ops.estimate import triton_estimation_unsupported
-
     grid, other_grid, dim, heads, keep = (4, 16, 16), (16, 8, 8), 128, 2, 4
     torch.manual_seed(0)
     layer = DSVAttention(dim, heads, cfg=AttentionConfig(mode="dsv", cube=(4, 4, 4), predictor_rotary=6))
