@@ -42,13 +42,13 @@ def generate(model: VideoDiT, cfg: Config, num: int, steps: int, seed: int,
     shape = (num, cfg.model.in_channels, cfg.data.frames, cfg.data.size, cfg.data.size)
     noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dev)
     if dev.type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(dev)
     start = time.perf_counter()
     per_level = noise_level_budgets(model, budgets) if budgets is not None else contextlib.nullcontext()
     with run_precision(cfg, dev), per_level as before_step:
         videos = sample_euler(model, noise, steps, before_step=before_step)
     if dev.type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(dev)
     return videos.float().cpu(), time.perf_counter() - start
 
 

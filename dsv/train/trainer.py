@@ -88,7 +88,12 @@ def init_distributed(device_name: str) -> tuple[int, int, torch.device]:
     (NCCL on CUDA, gloo on CPU) unless the caller already did; a single process gets rank 0 of 1."""
     if not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-            return 0, 1, resolve_device(device_name)
+            device = resolve_device(device_name)
+            if device.type == "cuda":
+                # Code that names no device (Triton's launches, synchronize, memory stats) acts on the current
+                # one: with train.device=cuda:1 that must be the run's GPU.
+                torch.cuda.set_device(device)
+            return 0, 1, device
         use_cuda = torch.cuda.is_available() and device_name != "cpu"
         dist.init_process_group("nccl" if use_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -626,3 +626,29 @@ def test_gpu_float64_estimation_goes_to_the_reference():
     chosen = estimate_index_auto(q_lr, k_lr, keep, 16, 16)
     reference = estimate_index(q_lr, k_lr, keep, 16, 16)
     assert torch.equal(chosen.indices, reference.indices) and int(reference.indices[0, 0, 0, 0]) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (inputs on cuda:1, cuda:0 current)")
+def test_gpu_kernels_run_on_their_inputs_device_when_another_is_current():
+    """Triton launches on the current device: a model on cuda:1 in a process whose current device is cuda:0 must
+    still have its estimation, forward and backward run on cuda:1 (on NaN-poisoned memory there), and right."""
+    torch.cuda.set_device(0)
+    device = torch.device("cuda", 1)
+    B, H, S, D, r, G, kv = 1, 2, 3001, 128, 16, 64, 64
+    keep = torch.tensor([5, 12])
+    q_lr, k_lr = (torch.randn(B, H, S, r, device=device) for _ in range(2))
+    index = estimate_index_triton(q_lr, k_lr, keep, G, kv)
+    assert index.indices.device == device
+    assert_valid_topk(index, q_lr, k_lr, keep, tol=1e-5)  # as test_gpu_estimate_matches_reference
+    q, k, v = leaf_inputs(B, H, S, D, torch.bfloat16, device=device)
+    grad_out = torch.randn_like(q)
+    poison = [torch.full((B, H, S, D), float("nan"), dtype=torch.bfloat16, device=device) for _ in range(6)]
+    del poison  # freed NaN blocks: what cuda:1's caching allocator hands the kernels' outputs next
+    got = outputs_and_grads(lambda *x: sparse_attention_triton(*x, index), q, k, v, grad_out)
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    want = outputs_and_grads(lambda *x: sparse_attention_reference(*x, index), q32, k32, v32, grad_out.float())
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert a.device == device and torch.isfinite(a).all(), name
+        assert rel_err(a, b) < dtype_rel_tol(torch.bfloat16), (name, rel_err(a, b))
+    assert torch.cuda.current_device() == 0  # the guard puts the caller's device back

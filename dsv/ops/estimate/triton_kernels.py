@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv.ops.cuda_device import launches_on_input_device
 from dsv.ops.estimate.naive import check_means
 from dsv.ops.index import SparseIndex, check_bhsd, check_keep_blocks
 
@@ -106,6 +107,7 @@ def _score_topk_kernel(
     tl.store(CNT + pid_bh.to(tl.int64) * NG + offs_g, tl.zeros([BLOCK_G], tl.int32) + keep, mask=g_mask)
 
 
+@launches_on_input_device
 def _segment_means_t(x: torch.Tensor, segment: int) -> torch.Tensor:
     """fp32 means of runs of ``segment`` rows of ``x [B, H, S, r]``, as ``[B*H, r, ceil(S/segment)]``."""
     B, H, S, R = x.shape
@@ -127,6 +129,7 @@ def _check_num_kv_blocks(num_kv_blocks: int) -> None:
                          f"{MAX_KV_BLOCKS}; use a larger kv_block or the reference estimation")
 
 
+@launches_on_input_device
 def _select_from_means_t(proxies_t: torch.Tensor, keys_t: torch.Tensor, keep_blocks: torch.Tensor, B: int,
                          H: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k launch over transposed fp32 means ``proxies_t [B*H, r, NG]``, ``keys_t [B*H, r, NKB]``:

@@ -43,6 +43,7 @@ from torch.autograd.function import once_differentiable
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from dsv.ops.cuda_device import launches_on_input_device
 from dsv.ops.index import key_major_csr
 from dsv.ops.sparse_attention.hopper_backward import hopper_backward_unsupported, sparse_attention_bwd_hopper
 from dsv.ops.sparse_attention.hopper_kernels import hopper_forward_unsupported, sparse_attention_fwd_hopper
@@ -484,6 +485,7 @@ def _check_tiles(cfg: KernelConfig, group_size: int, kv_block: int, what: str):
                          f"(group_size, kv_block) = ({group_size}, {kv_block})")
 
 
+@launches_on_input_device
 def sparse_attention_fwd_launch(q, k, v, indices, counts, group_size: int, kv_block: int, scale: float,
                                 cfg: Optional[KernelConfig] = None):
     """Forward launcher: returns ``out [B, H, S, D]`` (q's dtype) and ``lse [B, H, S]`` (fp32, natural log).
@@ -635,6 +637,7 @@ def _given_or_built(offsets, groups, indices, num_kv_blocks: int) -> KeyMajorSou
     return lambda: (offsets.contiguous(), groups.contiguous())  # the kernel indexes them as flat arrays
 
 
+@launches_on_input_device
 def _launch_bwd(do, q, k, v, out, lse, dlse, indices, counts, key_major: KeyMajorSource, group_size, kv_block, scale,
                 cfg: Optional[SparseAttentionConfig] = None):
     """``sparse_attention_bwd_launch`` without its argument checks: for the backward of a forward that made
