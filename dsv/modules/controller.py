@@ -71,8 +71,10 @@ def check_layout_on_load(controller: nn.Module, state_dict: dict, prefix: str, *
     DSV controller state (e.g. a model's pretrained weights, loaded non-strictly) has nothing to check."""
     key = prefix + LAYOUT_BUFFER
     if key in state_dict or prefix + "stage" in state_dict:
-        check_layout(state_dict, key, getattr(controller, LAYOUT_BUFFER), "load_state_dict: the DSV state",
-                     "this model's")
+        current = getattr(controller, LAYOUT_BUFFER)
+        if current.is_meta:  # a model built on the meta device, loaded with assign=True: its config's record
+            current = layout_record(controller.cfg)
+        check_layout(state_dict, key, current, "load_state_dict: the DSV state", "this model's")
 
 
 @dataclass

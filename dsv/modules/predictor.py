@@ -196,6 +196,7 @@ class LowRankPredictor(nn.Module):
         self._prefetched: set[int] = set()
         self.register_state_dict_pre_hook(self._unpark_hook)
         self.register_load_state_dict_pre_hook(self._unpark_hook)
+        self.register_load_state_dict_post_hook(self._follow_assigned_tensors)
         self._hook_optimizer()
 
     def _hook_optimizer(self) -> None:
@@ -315,6 +316,21 @@ class LowRankPredictor(nn.Module):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self._hook_optimizer()  # an optimizer's copy (or unpickling) starts without hooks
+
+    def _follow_assigned_tensors(self, *_args) -> None:
+        """After `load_state_dict(assign=True)` (how a model built on the meta device gets its weights): the
+        loaded tensors are new Parameter objects, which the optimizer must step, not the ones it was built
+        with (those would get no gradient, and the predictor would silently stop learning); and a rotary
+        buffer built on the meta device takes the host master's values on the weights' device."""
+        params = list(self.parameters())
+        (group,) = self.optimizer.param_groups  # built from `self.parameters()`, whose order never changes
+        for i, (old, new) in enumerate(zip(group["params"], params, strict=True)):
+            if new is not old:
+                group["params"][i] = new
+                if old in self.optimizer.state:
+                    self.optimizer.state[new] = self.optimizer.state.pop(old)
+        if self.rotary_dims and self._buffers["rotary_frequencies"].is_meta:
+            self._buffers["rotary_frequencies"] = self._rotary_master.to(params[0].device, copy=True)
 
     def _unpark_hook(self, *_args) -> None:
         # state_dict / load_state_dict of the module or its optimizer: they read or write the tensors directly.

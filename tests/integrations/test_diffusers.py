@@ -526,6 +526,39 @@ def test_a_state_saved_on_the_cpu_loads_into_a_model_on_the_gpu_with_its_layout_
         other.cuda().load_state_dict(state)
 
 
+def test_a_model_built_on_the_meta_device_takes_its_dsv_state_with_assign():
+    """Meta-device init: build on "meta", then `load_state_dict(state, assign=True)`. The layout check compares
+    the state's record with the config's (the meta buffer holds none), the predictors' optimizers step the
+    loaded parameters (not the meta ones they were built with) and the rotary buffers get values: with
+    diffusers' own non-persistent rope buffers rebuilt (the caller's part, as without DSV), the model trains
+    exactly as its source does."""
+    source = tiny_wan()
+    install_dsv(source, cfg("dsv", predictor_rotary=6))
+    state = {key: value.clone() for key, value in source.state_dict().items()}  # as loaded from a file
+    with torch.device("meta"):
+        target, other = tiny_wan(), tiny_wan()
+        install_dsv(target, cfg("dsv", predictor_rotary=6))
+        install_dsv(other, cfg("dsv", predictor_rotary=6, theta=0.95))
+    with pytest.raises(ValueError, match=r"another layout than this model's: saved theta=0.9 \(cfg: 0.95\)"):
+        other.load_state_dict(state, assign=True)
+    target.load_state_dict({key: value.clone() for key, value in state.items()}, assign=True)
+    for name in ("freqs_cos", "freqs_sin"):
+        setattr(target.rope, name, getattr(source.rope, name).clone())
+    assert not [name for name, t in [*target.named_parameters(), *target.named_buffers()] if t.is_meta]
+    inputs = wan_inputs()
+    for model in (source, target):
+        torch.manual_seed(0)  # the same sampled query rows in both
+        train_steps(model, model.dsv_controller, wan_forward, inputs, 2)
+    trained, loaded = source.state_dict(), target.state_dict()
+    predictor_keys = [key for key in state if ".predictor." in key]
+    assert len(predictor_keys) >= 4
+    for key in predictor_keys:
+        assert not torch.equal(trained[key], state[key]), key  # the predictors learned ...
+        assert torch.equal(loaded[key], trained[key]), key  # ... and the meta-built ones as their source's
+    model_keys = [key for key in state if ".predictor." not in key and "dsv_controller" not in key]
+    assert all(torch.equal(loaded[key], trained[key]) for key in model_keys)
+
+
 def test_build_wan_for_training_trains_on_real_video():
     attention = dsv.AttentionConfig(mode="dsv", cube=(2, 4, 4), max_stage1_steps=2, sparse_threshold=0.0,
                                     sample_stride=16, profile_every_stage1=1)
