@@ -89,9 +89,9 @@ def init_distributed(device_name: str) -> tuple[int, int, torch.device]:
     if not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) == 1:
             device = resolve_device(device_name)
-            if device.type == "cuda":
+            if device.type == "cuda" and device.index is not None:
                 # Code that names no device (Triton's launches, synchronize, memory stats) acts on the current
-                # one: with train.device=cuda:1 that must be the run's GPU.
+                # one: with train.device=cuda:1 that must be the run's GPU ("cuda" is the current one already).
                 torch.cuda.set_device(device)
             return 0, 1, device
         use_cuda = torch.cuda.is_available() and device_name != "cpu"
