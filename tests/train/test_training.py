@@ -570,6 +570,23 @@ def test_the_config_the_trainer_and_the_cli_check_a_device_by_one_rule(monkeypat
     assert resolve_device("auto") == torch.device("cpu")
 
 
+def test_a_single_process_run_makes_its_indexed_gpu_current(monkeypatch):
+    """Code that names no device (Triton's launches, synchronize) acts on the current one: `train.device=cuda:1`
+    makes cuda:1 current; "cuda" and "auto" leave the current device as it is (set_device refuses a device without
+    an index), and the CPU touches no GPU."""
+    from dsv.train.trainer import init_distributed
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # two GPUs, as far as these see
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    made_current = []
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
+    for name, device in (("cuda:1", torch.device("cuda", 1)), ("cuda", torch.device("cuda")),
+                         ("auto", torch.device("cuda")), ("cpu", torch.device("cpu"))):
+        assert init_distributed(name) == (0, 1, device), name
+    assert made_current == [torch.device("cuda", 1)]
+
+
 def test_float_fields_given_ints_in_python_take_float_overrides():
     """A config built in Python with an int in a float field (`lr=1`, `betas=(0, 0.99)`) keeps the declared
     type: `--set` parsed such a field with int() and refused 5e-4."""
