@@ -319,18 +319,23 @@ class LowRankPredictor(nn.Module):
 
     def _follow_assigned_tensors(self, *_args) -> None:
         """After `load_state_dict(assign=True)` (how a model built on the meta device gets its weights): the
-        loaded tensors are new Parameter objects, which the optimizer must step, not the ones it was built
-        with (those would get no gradient, and the predictor would silently stop learning); and a rotary
-        buffer built on the meta device takes the host master's values on the weights' device."""
-        params = list(self.parameters())
+        optimizer steps the loaded Parameters (`_optimizer_follows_parameters`), and a rotary buffer built on
+        the meta device takes the host master's values on the weights' device."""
+        self._optimizer_follows_parameters()
+        if self.rotary_dims and self._buffers["rotary_frequencies"].is_meta:
+            self._buffers["rotary_frequencies"] = self._rotary_master.to(self.q_proj.weight.device, copy=True)
+
+    def _optimizer_follows_parameters(self) -> None:
+        """Point the optimizer at the module's Parameter objects, with their state. `load_state_dict(
+        assign=True)` and `to_empty` off the meta device (meta-device init) put new Parameters in place of the
+        ones the optimizer was built with: it would step those, which get no gradient, and the predictor would
+        silently stop learning."""
         (group,) = self.optimizer.param_groups  # built from `self.parameters()`, whose order never changes
-        for i, (old, new) in enumerate(zip(group["params"], params, strict=True)):
+        for i, (old, new) in enumerate(zip(group["params"], self.parameters(), strict=True)):
             if new is not old:
                 group["params"][i] = new
                 if old in self.optimizer.state:
                     self.optimizer.state[new] = self.optimizer.state.pop(old)
-        if self.rotary_dims and self._buffers["rotary_frequencies"].is_meta:
-            self._buffers["rotary_frequencies"] = self._rotary_master.to(params[0].device, copy=True)
 
     def _unpark_hook(self, *_args) -> None:
         # state_dict / load_state_dict of the module or its optimizer: they read or write the tensors directly.
@@ -340,6 +345,7 @@ class LowRankPredictor(nn.Module):
         self.unpark()  # `.to()`, `.cuda()`, `.float()` act on the state where it belongs
         self._allocated_on, self._prefetched = None, set()  # the tensors they make: whichever stream is current
         moved = super()._apply(fn, recurse)
+        self._optimizer_follows_parameters()  # `to_empty` off the meta device makes new Parameters
         if self.rotary_dims:
             self._buffers["rotary_frequencies"] = self._rotary_master.to(self._buffers["rotary_frequencies"].device,
                                                                          copy=True)  # never the master itself

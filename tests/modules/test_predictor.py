@@ -241,3 +241,34 @@ def test_the_optimizer_state_follows_a_dtype_change_after_a_step():
     copy_64.step(loss(copy_64), "cpu")
     for a, b in zip(predictor.parameters(), copy_64.parameters()):
         assert a.dtype == torch.float64 and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("init", ["to_empty", "assign"])
+def test_a_predictor_built_on_the_meta_device_steps_its_materialised_weights(init):
+    """Meta-device init gives the module new Parameter objects (`to_empty`, then an in-place init; or a load
+    with `assign=True`): the predictor's own optimizer must step those, not the meta ones it was built with (they get
+    no gradient, and the predictor would silently stop learning). Its steps then equal a CPU-built copy's, from a
+    state that has AdamW moments (they follow their Parameters)."""
+    def loss(predictor):
+        return lambda: sum((p ** 2).sum() for p in predictor.parameters())
+
+    reference = LowRankPredictor(dim=8, heads=2, rank=2, lr=1e-2)
+    reference.step(loss(reference), "cpu")
+    with torch.device("meta"):
+        built = LowRankPredictor(dim=8, heads=2, rank=2, lr=1e-2)
+    state = {key: value.clone() for key, value in reference.state_dict().items()}
+    if init == "to_empty":  # then initialised in place, as `reset_parameters` would
+        built.to_empty(device="cpu")
+        with torch.no_grad():
+            for param, value in zip(built.parameters(), reference.parameters()):
+                param.copy_(value)
+    else:  # the module takes the tensors themselves: a copy of its own, as one loaded from a file
+        built.load_state_dict({key: value.clone() for key, value in state.items()}, assign=True)
+    built.optimizer.load_state_dict(copy.deepcopy(reference.optimizer.state_dict()))
+    for _ in range(2):
+        reference.step(loss(reference), "cpu")
+        built.step(loss(built), "cpu")
+    assert all(not p.is_meta for group in built.optimizer.param_groups for p in group["params"])
+    for a, b in zip(built.parameters(), reference.parameters()):
+        assert torch.equal(a, b)
+    assert not torch.equal(next(built.parameters()), state["q_proj.weight"])  # it stepped
