@@ -13,6 +13,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dsv.modules.config import FIXED_MODES, AttentionConfig
@@ -24,6 +25,30 @@ CONTROLLER_NAME = "dsv_controller"
 LAYOUT_BUFFER = "layout"
 """A controller buffer that `dsv.integrations.diffusers.install_dsv` adds: what the model's DSV state is measured
 with (`layout_record`), so that the state is not loaded into a model of another cube, key block or θ."""
+
+
+# Per-layer buffers that the profiler and the predictor update inside the training forward (EMAs, and the
+# recall boost's integral step). Rank-local inputs make them differ by rank; `average_over_ranks` averages them.
+EMA_BUFFERS = ("sparsity_ema", "recall_ema", "loss_ema", "keep_boost")
+
+
+@torch.no_grad()
+def average_over_ranks(layers: list) -> None:
+    """Average the DSV layers' EMA buffers (`sparsity_ema [H]`, `recall_ema [H]`, `loss_ema []`) and recall
+    boosts (`keep_boost [H]`) over all ranks, in one all-reduce: every rank that trains the model must
+    dispatch alike.
+
+    The EMAs are linear in their measurements, so the average of the ranks' EMAs is the EMA of the
+    rank-averaged measurements: `mean_r(m·old + (1-m)·x_r) = m·old + (1-m)·mean_r(x_r)` from identical old
+    values, over any number of steps; a first measurement (NaN → x_r) becomes `mean_r(x_r)`; the boost's step
+    `old + gap_r` becomes `old + mean_r(gap_r)` (unless its [0, 1] clamp acted on some rank). Never-measured
+    entries are NaN on every rank (profiling runs on the same steps everywhere) and stay NaN."""
+    buffers = [getattr(layer, name) for layer in layers for name in EMA_BUFFERS]
+    # One flat fp32 message instead of four per layer; the buffers may have been cast with the model.
+    flat = torch.cat([b.reshape(-1).float() for b in buffers])
+    dist.all_reduce(flat, op=dist.ReduceOp.AVG)
+    for buffer, value in zip(buffers, flat.split([b.numel() for b in buffers])):
+        buffer.copy_(value.view_as(buffer))
 
 
 def layout_record(cfg: AttentionConfig) -> torch.Tensor:
@@ -187,6 +212,11 @@ class DSVController(nn.Module):
                                "controller.begin_step(step) before each step's forwards")
         self._ended_forward_id = self.forward_id
         self._warn_if_nothing_trained()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # Data parallelism (DDP, FSDP, accelerate): each rank measured its own data. The switch and the
+            # dispatch below must decide alike on every rank, and a checkpoint (rank 0's) must hold what every
+            # rank holds, so that a resume continues each rank exactly.
+            average_over_ranks(self._layers)
         profiled = self.profile_due()
         if self._stage_host == 1:
             forced = self.cfg.max_stage1_steps and self.step + 1 >= self.cfg.max_stage1_steps

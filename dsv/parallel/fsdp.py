@@ -15,13 +15,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from dsv.modules.attention import DSVAttentionCore
-from dsv.modules.controller import DSVController
+from dsv.modules.controller import DSVController, average_over_ranks
 from dsv.modules.dit import VideoDiT
 from dsv.modules.predictor import LowRankPredictor
-
-# Per-layer buffers that the profiler and the predictor update inside the training forward (EMAs, and the
-# recall boost's integral step). Rank-local inputs make them differ by rank; `sync_dsv_state` averages them.
-EMA_BUFFERS = ("sparsity_ema", "recall_ema", "loss_ema", "keep_boost")
 
 
 def _dsv_layers(model: nn.Module) -> list[DSVAttentionCore]:
@@ -38,26 +34,11 @@ def _block_units(model: nn.Module) -> list[nn.Module]:
     ]
 
 
-@torch.no_grad()
 def sync_dsv_state(model: nn.Module) -> None:
-    """Average every DSV layer's EMA buffers (`sparsity_ema [H]`, `recall_ema [H]`, `loss_ema []`) and its
-    recall boost (`keep_boost [H]`) over all ranks (every rank that runs the model must dispatch alike), in
-    one all-reduce.
-
-    Called after each training forward (that is when the EMAs change), this equals an EMA of the
-    rank-averaged measurements: with identical old values on every rank,
-    `mean_r(m·old + (1-m)·x_r) = m·old + (1-m)·mean_r(x_r)`, and the first measurement (NaN → x_r)
-    becomes `mean_r(x_r)`; the boost's step `old + gap_r` likewise becomes `old + mean_r(gap_r)` (unless
-    its [0, 1] clamp acted on some rank). The dispatch and the stage switch, which read these buffers, then decide the
-    same on every rank. Never-measured entries are NaN on every rank (profiling runs on the same steps
-    everywhere) and stay NaN.
-    """
-    buffers = [getattr(layer, name) for layer in _dsv_layers(model) for name in EMA_BUFFERS]
-    # One flat fp32 message instead of three per layer; the buffers may have been cast with the model.
-    flat = torch.cat([b.reshape(-1).float() for b in buffers])
-    dist.all_reduce(flat, op=dist.ReduceOp.AVG)
-    for buffer, value in zip(buffers, flat.split([b.numel() for b in buffers])):
-        buffer.copy_(value.view_as(buffer))
+    """`average_over_ranks` over the model's DSV layers. `shard_model` runs it after each training forward,
+    so that within a step (gradient accumulation) the ranks' EMAs already agree; the controller's `end_step`
+    averages once more before it decides."""
+    average_over_ranks(_dsv_layers(model))
 
 
 def _replicated_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

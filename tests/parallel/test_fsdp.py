@@ -10,9 +10,9 @@ from torch.distributed.tensor import DTensor, Shard
 import dsv.modules.attention as attention_module
 from dsv.modules.attention import DSVAttention, model_parameters
 from dsv.modules.config import AttentionConfig
+from dsv.modules.controller import EMA_BUFFERS
 from dsv.modules.dit import ModelConfig, VideoDiT, flow_matching_loss
 from dsv.parallel.fsdp import (
-    EMA_BUFFERS,
     check_replicas_in_sync,
     replica_divergence,
     shard_model,
