@@ -212,6 +212,7 @@ class DSVController(nn.Module):
                                "controller.begin_step(step) before each step's forwards")
         self._ended_forward_id = self.forward_id
         self._warn_if_nothing_trained()
+        self._refuse_sharded_predictors()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # Data parallelism (DDP, FSDP, accelerate): each rank measured its own data. The switch and the
             # dispatch below must decide alike on every rank, and a checkpoint (rank 0's) must hold what every
@@ -235,6 +236,23 @@ class DSVController(nn.Module):
                 layer.dispatch()
             events.redispatched = True
         return events
+
+    def _refuse_sharded_predictors(self) -> None:
+        """FSDP's `fully_shard` over a predictor (a user's own sharding, without ignored_params) makes its
+        weights sharded DTensors, gathered into other tensors for each forward: the predictor's own optimizer
+        would step the gathered copies, which the next forward gathers afresh from shards it never changed,
+        so the predictor would silently stop learning. Between steps the sharded weights are what the module
+        holds, so this is where they show."""
+        if not dist.is_available():
+            return
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(p, DTensor) for layer in self._layers if layer.predictor is not None
+               for p in layer.predictor.parameters()):
+            raise RuntimeError("a DSV predictor's parameters are sharded (fully_shard without ignored_params?): "
+                               "they must stay replicated plain tensors, which the predictor's own optimizer "
+                               "steps inside the forward; shard with dsv.parallel.shard_model, or pass "
+                               "set(dsv.predictor_parameters(model)) as fully_shard's ignored_params")
 
     def _warn_if_nothing_trained(self) -> None:
         """Warns once when the step ran the model but no training forward (grad enabled, train mode): its

@@ -487,6 +487,10 @@ class LowRankPredictor(nn.Module):
                                "predictors train themselves; unfreeze them with `for p in "
                                "dsv.predictor_parameters(model): p.requires_grad_(True)`, or freeze them by config "
                                "with attention.predictor_lr=0")
+        if any(live is not held for live, held in zip(self.parameters(), self.optimizer.param_groups[0]["params"])):
+            # Replaced outside `_apply` and `load_state_dict` (an init that assigns new `nn.Parameter`s, say).
+            # (Sharded by FSDP they are other objects in each forward too: `DSVController.end_step` refuses that.)
+            self._optimizer_follows_parameters()
         with torch.enable_grad(), torch.autocast(device_type, enabled=False):
             loss = compute_loss()
             loss.backward()

@@ -272,3 +272,20 @@ def test_a_predictor_built_on_the_meta_device_steps_its_materialised_weights(ini
     for a, b in zip(built.parameters(), reference.parameters()):
         assert torch.equal(a, b)
     assert not torch.equal(next(built.parameters()), state["q_proj.weight"])  # it stepped
+
+
+def test_a_predictor_whose_parameters_were_replaced_steps_the_new_ones():
+    """An init that assigns new `nn.Parameter`s (`module.weight = nn.Parameter(...)`) bypasses `_apply` and
+    `load_state_dict`: the next step still updates the live weights, as a freshly built predictor would."""
+    def loss(predictor):
+        return lambda: sum((p ** 2).sum() for p in predictor.parameters())
+
+    predictor = LowRankPredictor(dim=8, heads=2, rank=2, lr=1e-2)
+    reference = LowRankPredictor(dim=8, heads=2, rank=2, lr=1e-2)
+    for linear, reference_linear in ((predictor.q_proj, reference.q_proj), (predictor.k_proj, reference.k_proj)):
+        linear.weight = torch.nn.Parameter(reference_linear.weight.detach().clone())
+    for _ in range(2):
+        predictor.step(loss(predictor), "cpu")
+        reference.step(loss(reference), "cpu")
+    for a, b in zip(predictor.parameters(), reference.parameters()):
+        assert torch.equal(a, b)

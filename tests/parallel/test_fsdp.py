@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 import dsv.modules.attention as attention_module
@@ -231,6 +232,28 @@ def test_shard_model_errors():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
         shard_model(build_model())
+
+
+def hand_sharded_worker(rank, world, batches):
+    """fully_shard applied by hand, as a user or a launcher would, without the predictors in ignored_params."""
+    model = build_model()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    try:
+        train(model, batches[:1])
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def test_predictors_sharded_by_hand_raise_instead_of_silently_not_learning(tmp_path):
+    """Sharded, a predictor's weights are DTensors gathered afresh for each forward: its optimizer would step
+    the gathered copies and the predictor silently stop learning. The first step's end_step raises, naming the
+    two ways out."""
+    (error,) = run_distributed(hand_sharded_worker, 1, make_batches(seed=0), out_dir=tmp_path)
+    assert error is not None and "predictor's parameters are sharded" in error
+    assert "dsv.parallel.shard_model" in error and "ignored_params" in error
 
 
 def replica_check_worker(rank, world, batches_per_rank):
