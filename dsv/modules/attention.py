@@ -304,7 +304,10 @@ class DSVAttentionCore(nn.Module):
             new = self._buffers[name]
             if new is not None and new.dtype in half and old.dtype not in half:
                 self._buffers[name] = old.to(new.device)
-        for param, old, old_moments in zip(predictor, predictor_data, moments):
+        # The live Parameters, by position: a conversion may have replaced them (under
+        # `torch.__future__.set_overwrite_module_params_on_conversion(True)`).
+        live = list(self.predictor.parameters()) if self.predictor is not None else []
+        for param, old, old_moments in zip(live, predictor_data, moments):
             if param.dtype in half and old.dtype not in half:
                 param.data = old.to(param.device)
                 state = self.predictor.optimizer.state.get(param, {})

@@ -348,7 +348,17 @@ def test_recompute_reselects_the_forward_keys_without_keeping_the_index():
     assert again.indices.data_ptr() != index.indices.data_ptr()
 
 
-def test_dsv_state_keeps_float32_when_the_model_is_cast_to_half_precision():
+@pytest.fixture(params=[False, True], ids=["params-kept", "params-overwritten"])
+def conversion_overwrites_params(request):
+    """Both ways `Module.to` may convert: in place (the default), or into new Parameter objects
+    (`torch.__future__.set_overwrite_module_params_on_conversion(True)`)."""
+    before = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(request.param)
+    yield request.param
+    torch.__future__.set_overwrite_module_params_on_conversion(before)
+
+
+def test_dsv_state_keeps_float32_when_the_model_is_cast_to_half_precision(conversion_overwrites_params):
     """A model cast to bf16 (as diffusers pipelines do) casts its weights, not DSV's EMAs and predictor: in
     bf16 their small steps would round away. A cast to float64 (wider) applies to them too."""
     x = torch.randn(1, 64, DIM)
