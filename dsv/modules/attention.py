@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv.modules.config import AttentionConfig
+from dsv.modules.controller import fill_from_meta
 from dsv.modules.dispatch import speed_model
 from dsv.modules.predictor import LowRankPredictor, release_parked, rotary_frequencies
 from dsv.ops import (
@@ -95,14 +96,8 @@ class DSVAttentionCore(nn.Module):
                           if self.cfg.predictor_rotary else None)
                 self.predictor = LowRankPredictor(dim, heads, self.cfg.rank, self.cfg.predictor_lr,
                                                   self.cfg.loss_cosine_weight, self.cfg.loss_mse_weight, rotary)
-        nan_heads = torch.full((heads,), float("nan"))
-        self.register_buffer("sparsity_ema", nan_heads.clone())
-        self.register_buffer("recall_ema", nan_heads.clone())
-        self.register_buffer("loss_ema", torch.tensor(float("nan")))
-        self.register_buffer("use_sparse", torch.tensor(self.cfg.mode == "window"))
-        self.register_buffer("keep_fraction", torch.ones(heads))
-        # Per-head widening of the budget that holds the selection's recall at `cfg.recall_target`.
-        self.register_buffer("keep_boost", torch.zeros(heads))
+        for name, value in self._initial_buffers().items():
+            self.register_buffer(name, value)
         self.register_load_state_dict_post_hook(lambda module, _keys: module._refresh_host_state())
         # Host mirrors from the initial values, not read back from the buffers: the model can then be
         # built on the meta device (large-model init under FSDP).
@@ -138,6 +133,15 @@ class DSVAttentionCore(nn.Module):
         # the grouped-order tensors and must not modify them.
         self.observer = None
         self._runtime_id = _register_layer(self)
+
+    def _initial_buffers(self) -> dict[str, torch.Tensor]:
+        """The per-layer state of a layer that has measured nothing yet (NaN: never measured)."""
+        nan_heads = torch.full((self.heads,), float("nan"))
+        return {"sparsity_ema": nan_heads.clone(), "recall_ema": nan_heads.clone(),
+                "loss_ema": torch.tensor(float("nan")), "use_sparse": torch.tensor(self.cfg.mode == "window"),
+                "keep_fraction": torch.ones(self.heads),
+                # Per-head widening of the budget that holds the selection's recall at `cfg.recall_target`.
+                "keep_boost": torch.zeros(self.heads)}
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
@@ -294,12 +298,14 @@ class DSVAttentionCore(nn.Module):
         half = (torch.float16, torch.bfloat16)
         # The tensors themselves, not just their dtypes: a value cast to half and back has lost its low bits.
         buffers = {name: b for name, b in self._buffers.items() if b is not None}
+        from_meta = [name for name, b in buffers.items() if b.is_meta]
         predictor = list(self.predictor.parameters()) if self.predictor is not None else []
         predictor_data = [p.data for p in predictor]
         # Their AdamW moments too, which the predictor's own `_apply` casts with them.
         moments = [{key: value.data for key, value in self.predictor.optimizer.state.get(p, {}).items()
                     if isinstance(value, torch.Tensor) and value.dim() > 0} for p in predictor]
         super()._apply(fn, recurse)
+        fill_from_meta(self, from_meta, self._initial_buffers())
         for name, old in buffers.items():
             new = self._buffers[name]
             if new is not None and new.dtype in half and old.dtype not in half:

@@ -51,6 +51,18 @@ def average_over_ranks(layers: list) -> None:
         buffer.copy_(value.view_as(buffer))
 
 
+def fill_from_meta(module: nn.Module, from_meta: list[str], initial: dict[str, torch.Tensor]) -> None:
+    """Give the buffers `from_meta` (on the meta device before a conversion, `to_empty` off it) their
+    initial values, where the conversion made them real: `to_empty` leaves memory unwritten, and DSV's state
+    must start as a fresh module's (a run on pretrained weights that loads no DSV state keeps it so), not
+    as whatever the memory held (a stage of 94232658510208)."""
+    for name in from_meta:
+        buffer = module._buffers[name]
+        if not buffer.is_meta:
+            with torch.no_grad():
+                buffer.copy_(initial[name])
+
+
 def layout_record(cfg: AttentionConfig) -> torch.Tensor:
     """`[cube t, cube h, cube w, key block, round(θ · 1e6)]` as int64: a model cast with `.to(dtype)` keeps it
     exact."""
@@ -161,6 +173,13 @@ class DSVController(nn.Module):
     @property
     def layers(self) -> list:
         return self._layers
+
+    def _apply(self, fn, recurse=True):
+        from_meta = [name for name, b in self._buffers.items() if b is not None and b.is_meta]
+        super()._apply(fn, recurse)
+        initial = {"stage": torch.tensor(1), "switch_step": torch.tensor(-1), LAYOUT_BUFFER: layout_record(self.cfg)}
+        fill_from_meta(self, from_meta, initial)
+        return self
 
     def _refresh_host_state(self) -> None:
         self._stage_host = int(self.stage)

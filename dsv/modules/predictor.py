@@ -165,12 +165,9 @@ class LowRankPredictor(nn.Module):
         self.k_proj = nn.Linear(dim, heads * rank, bias=False)
         self.rotary_dims = rotary_dims
         if rotary_dims:
-            # The offsets let a head's rotary dims be nonzero whatever the content: a score term that depends on
-            # the distance alone (locality). Drawn like a Linear's bias: zero offsets would give each other zero
-            # gradient.
-            bound = dim**-0.5
-            self.q_rotary_offset = nn.Parameter(torch.empty(heads, rotary_dims).uniform_(-bound, bound))
-            self.k_rotary_offset = nn.Parameter(torch.empty(heads, rotary_dims).uniform_(-bound, bound))
+            self.q_rotary_offset = nn.Parameter(torch.empty(heads, rotary_dims))
+            self.k_rotary_offset = nn.Parameter(torch.empty(heads, rotary_dims))
+            self._initialise_rotary_offsets()
             # Constants of the config, not state: a float32 master on the host that every `.to()` copies to the
             # device (`_apply`), so a cast of the model to bf16 cannot round the angles.
             self._rotary_master = rotary_frequencies.detach().to("cpu", torch.float32).clone()
@@ -317,6 +314,21 @@ class LowRankPredictor(nn.Module):
         super().__setstate__(state)
         self._hook_optimizer()  # an optimizer's copy (or unpickling) starts without hooks
 
+    def _initialise_rotary_offsets(self) -> None:
+        # The offsets let a head's rotary dims be nonzero whatever the content: a score term that depends on
+        # the distance alone (locality). Drawn like a Linear's bias: zero offsets would give each other zero
+        # gradient.
+        bound = self.q_proj.in_features**-0.5
+        with torch.no_grad():
+            self.q_rotary_offset.uniform_(-bound, bound)
+            self.k_rotary_offset.uniform_(-bound, bound)
+
+    def _initialise_weights(self) -> None:
+        self.q_proj.reset_parameters()
+        self.k_proj.reset_parameters()
+        if self.rotary_dims:
+            self._initialise_rotary_offsets()
+
     def _follow_assigned_tensors(self, *_args) -> None:
         """After `load_state_dict(assign=True)` (how a model built on the meta device gets its weights): the
         optimizer steps the loaded Parameters (`_optimizer_follows_parameters`), and a rotary buffer built on
@@ -344,8 +356,13 @@ class LowRankPredictor(nn.Module):
     def _apply(self, fn, recurse=True):
         self.unpark()  # `.to()`, `.cuda()`, `.float()` act on the state where it belongs
         self._allocated_on, self._prefetched = None, set()  # the tensors they make: whichever stream is current
+        from_meta = any(p.is_meta for p in self.parameters())
         moved = super()._apply(fn, recurse)
         self._optimizer_follows_parameters()  # `to_empty` off the meta device makes new Parameters
+        if from_meta and not any(p.is_meta for p in self.parameters()):
+            # `to_empty` leaves the weights unwritten; a state loaded next replaces them, and a run on
+            # pretrained model weights that loads none starts its predictors as a fresh module would.
+            self._initialise_weights()
         if self.rotary_dims:
             self._buffers["rotary_frequencies"] = self._rotary_master.to(self._buffers["rotary_frequencies"].device,
                                                                          copy=True)  # never the master itself

@@ -847,3 +847,36 @@ def test_forward_kernel_warning_once_and_only_from_eager_forwards(monkeypatch):
         warnings.simplefilter("error")
         compiling.resolve_backends(q, 64)
     assert not compiling._warned_forward_kernel
+
+
+@pytest.mark.parametrize("rotary", [0, 6])
+def test_a_model_materialised_off_the_meta_device_starts_dsv_fresh(rotary):
+    """`to_empty` leaves memory unwritten. A model built on the meta device and materialised that way, given
+    its pretrained weights but no DSV state (a fresh DSV run on a pretrained model), must start DSV as a
+    freshly built model: the layers' and the controller's state as initialised (it held a stage of
+    94232658510208), predictors drawn like a fresh module's; then it learns, switches and dispatches."""
+    cfg = AttentionConfig(mode="dsv", cube=(2, 2, 2), sample_stride=4, max_stage1_steps=2, sparse_threshold=0.0,
+                          profile_every_stage1=1, predictor_rotary=rotary, rank=8)
+    fresh = Wrapper(cfg)
+    with torch.device("meta"):
+        model = Wrapper(cfg)
+    model.to_empty(device="cpu")
+    dsv_buffers = fresh.attn._initial_buffers()
+    pretrained = {name: value for name, value in fresh.state_dict().items()
+                  if ".predictor." not in name and not name.startswith("controller.")
+                  and name.rsplit(".", 1)[-1] not in dsv_buffers}
+    assert "attn.to_qkv.weight" in pretrained and model.load_state_dict(pretrained, strict=False).unexpected_keys == []
+    for name, value in dsv_buffers.items():
+        torch.testing.assert_close(getattr(model.attn, name), value, rtol=0, atol=0, equal_nan=True)
+    assert (int(model.controller.stage), int(model.controller.switch_step)) == (1, -1)
+    bound = DIM**-0.5  # nn.Linear's init bound for DIM inputs, and the offsets'
+    for name, param in model.attn.predictor.named_parameters():
+        assert torch.isfinite(param).all() and param.abs().max() <= bound, name
+        assert param.std() > bound / 4, name  # drawn, not left at zero
+    x = torch.randn(1, 64, DIM)
+    for step in range(3):
+        model.controller.begin_step(step)
+        model(x).sum().backward()
+        model.controller.end_step()
+    assert model.controller.current_stage == 2 and model.attn.last_path == "sparse:reference"
+    assert torch.isfinite(model.attn.loss_ema) and torch.isfinite(model.attn.sparsity_ema).all()
