@@ -148,6 +148,11 @@ class DSVAttentionCore(nn.Module):
         # What this step's recompute re-selects from belongs to this layer's pending backward, not to a copy
         # (and host-offloaded rows may still be on their way to host memory).
         state["_selection_cache"] = {}
+        # Not the controller: a copy of the whole model gets it back from the copied controller
+        # (`DSVController.__setstate__`), whereas a copy of this layer alone (a block copied to grow a model)
+        # would otherwise bring a stand-in controller that nothing drives, and stay dense for good without a
+        # word. Alone, the copy raises at its first forward until a controller attaches it.
+        state["controller"] = None
         return state
 
     def __setstate__(self, state: dict) -> None:

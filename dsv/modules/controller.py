@@ -174,6 +174,13 @@ class DSVController(nn.Module):
     def layers(self) -> list:
         return self._layers
 
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        # A copy (deepcopy, unpickling) of the model: its layers, copied without their controller
+        # (`DSVAttentionCore.__getstate__`), are this copy's.
+        for index, layer in enumerate(self._layers):
+            layer.bind(self, index)
+
     def _apply(self, fn, recurse=True):
         from_meta = [name for name, b in self._buffers.items() if b is not None and b.is_meta]
         super()._apply(fn, recurse)

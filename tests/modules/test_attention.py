@@ -880,3 +880,23 @@ def test_a_model_materialised_off_the_meta_device_starts_dsv_fresh(rotary):
         model.controller.end_step()
     assert model.controller.current_stage == 2 and model.attn.last_path == "sparse:reference"
     assert torch.isfinite(model.attn.loss_ema) and torch.isfinite(model.attn.sparsity_ema).all()
+
+
+def test_a_copied_layer_belongs_to_the_copy_of_its_model_and_alone_to_no_controller():
+    """A whole model's copy drives its own layers (its controller copy, not the original's). A layer copied
+    alone (a block copied to grow a model) used to bring a stand-in controller that nothing drove, and stayed
+    dense while the model went sparse: alone it now raises until a controller attaches it."""
+    cfg = AttentionConfig(mode="dsv", cube=(2, 2, 2), sample_stride=4, max_stage1_steps=1, sparse_threshold=0.0,
+                          profile_every_stage1=1)
+    model = Wrapper(cfg)
+    twin = copy.deepcopy(model)
+    assert twin.attn.controller is twin.controller and twin.controller.layers == [twin.attn]
+    x = torch.randn(1, 64, DIM)
+    for step in range(2):
+        twin.controller.begin_step(step)
+        twin(x).sum().backward()
+        twin.controller.end_step()
+    assert twin.attn.last_path == "sparse:reference" and model.controller.current_stage == 1
+    lone = copy.deepcopy(model.attn)
+    with pytest.raises(RuntimeError, match="needs a DSVController: call DSVController\\(cfg\\).attach\\(model\\)"):
+        lone(x, GRID)
