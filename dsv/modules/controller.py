@@ -129,8 +129,8 @@ class DSVController(nn.Module):
         if not isinstance(cfg, AttentionConfig):
             raise ValueError(f"DSVController: cfg must be a dsv.AttentionConfig, got {type(cfg).__name__}")
         self.cfg = cfg
-        self.register_buffer("stage", torch.tensor(1, dtype=torch.long))
-        self.register_buffer("switch_step", torch.tensor(-1, dtype=torch.long))
+        for name, value in self._initial_buffers().items():
+            self.register_buffer(name, value)
         self.step = 0
         # Increments in `begin_step`: a layer remembers how to re-select the keys of each training forward of
         # the step under it, so that an activation-checkpointing recompute uses its forward's keys.
@@ -181,11 +181,16 @@ class DSVController(nn.Module):
         for index, layer in enumerate(self._layers):
             layer.bind(self, index)
 
+    @staticmethod
+    def _initial_buffers() -> dict[str, torch.Tensor]:
+        """Stage 1, not switched yet."""
+        return {"stage": torch.tensor(1, dtype=torch.long), "switch_step": torch.tensor(-1, dtype=torch.long)}
+
     def _apply(self, fn, recurse=True):
         from_meta = [name for name, b in self._buffers.items() if b is not None and b.is_meta]
         super()._apply(fn, recurse)
-        initial = {"stage": torch.tensor(1), "switch_step": torch.tensor(-1), LAYOUT_BUFFER: layout_record(self.cfg)}
-        fill_from_meta(self, from_meta, initial)
+        # With the layout record that `install_dsv` adds.
+        fill_from_meta(self, from_meta, {**self._initial_buffers(), LAYOUT_BUFFER: layout_record(self.cfg)})
         return self
 
     def _refresh_host_state(self) -> None:

@@ -22,7 +22,7 @@ def launches_on_input_device(launcher: Launcher) -> Launcher:
 
     @functools.wraps(launcher)
     def on_input_device(first: torch.Tensor, *args, **kwargs):
-        if not first.is_cuda:
+        if not (isinstance(first, torch.Tensor) and first.is_cuda):  # the launcher's own checks name bad input
             return launcher(first, *args, **kwargs)
         with torch.cuda.device(first.device):
             return launcher(first, *args, **kwargs)

@@ -107,7 +107,6 @@ def _score_topk_kernel(
     tl.store(CNT + pid_bh.to(tl.int64) * NG + offs_g, tl.zeros([BLOCK_G], tl.int32) + keep, mask=g_mask)
 
 
-@launches_on_input_device
 def _segment_means_t(x: torch.Tensor, segment: int) -> torch.Tensor:
     """fp32 means of runs of ``segment`` rows of ``x [B, H, S, r]``, as ``[B*H, r, ceil(S/segment)]``."""
     B, H, S, R = x.shape
@@ -129,7 +128,6 @@ def _check_num_kv_blocks(num_kv_blocks: int) -> None:
                          f"{MAX_KV_BLOCKS}; use a larger kv_block or the reference estimation")
 
 
-@launches_on_input_device
 def _select_from_means_t(proxies_t: torch.Tensor, keys_t: torch.Tensor, keep_blocks: torch.Tensor, B: int,
                          H: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k launch over transposed fp32 means ``proxies_t [B*H, r, NG]``, ``keys_t [B*H, r, NKB]``:
@@ -153,6 +151,7 @@ def _select_from_means_t(proxies_t: torch.Tensor, keys_t: torch.Tensor, keep_blo
     return indices, counts
 
 
+@launches_on_input_device
 def estimate_index_triton(q_lr: torch.Tensor, k_lr: torch.Tensor, keep_blocks: torch.Tensor,
                           group_size: int, kv_block: int) -> SparseIndex:
     """Fused estimation of the critical-KV index; same result as ``estimate_index``.
@@ -186,6 +185,7 @@ def estimate_index_from_means_triton(proxies: torch.Tensor, block_keys: torch.Te
     return SparseIndex(indices, counts, group_size, kv_block, seq_len)
 
 
+@launches_on_input_device
 def estimate_rows_from_means_triton(proxies: torch.Tensor, block_keys: torch.Tensor, keep_blocks: torch.Tensor,
                                     group_size: int, kv_block: int, seq_len: int,
                                     first_group: int) -> tuple[torch.Tensor, torch.Tensor]:
