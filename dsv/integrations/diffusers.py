@@ -101,6 +101,18 @@ class _LatentGrid:
         self._backward_cutoff: int | None = None
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        # A block or attention module replaced (or appended) after install_dsv runs diffusers' processor while the
+        # controller drives the removed DSV layer: the self-attention modules must be the ones DSV was set on.
+        running = _self_attention_layout(module)[0]
+        replaced = [name for (name, now), (_, then, _) in zip(running, self.installed) if now is not then]
+        if replaced or len(running) != len(self.installed):
+            what = (f"{replaced[0]} is not the self-attention module that install_dsv set its DSV processor on"
+                    if replaced else
+                    f"it has {len(running)} self-attention modules, install_dsv set {len(self.installed)}")
+            raise RuntimeError(
+                f"{type(module).__name__}: {what}, so DSV does not run there while its controller drives the "
+                "layers it replaced. Replace or add blocks before install_dsv, on a model without DSV"
+            )
         for name, attn, processor in self.installed:
             # diffusers' processor switches (fuse_qkv_projections, set_attn_processor, set_default_attn_processor)
             # replace the DSV processors without a word: the controller would drive layers that no longer run.

@@ -284,6 +284,24 @@ def test_fused_projections_are_refused_until_unfused():
         assert torch.equal(cog_forward(model, inputs), before)
 
 
+def test_a_block_replaced_or_added_after_install_is_refused():
+    """A block swapped for a fresh one, an attention module swapped, or a block appended after install_dsv would run
+    diffusers' own processor while the controller drives the DSV layer it replaced: the next forward raises."""
+    inputs = wan_inputs()
+    for change in ("block", "attn1", "appended"):
+        model = tiny_wan()
+        install_dsv(model, cfg("dense"))
+        fresh = tiny_wan().blocks[0]
+        if change == "block":
+            model.blocks[1] = fresh
+        elif change == "attn1":
+            model.blocks[0].attn1 = fresh.attn1
+        else:
+            model.blocks.append(fresh)
+        with torch.no_grad(), pytest.raises(RuntimeError, match="before install_dsv"):
+            wan_forward(model, inputs)
+
+
 def _sparse_quarter(model):
     """Stage 2 with every layer sparse, each head keeping a quarter of the key blocks."""
     state = model.state_dict()
