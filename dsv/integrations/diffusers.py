@@ -141,6 +141,13 @@ class _LatentGrid:
                 f"{type(module).__name__}: hidden_states {self.layout}={tuple(x.shape)} with patch {self.patch} "
                 f"gives the empty token grid (T, H, W)={grid}"
             )
+        # Wan's rotary table holds `rope_max_seq_len` positions per axis; a longer axis fails inside its reshape.
+        limit = getattr(module.config, "rope_max_seq_len", None) if hasattr(module, "config") else None
+        if limit is not None and max(grid) > limit:
+            raise ValueError(
+                f"{type(module).__name__}: the token grid (T, H, W)={grid} of hidden_states {tuple(x.shape)} has an "
+                f"axis longer than the model's rope_max_seq_len={limit} positions"
+            )
         self.grid = grid
         if torch.is_grad_enabled():  # a forward a backward (and its recomputes) may follow
             forward_id = self.controller.forward_id if self.controller is not None else None
@@ -386,18 +393,19 @@ class CogVideoXDSVProcessor(_OwnAttentionKernels, DSVAttentionCore):
 
 
 def _self_attention_layout(transformer: nn.Module):
-    """`(named self-attention modules, processor class, expected original processor class, _LatentGrid args)`
-    for a supported transformer, or TypeError."""
+    """`(named self-attention modules, processor class, expected original processor class, _LatentGrid args,
+    whether rotary embeddings give q and k their positions)` for a supported transformer, or TypeError."""
     if isinstance(transformer, WanTransformer3DModel):
         modules = [(f"blocks.{i}.attn1", block.attn1) for i, block in enumerate(transformer.blocks)]
         patch = tuple(int(p) for p in transformer.config.patch_size)
-        return modules, WanDSVProcessor, WanAttnProcessor, (patch, 2, "[B, C, F, H, W]")
+        return modules, WanDSVProcessor, WanAttnProcessor, (patch, 2, "[B, C, F, H, W]"), True
     if isinstance(transformer, CogVideoXTransformer3DModel):
         blocks = transformer.transformer_blocks
         modules = [(f"transformer_blocks.{i}.attn1", block.attn1) for i, block in enumerate(blocks)]
         p = int(transformer.config.patch_size)
         patch = (int(transformer.config.patch_size_t or 1), p, p)
-        return modules, CogVideoXDSVProcessor, CogVideoXAttnProcessor2_0, (patch, 1, "[B, F, C, H, W]")
+        rotary = bool(transformer.config.use_rotary_positional_embeddings)
+        return modules, CogVideoXDSVProcessor, CogVideoXAttnProcessor2_0, (patch, 1, "[B, F, C, H, W]"), rotary
     raise TypeError(
         "install_dsv supports diffusers WanTransformer3DModel and CogVideoXTransformer3DModel, "
         f"got {type(transformer).__name__}"
@@ -417,7 +425,9 @@ def install_dsv(transformer: nn.Module, cfg: AttentionConfig) -> DSVController:
             (its joint `attn1` modules; text tokens are always attended, see the module docstring), with
             the default processors. Cross-attention (Wan `attn2`) is left as it is.
         cfg: the DSV attention config; a `cfg.cube` that does not tile an input's token grid gives partial cubes
-            at its edges (window mode needs whole cubes and says so).
+            at its edges (window mode needs whole cubes and says so). `cfg.predictor_rotary=None` (the default)
+            gives the predictors 6 rotary dims where the model's rotary embeddings position q and k (Wan;
+            CogVideoX with `use_rotary_positional_embeddings`), none otherwise.
 
     Returns:
         The controller, also registered as `transformer.dsv_controller` (its stage buffers are in the
@@ -430,7 +440,8 @@ def install_dsv(transformer: nn.Module, cfg: AttentionConfig) -> DSVController:
     raises.
     """
     _check_cfg(cfg, "install_dsv")
-    modules, processor_cls, original_cls, grid_args = _self_attention_layout(transformer)
+    modules, processor_cls, original_cls, grid_args, rotary_embeddings = _self_attention_layout(transformer)
+    cfg = cfg.with_rotary_default(rotary_embeddings)
     if hasattr(transformer, CONTROLLER_NAME):
         raise ValueError(f"install_dsv: {type(transformer).__name__} already has DSV installed ({CONTROLLER_NAME})")
     for name, attn in modules:
@@ -569,11 +580,15 @@ def from_pretrained_local(
                 keys = sorted(keys)
                 return f"{keys[:4]}{' ...' if len(keys) > 4 else ''}"
 
+            offsets = [value for key, value in saved.items() if key.endswith("predictor.q_rotary_offset")]
+            saved_rotary = f"predictor_rotary={offsets[0].shape[-1] if offsets else 0}" if any(
+                key.endswith("predictor.q_proj.weight") for key in saved) else "no predictors"
             raise ValueError(
-                f"from_pretrained_local: the DSV state in {folder} does not match cfg (mode={cfg.mode!r}, "
-                f"rank={cfg.rank}, predictor_rotary={cfg.predictor_rotary}); load it with the config it was saved "
-                f"with. Missing: {first(dsv_keys - set(saved))}; unexpected: {first(set(saved) - dsv_keys)}; "
-                f"of another shape: {first(reshaped)}"
+                f"from_pretrained_local: the DSV state in {folder} ({saved_rotary}) does not match cfg "
+                f"(mode={cfg.mode!r}, rank={cfg.rank}, "
+                f"predictor_rotary={getattr(transformer, CONTROLLER_NAME).cfg.predictor_rotary}); load it with the "
+                f"config it was saved with. Missing: {first(dsv_keys - set(saved))}; unexpected: "
+                f"{first(set(saved) - dsv_keys)}; of another shape: {first(reshaped)}"
             )
         transformer.load_state_dict(saved, strict=False)
     return transformer

@@ -82,7 +82,9 @@ class DSVAttentionCore(nn.Module):
         if cfg is not None and not isinstance(cfg, AttentionConfig):
             raise ValueError(f"{type(self).__name__}: cfg must be a dsv.AttentionConfig or None, got "
                              f"{type(cfg).__name__}")
-        self.cfg = cfg or AttentionConfig()
+        # An undecided `predictor_rotary` means no rotary embeddings here (DSV's own layers): install_dsv decides
+        # it for the models it patches before it builds their processors.
+        self.cfg = (cfg or AttentionConfig()).with_rotary_default(rotary_embeddings=False)
         self.dim = dim
         self.heads = heads
         self.head_dim = head_dim
@@ -98,7 +100,7 @@ class DSVAttentionCore(nn.Module):
                                                   self.cfg.loss_cosine_weight, self.cfg.loss_mse_weight, rotary)
         for name, value in self._initial_buffers().items():
             self.register_buffer(name, value)
-        self.register_load_state_dict_post_hook(lambda module, _keys: module._refresh_host_state())
+        self.register_load_state_dict_post_hook(self._refresh_after_load)  # a method: the model pickles
         # Host mirrors from the initial values, not read back from the buffers: the model can then be
         # built on the meta device (large-model init under FSDP).
         self._use_sparse_host = self.cfg.mode == "window"
@@ -148,6 +150,8 @@ class DSVAttentionCore(nn.Module):
         # What this step's recompute re-selects from belongs to this layer's pending backward, not to a copy
         # (and host-offloaded rows may still be on their way to host memory).
         state["_selection_cache"] = {}
+        # The context-parallel layout cache holds process groups; a copy plans its own.
+        state.pop("_cp_layout", None)
         # Not the controller: a copy of the whole model gets it back from the copied controller
         # (`DSVController.__setstate__`), whereas a copy of this layer alone (a block copied to grow a model)
         # would otherwise bring a stand-in controller that nothing drives, and stay dense for good without a
@@ -165,6 +169,9 @@ class DSVAttentionCore(nn.Module):
         # A plain attribute, not a submodule: the controller is registered once at the model's top.
         object.__setattr__(self, "controller", controller)
         self.layer_index = layer_index
+
+    def _refresh_after_load(self, _module: nn.Module, _incompatible_keys) -> None:
+        self._refresh_host_state()
 
     def _refresh_host_state(self) -> None:
         # Host mirrors: the forward pass decides on them without a device synchronisation.
@@ -771,6 +778,11 @@ class DSVAttention(DSVAttentionCore):
     def forward(self, x: torch.Tensor, grid: tuple[int, int, int], grouped: bool = False) -> torch.Tensor:
         """`grouped=True`: `x` (and the output) are already in grouped order (`cube_permutation`), as a model
         that permutes its tokens once for all its layers passes them; else raster order."""
+        weights = self.to_qkv.weight.dtype
+        if (isinstance(x, torch.Tensor) and x.dtype.is_floating_point and x.dtype != weights
+                and not torch.is_autocast_enabled(x.device.type)):
+            raise ValueError(f"{type(self).__name__} layer {self.layer_index}: x is {x.dtype} but the layer's weights "
+                             f"are {weights}: cast one to the other, or run under torch.autocast")
         if self.context_parallel is not None:
             return self.context_parallel.attention(self, x, grid)
         self.check_input(x, grid)

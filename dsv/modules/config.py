@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 ATTENTION_MODES = ("dense", "dsv", "window", "oracle")
 # Modes whose attention is fixed from the first step: no predictor, no profiling-driven dispatch, no stage switch.
@@ -34,6 +34,7 @@ _FIELD_CHECKS = {
     "bool": (lambda v: isinstance(v, bool), "a bool (true/false)"),
     "str": (lambda v: isinstance(v, str), "a string"),
     "str | None": (lambda v: v is None or isinstance(v, str), "a string or None"),
+    "int | None": (lambda v: v is None or _is_int(v), "an int or None"),
 }
 
 
@@ -50,7 +51,7 @@ def check_config_fields(config, section: str) -> None:
             if not accepts(value):
                 raise ValueError(f"{section}.{f.name} must be {expected}, got {value!r}")
             # Stored as the declared type: an int in a float field (`lr=1`) made `--set` parse it with int().
-            if f.type == "int":
+            if f.type in ("int", "int | None") and value is not None:
                 value = _plain(value)
             elif f.type == "float":
                 value = float(value)
@@ -92,8 +93,11 @@ class AttentionConfig:
     # Rank dims per head that carry the token's (t, h, w) position as rotary phases (0: none; a multiple of 6 up
     # to `rank`: 2 per frequency, as many frequencies along t, h and w). For models whose position enters only
     # q and k (rotary embeddings: Wan, CogVideoX with `use_rotary_positional_embeddings`), where the
-    # predictor's input, the hidden states, has none.
-    predictor_rotary: int = 0
+    # predictor's input, the hidden states, has none. None: decided by the model (`with_rotary_default`): 6
+    # where `install_dsv` finds rotary embeddings (on a Wan trained sparse it lowered held-out loss by 3.5–7.2%
+    # while keeping fewer keys: benchmarks/results/2026-12-07-h100-predictor-rotary), 0 elsewhere (DSV's own
+    # DiT adds its positions to the hidden states).
+    predictor_rotary: int | None = None
 
     # Profiler.
     theta: float = 0.9
@@ -159,7 +163,8 @@ class AttentionConfig:
             # One key has no spread: its centred Grams are zero and the loss says nothing.
             raise ValueError(f"attention.predictor_keys must be an int, 0 (every key) or >= 2 (a random sample "
                              f"of that many keys), got {self.predictor_keys!r}")
-        if self.predictor_rotary < 0 or self.predictor_rotary % 6 or self.predictor_rotary > self.rank:
+        rotary = self.predictor_rotary
+        if rotary is not None and (rotary < 0 or rotary % 6 or rotary > self.rank):
             raise ValueError(f"attention.predictor_rotary must be a multiple of 6 (a rotating pair per frequency "
                              f"and axis) from 0 to rank={self.rank}, got {self.predictor_rotary}")
         for name in ("sample_stride", "max_sample_rows", "profile_every_stage1", "profile_every_stage2",
@@ -190,6 +195,17 @@ class AttentionConfig:
             raise ValueError(f"attention.keep_margin must be >= 0, got {self.keep_margin}")
         if not 0.0 < self.window_frac <= 1.0:
             raise ValueError(f"attention.window_frac must be in (0, 1], got {self.window_frac}")
+        if self.mode == "window" and self.kv_block not in (0, 1, self.group_size):
+            # The window's key blocks are whole cubes or single tokens (`window_index`).
+            raise ValueError(f"attention.kv_block must be 0 or 1 (or the cube volume {self.group_size}) for "
+                             f"attention.mode=window, got {self.kv_block}")
+
+    def with_rotary_default(self, rotary_embeddings: bool) -> AttentionConfig:
+        """This config with `predictor_rotary` decided where it is None: 6 rotary dims for a model whose rotary
+        embeddings give q and k positions its hidden states lack (where the rank has room), else 0."""
+        if self.predictor_rotary is not None:
+            return self
+        return replace(self, predictor_rotary=6 if rotary_embeddings and self.rank >= 6 else 0)
 
     @property
     def group_size(self) -> int:

@@ -137,10 +137,13 @@ class DSVController(nn.Module):
         self.forward_id = 0
         # `forward_id` at the last `end_step`: an `end_step` that finds it unchanged had no `begin_step` before it.
         self._ended_forward_id = 0
+        # Training steps in a row (begin_step, a forward that trained) left without end_step: one is a step
+        # abandoned by an exception (a skipped batch), two are a loop without end_step.
+        self._unended_training_steps = 0
         self._layers: list = []
         self._stage_host = 1
         self._warned_untrained_step = False
-        self.register_load_state_dict_post_hook(lambda module, _keys: module._after_load())
+        self.register_load_state_dict_post_hook(self._after_load)  # a method, not a lambda: the model pickles
 
     # ----- wiring -----
     def attach(self, model: nn.Module) -> "DSVController":
@@ -148,16 +151,24 @@ class DSVController(nn.Module):
         processor) in `model`, in module order, to this controller."""
         from dsv.modules.attention import DSVAttentionCore, predictor_parameters
 
-        self._layers = [m for m in model.modules() if isinstance(m, DSVAttentionCore)]
-        if not self._layers:
+        layers = [m for m in model.modules() if isinstance(m, DSVAttentionCore)]
+        if not layers:
             raise ValueError("attach: the model has no DSV attention layers (DSVAttention or an integration)")
-        scheduled = [index for index, layer in enumerate(self._layers) if layer.cfg.mode not in FIXED_MODES]
+        scheduled = [index for index, layer in enumerate(layers) if layer.cfg.mode not in FIXED_MODES]
         if self.cfg.mode in FIXED_MODES and scheduled:
             # Its end_step would run no schedule: those layers' predictors would train for nothing and never
             # switch to sparse attention.
             raise ValueError(f"attach: the controller's cfg.mode is {self.cfg.mode!r}, but layers {scheduled} have "
-                             f"mode {self._layers[scheduled[0]].cfg.mode!r}, whose stages it runs: build the "
+                             f"mode {layers[scheduled[0]].cfg.mode!r}, whose stages it runs: build the "
                              "controller with the layers' AttentionConfig")
+        # A layer reads the stage of the controller it is bound to: re-bound to this one, the other controller
+        # (which the caller may still drive) would switch and dispatch layers that no longer follow it.
+        taken = [index for index, layer in enumerate(layers) if layer.controller not in (None, self)]
+        if taken:
+            raise ValueError(f"attach: layers {taken} already follow another DSVController (a VideoDiT builds its "
+                             "own, `model.controller`; install_dsv registers `dsv_controller`): a layer follows "
+                             "one controller, so drive that one")
+        self._layers = layers
         for index, layer in enumerate(self._layers):
             layer.bind(self, index)
         # DistributedDataParallel (as `accelerate` wraps a model) must leave the predictors alone: they take
@@ -196,7 +207,7 @@ class DSVController(nn.Module):
     def _refresh_host_state(self) -> None:
         self._stage_host = int(self.stage)
 
-    def _after_load(self) -> None:
+    def _after_load(self, _module: nn.Module, _incompatible_keys) -> None:
         self._refresh_host_state()
         # The predictors' learning rate follows the loaded stage (`enter_stage2` lowered it in the run that
         # saved it; a module's state_dict does not hold it). A trainer that restores the predictors'
@@ -216,6 +227,15 @@ class DSVController(nn.Module):
         if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
             raise ValueError(f"begin_step: step must be a non-negative int (optimizer steps done so far), "
                              f"got {step!r}")
+        unended = self.cfg.mode not in FIXED_MODES and self.forward_id != self._ended_forward_id
+        if unended and any(layer._learned_id == self.forward_id for layer in self._layers):
+            self._unended_training_steps += 1
+            if self._unended_training_steps >= 2:
+                # end_step runs the stage switch and the dispatch: without it DSV would stay dense for good.
+                raise RuntimeError(f"begin_step({step}): the last {self._unended_training_steps} training steps had "
+                                   "no end_step(); call controller.end_step() after each optimizer step (it runs "
+                                   "the stage switch and the dispatch, without which DSV stays dense), and "
+                                   "begin_step once per optimizer step")
         self.step = int(step)
         self.forward_id += 1
         if self.cfg.host_offload:
@@ -242,6 +262,7 @@ class DSVController(nn.Module):
             raise RuntimeError("end_step: no begin_step(step) since the last end_step; call "
                                "controller.begin_step(step) before each step's forwards")
         self._ended_forward_id = self.forward_id
+        self._unended_training_steps = 0
         self._warn_if_nothing_trained()
         self._refuse_sharded_predictors()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

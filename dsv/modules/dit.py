@@ -57,6 +57,9 @@ class ModelConfig:
                              f"{self.head_dim}, {self.mlp_ratio}, {self.num_classes}")
         if self.head_dim == 0 and self.hidden % self.heads:
             raise ValueError(f"model.hidden={self.hidden} is not divisible by model.heads={self.heads}")
+        if self.arch == "wan" and self.attention_head_dim % 2:  # Wan's rotary embedding turns channel pairs
+            raise ValueError(f"model.arch='wan' needs an even head dim (its rotary embedding turns channel pairs), "
+                             f"got {self.attention_head_dim} (model.head_dim, or model.hidden / model.heads)")
 
     @property
     def attention_head_dim(self) -> int:
@@ -188,6 +191,11 @@ class VideoDiT(nn.Module):
             if y.shape != (x.shape[0],) or y.dtype.is_floating_point or y.dtype == torch.bool:
                 raise ValueError(f"y must be integer [B]={x.shape[0]} class ids in [0, {self.cfg.num_classes}] "
                                  f"({self.cfg.num_classes}: the null class), got {y.dtype} {tuple(y.shape)}")
+            # One small device sync: an id out of range fails deep in the embedding (on a GPU as a device-side
+            # assert that ends the process's CUDA use).
+            if y.numel() and (int(y.min()) < 0 or int(y.max()) > self.cfg.num_classes):
+                raise ValueError(f"y must be class ids in [0, {self.cfg.num_classes}] ({self.cfg.num_classes}: the "
+                                 f"null class), got values from {int(y.min())} to {int(y.max())}")
         if self.y_embed is not None:
             if y is None:
                 y = torch.full_like(t, self.cfg.num_classes, dtype=torch.long)  # the null class

@@ -161,6 +161,15 @@ class ContextParallel:
                 mesh = init_device_mesh(device_type, (dp, size // hcp, hcp), mesh_dim_names=("dp", "scp", "hcp"))
                 self._groups[hcp] = (mesh.get_group("hcp"), mesh.get_group("scp"))
 
+    def __deepcopy__(self, memo: dict) -> ContextParallel:
+        # A copy of the model (an EMA or a teacher copy) runs in the same CP group: process groups cannot be
+        # copied, and a second set would be a collective every rank must make.
+        return self
+
+    def __reduce__(self):
+        raise TypeError("ContextParallel holds process groups, which do not pickle: save the model's state_dict, "
+                        "or call model.enable_context_parallel(None) before pickling the model")
+
     # ----- model-level sharding -----
     def shard_tokens(self, tokens: torch.Tensor, grid: tuple[int, int, int], cube, group_size: int,
                      kv_block: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ from dsv.parallel.planner import (
     paper_profile,
     plan_model,
 )
+from dsv.parallel.scp import check_sequence_split
 
 # The DSV paper's 2.7B model, and cuDNN's rate on one H200 (benchmarks/results, kernel reports).
 DEFAULT_LAYERS, DEFAULT_HEADS, DEFAULT_HEAD_DIM = 32, 16, 128
@@ -120,6 +121,7 @@ def _resolve(args) -> tuple[str, object]:
     args.intra_node_gbps = _given(explicit["intra_node_gbps"], cfg.parallel.intra_node_gbps)
     args.inter_node_gbps = _given(explicit["inter_node_gbps"], cfg.parallel.inter_node_gbps)
     block = min(cfg.attention.group_size, cfg.attention.key_block)  # the kernel rates of its blocks
+    args.token_split = (cfg.attention.group_size, cfg.attention.key_block)  # what each rank's chunk must hold
     model = default_cluster(1, block=block)
     args.dense_tflops = _given(explicit["dense_tflops"], model.dense_tflops)
     args.sparse_efficiency = _given(explicit["sparse_efficiency"], model.sparse_efficiency)
@@ -184,6 +186,12 @@ def _per_block_table(plan: ModelPlan, cap_bytes: int | None) -> list[str]:
 
 def run(args) -> int:
     source, make_cluster = _resolve(args)
+    for gpus in args.gpus if getattr(args, "token_split", None) else ():
+        try:  # the trainer's own rule: a plan of a layout it refuses would mislead
+            check_sequence_split(args.tokens, gpus, *args.token_split)
+        except ValueError as err:
+            raise ValueError(f"--tokens {args.tokens} on --gpus {gpus} with recipe {args.recipe}: {err}; "
+                             "dsv train refuses it") from None
     profile, description = _profile(args)
     shape = AttentionShape(args.tokens, len(profile[0]), args.head_dim, args.batch, args.bytes_per_element)
     cap_bytes = None if args.memory_cap_gib is None else int(args.memory_cap_gib * 2**30)

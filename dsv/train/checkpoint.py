@@ -16,7 +16,7 @@ import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import IO
+from typing import IO, Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -96,6 +96,7 @@ def write_text_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)  # the rename itself, so that a power loss cannot bring the earlier file back
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -103,9 +104,11 @@ def checkpoint_root(run_dir: str | Path) -> Path:
 
 
 def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Tensor], train_state: dict,
-                    config: dict, keep: int) -> Path:
+                    config: dict, keep: int, scheduled: Callable[[int], bool] | None = None) -> Path:
     """Write checkpoint `step` (full, unsharded `weights` and the training state) atomically, point
-    `latest` at it, and prune all but the newest `keep`."""
+    `latest` at it, and prune all but the newest `keep`. With `scheduled` (whether a step is on the run's
+    checkpoint schedule) only scheduled checkpoints count towards `keep`; another (a time-limit stop's) stays
+    only while it is the newest, so that a run in legs keeps the checkpoints of the uninterrupted run."""
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:08d}"
@@ -137,7 +140,14 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Ten
         os.replace(tmp, final)
     _fsync_dir(root)
     write_text_atomic(root / "latest", name + "\n")
-    for old in list_checkpoints(run_dir)[:-keep]:
+    checkpoints = list_checkpoints(run_dir)
+    if scheduled is None:
+        doomed = checkpoints[:-keep]
+    else:
+        on_schedule = [c for c in checkpoints if scheduled(int(_step_name(c)[len("step_"):]))][-keep:]
+        kept = {_step_name(c) for c in on_schedule} | {name, _step_name(checkpoints[-1])}
+        doomed = [c for c in checkpoints if _step_name(c) not in kept]
+    for old in doomed:
         _prune(old)
     return final
 

@@ -156,11 +156,13 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
-def _parse_value(text: str, current, optional: bool = False):
-    """Parse `text` into the type of the field's current value. `optional`: the field may be None (its
-    declared type allows it), written `none` or `null`."""
-    if optional and text.lower() in ("none", "null"):
+def _parse_value(text: str, current, declared: str = ""):
+    """Parse `text` into the type of the field's current value, or of its `declared` type (the annotation's
+    string) where the value is None. A field whose declared type allows None takes `none` or `null`."""
+    if "None" in declared and text.lower() in ("none", "null"):
         return None
+    if current is None and declared.startswith("int"):
+        return int(text)
     kind = type(current)
     if isinstance(current, bool):
         lowered = text.lower()
@@ -196,7 +198,7 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
         if field_name not in names:
             raise ValueError(f"--set {key}: unknown field; {section_name} has {sorted(names)}")
         try:
-            value = _parse_value(text, getattr(section, field_name), optional="None" in str(names[field_name].type))
+            value = _parse_value(text, getattr(section, field_name), str(names[field_name].type))
         except ValueError as err:
             raise ValueError(f"--set {key}={text}: {err}") from None
         changed.setdefault(section_name, {})[field_name] = value

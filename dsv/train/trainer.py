@@ -39,6 +39,7 @@ from dsv.train.checkpoint import (
     lock_run_dir,
     remove_unfinished_saves,
     save_checkpoint,
+    write_text_atomic,
 )
 from dsv.train.config import Config, OptimConfig, config_to_dict, device_absence, parse_device
 from dsv.train.data import build_dataset
@@ -394,8 +395,10 @@ class Trainer:
         if self.rank == 0:
             self._sync_logs()
             try:
+                train = self.cfg.train
                 path = save_checkpoint(self.run_dir, self.step, weights, state, config_to_dict(self.cfg),
-                                       keep=self.cfg.train.keep_checkpoints)
+                                       keep=train.keep_checkpoints,
+                                       scheduled=lambda step: step % train.ckpt_every == 0 or step == train.steps)
             except Exception as err:  # told to every rank below, then raised everywhere
                 error, cause = f"{type(err).__name__}: {err}", err
         if self.world > 1:
@@ -415,7 +418,10 @@ class Trainer:
             self.metrics_file.flush()
             os.fsync(self.metrics_file.fileno())
         if self.writer is not None:
-            self.writer.flush()
+            self.writer.flush()  # to the OS only: the event files' data must reach the disk too
+            for events in Path(self.writer.log_dir).glob("events.out.tfevents.*"):
+                with open(events, "rb") as handle:
+                    os.fsync(handle.fileno())
 
     def _unpark_predictors(self) -> None:
         # Parked (`attention.host_offload`) predictors hold host tensors; the distributed state-dict helpers
@@ -431,6 +437,11 @@ class Trainer:
                 warnings.simplefilter("ignore")
             saved = checkpoint_config(manifest, ckpt)
         check_resumable_config(saved, self.cfg, ckpt)
+        if saved.model.compile != self.cfg.model.compile:
+            # A resumable change (RESUMABLE_CHANGES), but a compiled graph rounds otherwise than eager code.
+            warnings.warn(f"resuming with model.compile={self.cfg.model.compile!r}, saved with "
+                          f"{saved.model.compile!r}: a compiled graph rounds otherwise than eager code, so the run "
+                          "continues, but not bitwise as an uninterrupted one would", stacklevel=2)
         # Before anything indexes the per-rank state by this rank (a rank the checkpoint lacks would raise an
         # IndexError on that rank while rank 0 reports the real cause).
         if state["world_size"] != self.world:
@@ -591,12 +602,7 @@ class Trainer:
                 # A record cut short by the crash that this resume recovers from.
                 warnings.warn(f"{path}: dropping its last line, cut short: {line[:80]!r}", stacklevel=2)
         kept = [(record, line) for record, line in records if self._kept_on_resume(record, step)]
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "w") as out:
-            out.write("".join(line + "\n" for record, line in kept))
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
+        write_text_atomic(path, "".join(line + "\n" for record, line in kept))
         at_step = [record for record, _ in records if record["step"] == step]
         kept_at_step = [record for record, _ in kept if record["step"] == step]
         return kept_at_step if len(kept_at_step) < len(at_step) else None

@@ -256,6 +256,9 @@ def test_wan_bad_inputs_and_misuse_raise_clear_errors():
         model.forward(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)
     with pytest.raises(ValueError, match="height=7 is not divisible by the model's patch extent 2"):
         wan_forward(model, (torch.randn(1, 3, 4, 7, 8), torch.tensor([1.0]), torch.randn(1, 5, 32)))
+    limit = model.config.rope_max_seq_len  # a raw reshape error inside diffusers' rotary embedding before
+    with pytest.raises(ValueError, match=rf"\(T, H, W\)=\(2, {limit + 1}, 4\) .* rope_max_seq_len={limit}"):
+        wan_forward(model, (torch.randn(1, 3, 2, 2 * limit + 2, 8), torch.tensor([1.0]), torch.randn(1, 5, 32)))
     x, t, text = wan_inputs()
     x[0, 0, 0, 0, 0] = float("nan")
     with pytest.raises(FloatingPointError, match="NaN or Inf"):
@@ -479,6 +482,22 @@ def test_a_wan_with_a_rotary_predictor_trains_saves_and_refuses_another_rotary_s
         from_pretrained_local(tmp_path, cfg("dsv", **{**settings, "predictor_rotary": 12}))
     with pytest.raises(ValueError, match=r"predictor_rotary=0\).*unexpected: \['blocks\.0\.attn1"):
         from_pretrained_local(tmp_path, cfg("dsv", **{**settings, "predictor_rotary": 0}))
+
+
+def test_models_with_rotary_embeddings_get_rotary_predictor_dims_by_default(tmp_path):
+    """Left undecided (None), `predictor_rotary` is 6 where rotary embeddings position q and k (Wan, CogVideoX
+    with them) and 0 where the hidden states carry the positions (CogVideoX with sin-cos embeddings). A folder
+    saved with another setting is refused under the default cfg, naming the setting it decided."""
+    for model, expected in ((tiny_wan(), 6), (tiny_cogvideox(rotary=True), 6), (tiny_cogvideox(rotary=False), 0)):
+        controller = install_dsv(model, cfg("dsv"))
+        assert controller.cfg.predictor_rotary == expected
+        assert all(layer.predictor.rotary_dims == expected for layer in controller.layers)
+    plain = tiny_wan()
+    install_dsv(plain, cfg("dsv", predictor_rotary=0))
+    plain.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"\(predictor_rotary=0\) does not match cfg .*predictor_rotary=6\).*"
+                                         r"Missing: \['blocks\.0\.attn1\.processor\.predictor\.k_rotary_offset"):
+        from_pretrained_local(tmp_path, cfg("dsv"))
 
 
 def test_from_pretrained_local_refuses_state_of_another_cube_or_theta(tmp_path):

@@ -3,6 +3,7 @@
 import copy
 import dataclasses
 import math
+import pickle
 
 import pytest
 import torch
@@ -456,6 +457,8 @@ def test_inputs_of_the_wrong_form_name_x_or_grid(mode):
     import numpy as np
 
     assert model.attn(x, (np.int64(4), torch.tensor(4), 4)).shape == x.shape  # integers of any library
+    with pytest.raises(ValueError, match="x is torch.float32 but the layer's weights are torch.float64: cast one"):
+        model.attn(x.float(), GRID)  # a matmul's dtype error before
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -889,14 +892,17 @@ def test_a_copied_layer_belongs_to_the_copy_of_its_model_and_alone_to_no_control
     cfg = AttentionConfig(mode="dsv", cube=(2, 2, 2), sample_stride=4, max_stage1_steps=1, sparse_threshold=0.0,
                           profile_every_stage1=1)
     model = Wrapper(cfg)
-    twin = copy.deepcopy(model)
-    assert twin.attn.controller is twin.controller and twin.controller.layers == [twin.attn]
     x = torch.randn(1, 64, DIM)
-    for step in range(2):
-        twin.controller.begin_step(step)
-        twin(x).sum().backward()
-        twin.controller.end_step()
-    assert twin.attn.last_path == "sparse:reference" and model.controller.current_stage == 1
+    # Pickled whole (torch.save of the module) too: its load hooks were lambdas, which do not pickle.
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert twin.attn.controller is twin.controller and twin.controller.layers == [twin.attn]
+        for step in range(2):
+            twin.controller.begin_step(step)
+            twin(x).sum().backward()
+            twin.controller.end_step()
+        assert twin.attn.last_path == "sparse:reference" and model.controller.current_stage == 1
+        twin.load_state_dict(model.state_dict())  # the copy's load hooks act on the copy
+        assert twin.controller.current_stage == 1 and not twin.attn.runs_sparse()
     lone = copy.deepcopy(model.attn)
     with pytest.raises(RuntimeError, match="needs a DSVController: call DSVController\\(cfg\\).attach\\(model\\)"):
         lone(x, GRID)

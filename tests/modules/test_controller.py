@@ -160,3 +160,39 @@ def test_the_step_protocol_is_checked():
         DSVController(AttentionConfig(mode="dense")).attach(model)
     with pytest.raises(ValueError, match="cfg must be a dsv.AttentionConfig, got NoneType"):
         DSVController(None)
+    # A second controller over layers that follow the model's own would leave them reading the first's stage.
+    with pytest.raises(ValueError, match=r"attach: layers \[0, 1, 2\] already follow another DSVController"):
+        DSVController(model.controller.cfg).attach(model)
+    assert all(layer.controller is model.controller for layer in model.controller.layers)
+    assert model.controller.attach(model) is model.controller  # the same controller again: its own layers
+
+
+def test_a_loop_without_end_step_is_refused_at_its_second_step():
+    """Without end_step the stage switch and the dispatch never run: DSV stayed dense for good without a word.
+    One training step left unended (abandoned by an exception, a skipped batch) passes; two in a row raise.
+    Steps whose forwards do not train (evaluation) and fixed modes (no stages) are not counted."""
+    import pytest
+
+    x, t = torch.randn(1, 3, 2, 8, 8), torch.rand(1)
+    model = model_with()
+    ctrl = model.controller
+    ctrl.begin_step(0)
+    model(x, t).pow(2).mean().backward()
+    ctrl.begin_step(1)  # step 0 abandoned
+    model(x, t).pow(2).mean().backward()
+    ctrl.end_step()
+    for step in (2, 3):  # evaluation steps: no training forward
+        ctrl.begin_step(step)
+        with torch.no_grad():
+            model(x, t)
+    ctrl.begin_step(4)
+    model(x, t).pow(2).mean().backward()
+    ctrl.begin_step(5)
+    model(x, t).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match=r"begin_step\(6\): the last 2 training steps had no end_step\(\)"):
+        ctrl.begin_step(6)
+    dense = VideoDiT(ModelConfig(hidden=32, depth=3, heads=2), AttentionConfig(mode="dense", cube=(2, 2, 2)))
+    for step in range(3):
+        dense.controller.begin_step(step)
+        dense(x, t).pow(2).mean().backward()
+        dense.controller.end_step()

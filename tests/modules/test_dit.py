@@ -24,6 +24,9 @@ def test_class_labels_are_checked():
         with pytest.raises(ValueError, match=r"y must be integer \[B\]=2 class ids in \[0, 4\]"):
             conditional(x, t, y)
     assert conditional(x, t, torch.tensor([0, 4])).shape == x.shape  # 4: the null class, a valid id
+    for y in (torch.tensor([0, 5]), torch.tensor([-1, 0])):  # the embedding's IndexError before
+        with pytest.raises(ValueError, match=r"y must be class ids in \[0, 4\] .* got values from"):
+            conditional(x, t, y)
 
 
 def test_flow_matching_noise_must_match_the_clips():

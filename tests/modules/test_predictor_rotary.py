@@ -13,6 +13,8 @@ from dsv.ops import estimate_index_from_means, index_recall, oracle_index, sampl
 from dsv.ops.estimate import triton_estimation_unsupported
 from dsv.ops.estimate.naive import segment_means
 from dsv.ops.grouping import cube_permutation, grouped_positions_on
+from dsv.train.config import apply_overrides
+from dsv.train.recipes import get_recipe
 from tests.modules.test_attention import DIM, GRID, HEADS, make
 
 
@@ -123,6 +125,24 @@ def test_a_predictor_with_rotary_dims_needs_the_positions():
 def test_the_config_rejects_rotary_dims_that_do_not_fit(value):
     with pytest.raises(ValueError, match="attention.predictor_rotary must be a multiple of 6"):
         AttentionConfig(rank=16, predictor_rotary=value)
+
+
+def test_an_undecided_rotary_setting_follows_the_model():
+    """`predictor_rotary=None` (the default) is 6 for a model whose rotary embeddings position q and k, where the
+    rank has room, and 0 for DSV's own layers; a value that is set stays; `--set` parses it as an int or none."""
+    assert AttentionConfig().predictor_rotary is None
+    assert AttentionConfig().with_rotary_default(True).predictor_rotary == 6
+    assert AttentionConfig().with_rotary_default(False).predictor_rotary == 0
+    assert AttentionConfig(rank=4).with_rotary_default(True).predictor_rotary == 0
+    assert AttentionConfig(predictor_rotary=12).with_rotary_default(False).predictor_rotary == 12
+    assert AttentionConfig(predictor_rotary=0).with_rotary_default(True).predictor_rotary == 0
+    layer = DSVAttention(32, 2, cfg=AttentionConfig(mode="dsv"))
+    assert layer.cfg.predictor_rotary == 0 and layer.predictor.rotary_dims == 0
+    cfg = get_recipe("debug_cpu")
+    assert apply_overrides(cfg, ["attention.predictor_rotary=6"]).attention.predictor_rotary == 6
+    assert apply_overrides(cfg, ["attention.predictor_rotary=none"]).attention.predictor_rotary is None
+    with pytest.raises(ValueError, match="attention.predictor_rotary must be an int or None"):
+        AttentionConfig(predictor_rotary=6.0)
 
 
 def test_rotary_dims_let_the_predictor_learn_scores_set_by_position():

@@ -1,5 +1,8 @@
 """Context parallelism inside the model: every CP mode equals one process, forward and gradients."""
 
+import copy
+import pickle
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -77,6 +80,15 @@ def _worker(rank, world, mode, cp_mode, hcp_size, checkpointing, predictor_keys=
         torch.testing.assert_close(layer.recall_ema, single_layer.recall_ema, **TOL)
         torch.testing.assert_close(layer.keep_boost, single_layer.keep_boost, **TOL)  # the recall floor's budget
         torch.testing.assert_close(layer.loss_ema, single_layer.loss_ema, **TOL, equal_nan=True)  # NaN: no predictor
+    # A copy of the model (an EMA or teacher copy) runs in the same CP group and equals its source; copying
+    # failed on the process groups before. Pickling, which cannot hold them, names what to do instead.
+    twin = copy.deepcopy(model)
+    assert twin.context_parallel is cp and all(block.attn.context_parallel is cp for block in twin.blocks)
+    x0, t = torch.randn(2, 3, 4, 16, 16), torch.tensor([0.3, 0.8])
+    with torch.no_grad():
+        torch.testing.assert_close(twin(x0, t), model(x0, t))
+    with pytest.raises(TypeError, match="ContextParallel holds process groups, which do not pickle"):
+        pickle.dumps(model)
     return {
         "paths": [layer.last_path for layer in layers],
         "stage": model.controller.current_stage,

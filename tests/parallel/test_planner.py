@@ -233,6 +233,9 @@ def test_cli_plans_with_a_recipes_settings_as_the_trainer_does(capsys):
     assert f"sparse efficiency {1 / 1.30:.3g}" in capsys.readouterr().out
     assert default_cluster(1, block=32).sparse_efficiency == pytest.approx(1 / 3.95)
     assert default_cluster(1).sparse_efficiency == pytest.approx(1 / 1.25)
+    # A length whose per-rank chunk is not whole query groups and key blocks, which the trainer refuses.
+    with pytest.raises(ValueError, match=r"--tokens 65544 on --gpus 8 with recipe dit_2p7b: each rank's S/N=8193"):
+        plan_cli.run(parse(["--gpus", "8", "--tokens", "65544", "--recipe", "dit_2p7b"]))
     # An explicit 0 is taken as given (and refused), not replaced by the recipe's or the default value.
     for argv in (["--recipe", "dit_2p7b", "--intra-node-gbps", "0"], ["--gpus-per-node", "0"]):
         with pytest.raises(ValueError, match="must be"):

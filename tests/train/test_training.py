@@ -524,6 +524,9 @@ def test_config_overrides_reject_bad_input():
         ("attention.window_frac=1.5", r"attention.window_frac must be in \(0, 1\]"),
         ("model.heads=0", "model.heads must be >= 1"),
         ("model.hidden=4", "model.hidden must be >= 6"),
+        ("model.head_dim=7", "model.arch='wan' needs an even head dim"),  # with model.arch=wan below
+        ("attention.kv_block=4", "attention.kv_block must be 0 or 1 .* for attention.mode=window"),  # at the
+        # first forward, after the data had loaded, before; with attention.mode=window below
         ("train.threads=-1", "train.threads must be >= 0"),
         ("train.out_dir=", "train.out_dir must name a folder"),
         # Raw torch errors (or a silent default) before: named now, before any run folder exists.
@@ -534,7 +537,9 @@ def test_config_overrides_reject_bad_input():
         ("data.path=", "expected a value, or none for the default"),  # e.g. data.path=$UNSET: not the bundled data
     ]:
         extra = {"attention.loss_cosine_weight=0": ["attention.loss_mse_weight=0"],
-                 "attention.switch_loss_threshold=0": ["attention.max_stage1_steps=0"]}.get(override, [])
+                 "attention.switch_loss_threshold=0": ["attention.max_stage1_steps=0"],
+                 "model.head_dim=7": ["model.arch=wan"],
+                 "attention.kv_block=4": ["attention.mode=window"]}.get(override, [])
         with pytest.raises(ValueError, match=message):
             apply_overrides(base, [override, *extra])
     with pytest.raises(ValueError, match="unknown recipe"):
@@ -675,7 +680,7 @@ def test_pruning_renames_before_it_deletes(tmp_path, monkeypatch):
     from dsv.train import checkpoint
 
     def cut_short(path, *args, **kwargs):
-        (Path(path) / "weights.safetensors").unlink()
+        (Path(path) / checkpoint.WEIGHTS).unlink()
         raise OSError(5, "Input/output error", str(path))
 
     monkeypatch.setattr(checkpoint.shutil, "rmtree", cut_short)
@@ -833,6 +838,8 @@ def test_a_run_out_of_time_saves_stops_and_resumes_into_the_uninterrupted_run(tm
     assert straight_s["step"] == legs_s["step"] == 8
     for name, value in straight_w.items():
         assert bitwise_equal(value, legs_w[name]), name
+    # The legs' off-schedule checkpoints (steps 1 and 2) counted towards keep_checkpoints and stayed for good.
+    assert [p.name for p in list_checkpoints(run)] == [p.name for p in list_checkpoints(tmp_path / "straight")]
 
     def without_speed(folder):
         return [{k: v for k, v in r.items() if k != "steps_per_s"} for r in read_metrics(folder)]
@@ -1056,9 +1063,10 @@ def test_a_failed_save_keeps_its_cause_and_the_logs_up_to_it(tmp_path, monkeypat
     assert [r["step"] for r in logged if "loss" in r] == [1, 2]
 
 
-def test_a_resume_on_another_cpu_thread_count_warns(tmp_path):
+def test_a_resume_on_another_cpu_thread_count_or_compile_setting_warns(tmp_path):
     """train.threads may change on resume, but CPU sums round by the thread count: the continuation is then not
-    bitwise that of an uninterrupted run, and the resume says so; on the saved count it says nothing."""
+    bitwise that of an uninterrupted run, and the resume says so; on the saved count it says nothing. The same
+    for model.compile."""
     import warnings
 
     threads = torch.get_num_threads()
@@ -1069,5 +1077,9 @@ def test_a_resume_on_another_cpu_thread_count_warns(tmp_path):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             Trainer(tiny_config(tmp_path, "train.steps=3", "train.threads=1"), resume=True, quiet=True).close()
+        # Likewise model.compile, also a resumable change: it said nothing.
+        with pytest.warns(UserWarning, match="resuming with model.compile='eager', saved with '': .* not bitwise"):
+            Trainer(tiny_config(tmp_path, "train.steps=3", "train.threads=1", "model.compile=eager"), resume=True,
+                    quiet=True).close()
     finally:
         torch.set_num_threads(threads)
