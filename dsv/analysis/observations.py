@@ -35,6 +35,7 @@ from dsv.analysis.profile import check_clips_and_theta, heatmap, heldout_clips, 
 from dsv.ops import head_sparsity, index_recall, oracle_index
 from dsv.ops.grouping import check_cube_tiles, check_sequence_matches_grid, cube_permutation
 from dsv.ops.index import check_bhsd, compute_dtype, resolve_chunk_size, resolve_scale
+from dsv.ops.measure import check_theta
 from dsv.train.checkpoint import resolve_checkpoint, write_text_atomic
 
 NEAR, FAR = 5, 10
@@ -93,10 +94,9 @@ def _sorted_chunks(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, scale: 
 
 def _critical_mask(weights: torch.Tensor, keys: torch.Tensor, theta: float) -> torch.Tensor:
     """bool ``[..., S]`` over key ids: the critical keys, from descending ``weights`` and their ``keys``."""
-    if not 0.0 < theta <= 1.0:
-        raise ValueError(f"theta must lie in (0, 1], got {theta!r}")
+    check_theta(theta)
     seq_len = weights.shape[-1]
-    # One more than the prefixes still short of θ; rounding can leave θ = 1 unreached, hence the cap.
+    # One more than the prefixes still short of θ; rounding can leave a θ near 1 unreached, hence the cap.
     counts = ((weights.cumsum(-1) < theta).sum(-1, keepdim=True) + 1).clamp(max=seq_len)
     in_prefix = torch.arange(seq_len, device=weights.device) < counts
     return torch.zeros_like(in_prefix).scatter_(-1, keys, in_prefix)
@@ -134,7 +134,7 @@ def critical_distances(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, gri
         q, k: ``[B, H, S, D]`` in raster order of ``grid`` (``to_raster``).
         rows: int64 ``[R]`` sampled query rows (raster positions).
         grid: ``(T, H, W)``, ``T * H * W == S``.
-        theta: critical mass in ``(0, 1]``.
+        theta: critical mass in ``(0, 1)``.
 
     Returns:
         float32 ``[B, H, R, max(T, H, W)]``: entry ``d`` is the fraction of the row's critical keys at
@@ -170,7 +170,7 @@ def cube_overlap(q: torch.Tensor, k: torch.Tensor, grid: tuple[int, int, int], c
     Args:
         q, k: ``[B, H, S, D]`` in raster order of ``grid``.
         grid: ``(T, H, W)``; cube: ``(t, h, w)`` dividing it, at least 2 tokens.
-        theta: critical mass in ``(0, 1]``.
+        theta: critical mass in ``(0, 1)``.
         max_cubes: cubes measured, evenly spaced over the grouped order (all when there are fewer).
 
     Returns:

@@ -14,7 +14,7 @@ import torch  # noqa: E402
 
 from dsv.analysis.checkpointed_model import load_model, run_precision  # noqa: E402
 from dsv.ops import head_sparsity, index_recall, keep_blocks_from_sparsity, oracle_index, window_index  # noqa: E402
-from dsv.ops.measure import jittered_query_rows, recall_at_equal_keep  # noqa: E402
+from dsv.ops.measure import check_theta, jittered_query_rows, recall_at_equal_keep  # noqa: E402
 from dsv.train.checkpoint import write_text_atomic  # noqa: E402
 from dsv.train.data import build_dataset  # noqa: E402
 
@@ -154,11 +154,11 @@ def window_budget_lines(window_budget: dict, theta: float) -> list[str]:
 
 
 def check_clips_and_theta(clips: int, theta: float | None) -> None:
-    """ValueError unless ``clips >= 1`` and ``theta`` is None (the run's) or a critical mass in (0, 1]."""
+    """ValueError unless ``clips >= 1`` and ``theta`` is None (the run's) or a critical mass in (0, 1)."""
     if isinstance(clips, bool) or not isinstance(clips, int) or clips < 1:
         raise ValueError(f"clips must be an integer >= 1, got {clips!r}")
-    if theta is not None and not 0.0 < theta <= 1.0:
-        raise ValueError(f"theta must lie in (0, 1], got {theta!r}")
+    if theta is not None:
+        check_theta(theta)
 
 
 def heldout_clips(cfg, clips: int) -> torch.Tensor:

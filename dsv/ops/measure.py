@@ -44,6 +44,14 @@ def _check_rows(rows: torch.Tensor, seq_len: int, device: torch.device) -> torch
     return rows.to(device=device, dtype=torch.int64)
 
 
+def check_theta(theta) -> None:
+    """Raise ValueError unless `theta` is a critical mass in (0, 1). At 1 (all the mass) the count would be that of
+    the keys of non-zero weight, decided by where a rounded running sum reaches 1 (float32 and float64 inputs
+    disagreed thirtyfold on peaked rows), not by the attention."""
+    if isinstance(theta, bool) or not isinstance(theta, numbers.Real) or not 0.0 < theta < 1.0:
+        raise ValueError(f"theta must lie in (0, 1), got {theta!r}")
+
+
 def check_unit_fraction(value, name: str) -> None:
     """Raise ValueError naming `name` unless `value` is a real number in (0, 1] (not a bool, a string or a
     tensor, which would fail the comparison with a TypeError or an ambiguous truth value)."""
@@ -133,7 +141,7 @@ def critical_counts(
     Args:
         q, k: ``[B, H, S, D]`` floating, same shape, dtype and device.
         rows: integer ``[R]`` query row ids in ``[0, S)``.
-        theta: attention mass to cover, in ``(0, 1]``.
+        theta: attention mass to cover, in ``(0, 1)``.
         scale: softmax scale, default ``D ** -0.5``.
 
     Returns:
@@ -146,7 +154,7 @@ def critical_counts(
 def _critical_counts(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, theta: float,
                      scale: float | None) -> torch.Tensor:
     """`critical_counts` on q, k and int64 rows already checked (each row check reads the device)."""
-    check_unit_fraction(theta, "theta")
+    check_theta(theta)
     seq_len, dim = q.shape[2], q.shape[3]
     scale = resolve_scale(scale, dim)
     chunk = _row_chunk(q, rows.numel())
@@ -156,7 +164,7 @@ def _critical_counts(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, theta
         probs = _softmax_rows(q, k, rows[start : start + chunk], scale)
         covered = torch.sort(probs, dim=-1, descending=True).values.cumsum(-1)
         # Weights are non-negative, so the cumulative sum is monotone: the count is one more than the
-        # number of prefixes still short of theta. Rounding can leave theta = 1 unreached: cap at S.
+        # number of prefixes still short of theta. Rounding can leave a theta near 1 unreached: cap at S.
         counts.append(((covered < theta).sum(-1) + 1).clamp(max=seq_len))
     return torch.cat(counts, dim=-1)
 

@@ -125,7 +125,7 @@ def test_profile_takes_theta_0_as_given_and_checks_and_records_the_clips(runs, t
             profile_checkpoint(checkpoint, str(tmp_path / "p"), device="cpu", clips=1, theta=theta)
     assert main(["profile", "--checkpoint", checkpoint, "--out", str(tmp_path / "p"), "--theta", "0",
                  "--device", "cpu"]) == 2
-    assert "theta must lie in (0, 1], got 0.0" in capsys.readouterr().err
+    assert "theta must lie in (0, 1), got 0.0" in capsys.readouterr().err
     for kept in ("0", "1.5"):  # refused after the checkpoint had loaded and the measurement run, before
         with pytest.raises(SystemExit):
             main(["profile", "--checkpoint", checkpoint, "--out", str(tmp_path / "p"), "--granularity", kept])
