@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dsv.ops.index import PAD, SparseIndex
+from tests.ops import with_ragged_counts
 from tests.ops.gluon_compile import sm90_shared_memory
 
 IS_HOPPER = torch.cuda.is_available() and torch.version.hip is None and torch.cuda.get_device_capability()[0] == 9
@@ -164,17 +165,21 @@ def masked_dense_reference(q, k, v, index: SparseIndex, scale: float):
 @pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: "B{}H{}S{}G{}kv{}".format(*c[:5]))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("counts", ["per_head", "per_group"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper GPU (compute capability 9.x)")
-def test_fused_backward_matches_fp32_reference(case, dtype, layout):
+def test_fused_backward_matches_fp32_reference(case, dtype, layout, counts):
     """dq, dk, dv of fresh random inputs against float32 autograd of the reference, with a gradient on the LSE
-    too (the context-parallel merge passes one)."""
+    too (the context-parallel merge passes one). `per_group`: counts that differ from group to group within a
+    head (a window index's)."""
     hb = hopper_backward()
     tk = importlib.import_module("dsv.ops.sparse_attention.triton_kernels")
     B, H, S, G, kv, keep = case
     D = 128
     scores = torch.randn(B, H, math.ceil(S / G), math.ceil(S / kv), device="cuda")
     index = SparseIndex.from_topk(scores, torch.tensor(keep), G, kv, S)
+    if counts == "per_group":
+        index = with_ragged_counts(index)
     if layout == "contiguous":
         q, k, v, do = (torch.randn(B, H, S, D, device="cuda", dtype=dtype) for _ in range(4))
     else:  # [B, S, H, D] memory, as attention layers produce it

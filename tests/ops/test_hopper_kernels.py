@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dsv.ops.index import SparseIndex
+from tests.ops import with_ragged_counts
 from tests.ops.gluon_compile import sm90_shared_memory
 
 IS_HOPPER = torch.cuda.is_available() and torch.version.hip is None and torch.cuda.get_device_capability()[0] == 9
@@ -126,17 +127,20 @@ HOPPER_CASES = [
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: "B{}H{}S{}D{}G{}kv{}".format(*c[:6]))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("counts", ["per_head", "per_group"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper GPU (compute capability 9.x)")
-def test_hopper_forward_matches_fp32_reference(case, dtype, layout):
+def test_hopper_forward_matches_fp32_reference(case, dtype, layout, counts):
     """Fresh NaN-filled memory of the outputs' sizes is what the allocator hands the kernel, so an unwritten
-    element fails."""
+    element fails. `per_group`: counts that differ from group to group within a head (a window index's)."""
     hk = hopper_kernels()
     tk = importlib.import_module("dsv.ops.sparse_attention.triton_kernels")
     naive = importlib.import_module("dsv.ops.sparse_attention.naive")
     B, H, S, D, G, kv, keep = case
     scores = torch.randn(B, H, math.ceil(S / G), math.ceil(S / kv), device="cuda")
     index = SparseIndex.from_topk(scores, torch.tensor(keep), G, kv, S)
+    if counts == "per_group":
+        index = with_ragged_counts(index)
     if layout == "contiguous":
         q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=dtype) for _ in range(3))
     else:  # [B, S, H, D] memory, as attention layers produce it
