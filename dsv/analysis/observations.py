@@ -31,12 +31,14 @@ import matplotlib.pyplot as plt
 import torch
 
 from dsv.analysis.checkpointed_model import load_model, run_precision
+from dsv.analysis.figures import save_figure
 from dsv.analysis.profile import check_clips_and_theta, heatmap, heldout_clips, remove_stale_outputs
 from dsv.ops import head_sparsity, index_recall, oracle_index
 from dsv.ops.grouping import check_cube_tiles, check_sequence_matches_grid, cube_permutation
 from dsv.ops.index import check_bhsd, compute_dtype, resolve_chunk_size, resolve_scale
 from dsv.ops.measure import check_theta
 from dsv.train.checkpoint import resolve_checkpoint, write_text_atomic
+from dsv.train.durable import check_folder_possible
 
 NEAR, FAR = 5, 10
 """A critical key is *near* at distance <= NEAR and *far* at distance > FAR (the paper's 5 and 10 tokens)."""
@@ -352,12 +354,6 @@ def mean_of_measured(values: list[float | None]) -> float | None:
     return statistics.fmean(measured) if measured else None
 
 
-def _save(fig, path: Path) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def _plot_power_law(layers: dict, path: Path) -> None:
     shown = sorted({0, len(layers) // 2, len(layers) - 1})
     fig, axes = plt.subplots(1, len(shown), figsize=(4 * len(shown), 3.4), squeeze=False)
@@ -371,7 +367,7 @@ def _plot_power_law(layers: dict, path: Path) -> None:
         ax.set_xlabel("key rank")
     axes[0][0].set_ylabel("softmax weight (mean over queries)")
     axes[0][0].legend(fontsize=7)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def _plot_locality(layers: dict, baseline: torch.Tensor, path: Path) -> None:
@@ -384,7 +380,7 @@ def _plot_locality(layers: dict, baseline: torch.Tensor, path: Path) -> None:
         ax.set_xlabel("Chebyshev distance (tokens)")
     axes[0][0].set_ylabel("fraction of a query's keys")
     axes[0][0].legend(fontsize=7)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def _plot_dynamics(steps: list[int], history: torch.Tensor, path: Path) -> None:
@@ -394,7 +390,7 @@ def _plot_dynamics(steps: list[int], history: torch.Tensor, path: Path) -> None:
     ax.set_xlabel("training step")
     ax.set_ylabel("mean head sparsity (profiler EMA)")
     ax.legend(fontsize=7)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def _plot_overlap(overlap: torch.Tensor, cubes: list, threshold: float, path: Path) -> None:
@@ -409,7 +405,7 @@ def _plot_overlap(overlap: torch.Tensor, cubes: list, threshold: float, path: Pa
     ax.set_ylabel("mean shared fraction of critical keys")
     ax.set_ylim(0, 1.02)
     ax.legend(fontsize=7)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 @torch.no_grad()
@@ -429,6 +425,7 @@ def observe_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clip
     check_clips_and_theta(clips, theta)
     if not 0.0 <= overlap_threshold <= 1.0:
         raise ValueError(f"overlap_threshold must lie in [0, 1], got {overlap_threshold!r}")
+    check_folder_possible(out_dir, "--out")  # before the model runs, not after
     model, cfg, step = load_model(checkpoint, device)
     dev = next(model.parameters()).device
     theta = cfg.attention.theta if theta is None else theta

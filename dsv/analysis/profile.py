@@ -13,10 +13,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from dsv.analysis.checkpointed_model import load_model, run_precision  # noqa: E402
+from dsv.analysis.figures import save_figure  # noqa: E402
 from dsv.ops import head_sparsity, index_recall, keep_blocks_from_sparsity, oracle_index, window_index  # noqa: E402
 from dsv.ops.measure import check_theta, jittered_query_rows, recall_at_equal_keep  # noqa: E402
 from dsv.train.checkpoint import write_text_atomic  # noqa: E402
 from dsv.train.data import build_dataset  # noqa: E402
+from dsv.train.durable import check_folder_possible  # noqa: E402
 
 
 class _Recorder:
@@ -97,9 +99,7 @@ def heatmap(matrix: torch.Tensor, title: str, path: Path, vmin: float, vmax: flo
         for j in range(matrix.shape[1]):
             ax.text(j, i, f"{matrix[i, j]:.2f}", ha="center", va="center", fontsize=7, color="white")
     fig.colorbar(image, ax=ax)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def _mean_by_layer(recorded: dict[int, list[torch.Tensor]]) -> torch.Tensor | None:
@@ -122,9 +122,7 @@ def _plot_by_noise_level(by_level: list[dict], sparse_blocks: list[int], path: P
         ax.set_title(title)
         if ax.lines:
             ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 WINDOW_BUDGET_COLUMNS = {"window": "window's boxes", "oracle": "exact top blocks",
@@ -186,6 +184,7 @@ def profile_checkpoint(checkpoint: str, out_dir: str, device: str = "auto", clip
     if any(not 0.0 <= level <= 1.0 for level in noise_levels):
         raise ValueError(f"noise_levels (--noise-levels) must lie in [0, 1] (t of x_t = (1 - t) x0 + t noise), "
                          f"got {noise_levels}")
+    check_folder_possible(out_dir, "--out")  # before the model runs, not after
     model, cfg, step = load_model(checkpoint, device)
     dev = next(model.parameters()).device
     theta = cfg.attention.theta if theta is None else theta

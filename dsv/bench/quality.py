@@ -68,6 +68,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dsv.analysis.figures import save_figure
 from dsv.analysis.observations import mean_of_measured, recommendation_scope
 from dsv.analysis.profile import WINDOW_BUDGET_COLUMNS, window_budget_lines
 from dsv.bench.sample_store import SampleStore, machine_name
@@ -779,14 +780,6 @@ def _plot_speed(sampling: dict, train_speed: dict[str, float], reference: dict |
         ax.set_title(f"training step, measured earlier:\n{reference['shape']}", fontsize=9)
         ax.legend(fontsize=8)
     save_figure(fig, path)
-
-
-def save_figure(fig, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # ------------------------------------------------------------------------------------------------- report

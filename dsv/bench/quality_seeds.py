@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dsv.analysis.figures import save_figure
 from dsv.bench.quality import (
     AVERAGE_SUFFIX,
     CONTROL,
@@ -30,7 +31,6 @@ from dsv.bench.quality import (
     meets_tolerance,
     no_sparse_block_text,
     result_mark,
-    save_figure,
     seeds_without_sparse_block,
 )
 from dsv.train.checkpoint import write_text_atomic

@@ -25,6 +25,7 @@ from torch import nn
 from dsv.modules.config import AttentionConfig
 from dsv.modules.controller import CONTROLLER_NAME, LAYOUT_BUFFER, layout_record
 from dsv.train.config import config_from_dict
+from dsv.train.durable import fsync_path
 
 MANIFEST = "manifest.json"
 WEIGHTS = "model.safetensors"
@@ -80,14 +81,6 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_text_atomic(path: Path, text: str) -> None:
     """Write `text` to `path` whole or not at all: a crash leaves the earlier file (or none), never half of one."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -96,7 +89,7 @@ def write_text_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)  # the rename itself, so that a power loss cannot bring the earlier file back
+    fsync_path(path.parent)  # the rename itself, so that a power loss cannot bring the earlier file back
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -130,7 +123,7 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Ten
     for f in (WEIGHTS, STATE):
         with open(tmp / f, "rb+") as handle:
             os.fsync(handle.fileno())
-    _fsync_dir(tmp)  # the folder's entries too, before the rename makes it a checkpoint
+    fsync_path(tmp)  # the folder's entries too, before the rename makes it a checkpoint
     if final.exists():  # re-saving a step: move the old copy aside first, drop it only after the swap
         stale = root / f".stale_{name}_{os.getpid()}"
         os.replace(final, stale)
@@ -138,7 +131,7 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Ten
         shutil.rmtree(stale)
     else:
         os.replace(tmp, final)
-    _fsync_dir(root)
+    fsync_path(root)
     write_text_atomic(root / "latest", name + "\n")
     checkpoints = list_checkpoints(run_dir)
     if scheduled is None:

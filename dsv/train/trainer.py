@@ -43,6 +43,7 @@ from dsv.train.checkpoint import (
 )
 from dsv.train.config import Config, OptimConfig, config_to_dict, device_absence, parse_device
 from dsv.train.data import build_dataset
+from dsv.train.durable import fsync_path
 
 # A resumed run must match the checkpoint's configuration except in these fields, which change neither
 # the model nor the sequence of batches and updates (so the continuation stays exact up to the rounding of a
@@ -265,6 +266,8 @@ class Trainer:
                              f"{sorted({str(p.dtype) for _, p in self._ema_weights})}")
         self.ema = [p.detach().clone() for _, p in self._ema_weights] if cfg.train.ema_decay else None
         self.data = build_dataset(cfg.data)
+        if self.world > 1:
+            self._check_same_sources()
         # Each data-parallel rank draws its own clips and noise; rank 0 draws what a single process would.
         self.data_gen = torch.Generator().manual_seed(cfg.train.seed + 1 + 1000 * self.dp_rank)
         self.noise_gen = torch.Generator().manual_seed(cfg.train.seed + 2 + 1000 * self.dp_rank)
@@ -420,14 +423,27 @@ class Trainer:
         if self.writer is not None:
             self.writer.flush()  # to the OS only: the event files' data must reach the disk too
             for events in Path(self.writer.log_dir).glob("events.out.tfevents.*"):
-                with open(events, "rb") as handle:
-                    os.fsync(handle.fileno())
+                fsync_path(events)
 
     def _unpark_predictors(self) -> None:
         # Parked (`attention.host_offload`) predictors hold host tensors; the distributed state-dict helpers
         # look at every parameter's device before any hook of ours runs.
         for predictor in self._predictors():
             predictor.unpark()
+
+    def _check_same_sources(self) -> None:
+        """Every rank decodes the folder itself: one that skipped a file (a read error on its node, a file still
+        being copied in) would train on other videos than the rest, without a word, and the checkpoint, which
+        holds rank 0's fingerprint, would not say so. Raises on every rank."""
+        mine = [{key: value for key, value in source.items() if key != "sha256"} for source in self.data.fingerprint()]
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, mine)
+        differing = [rank for rank, sources in enumerate(everyone) if sources != everyone[0]]
+        if differing:
+            names = [{source["name"] for source in sources} for sources in everyone]
+            raise ValueError(f"data: ranks {differing} loaded other sources than rank 0 (rank 0: "
+                             f"{sorted(names[0])}; rank {differing[0]}: {sorted(names[differing[0]])}, or other "
+                             "shapes): every rank must decode the same videos; see each rank's warnings")
 
     def _restore(self, ckpt: Path) -> None:
         self._unpark_predictors()

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from dsv.train.durable import check_folder_possible, fsync_path
+
 try:
     import av
 except ModuleNotFoundError:  # decoding falls back to OpenCV; writing .mp4 needs PyAV
@@ -72,7 +74,10 @@ def read_video(path: str | os.PathLike, short_side: int | None = None) -> torch.
                     # Quarter turns counterclockwise of the display matrix: a phone stores portrait video as
                     # landscape frames with a 90-degree rotation, which players (and FFmpeg's CLI) apply.
                     turns = round(getattr(frame, "rotation", 0) / 90) % 4
-                    shown_w, shown_h = (frame.height, frame.width) if turns % 2 else (frame.width, frame.height)
+                    # Non-square pixels (DV, DVD, HDV: 1440x1080 at 4:3), which players widen: loaded as
+                    # stored, such video trained squashed.
+                    width = _displayed_width(frame.width, stream.sample_aspect_ratio)
+                    shown_w, shown_h = (frame.height, width) if turns % 2 else (width, frame.height)
                     _warn_if_enlarged(path, min(shown_w, shown_h), short_side)
                     out_w, out_h = _scaled_size(shown_w, shown_h, short_side)
                     if turns % 2:
@@ -82,10 +87,19 @@ def read_video(path: str | os.PathLike, short_side: int | None = None) -> torch.
                 last_time = frame.time if frame.time is not None else last_time
             _warn_if_cut_short(path, stream, container, last_time)
     except av.FFmpegError as err:
+        if isinstance(err, (OSError, MemoryError)):
+            raise  # the machine's (a read error, no memory, no permission), not the file's: no source to skip
         raise VideoDecodeError(f"read_video: PyAV cannot decode {path}: {err}") from err
     if not frames:
         raise VideoDecodeError(f"read_video: {path} has a video stream but no frame decodes")
     return torch.from_numpy(np.stack(frames))
+
+
+def _displayed_width(width: int, sample_aspect_ratio) -> int:
+    """The width a player shows a frame `width` pixels wide at (pixel) `sample_aspect_ratio` (None or 0: square)."""
+    if not sample_aspect_ratio or sample_aspect_ratio == 1:
+        return width
+    return max(1, round(width * float(sample_aspect_ratio)))
 
 
 def _warn_if_enlarged(path: Path, stored_short_side: int, short_side: int | None) -> None:
@@ -101,12 +115,24 @@ def _warn_if_cut_short(path: Path, stream, container, last_time: float | None) -
         return
     if stream.duration is not None and stream.time_base is not None:
         stated = float(stream.duration * stream.time_base)
-    elif container.duration is not None:
+    elif (tagged := _duration_tag(stream.metadata.get("DURATION"))) is not None:
+        stated = tagged  # Matroska and WebM state a stream's duration as a tag only
+    elif container.duration is not None and len(container.streams) == 1:
+        # The longest stream's: with a longer audio track, a whole file would read as cut off.
         stated = container.duration / av.time_base
     else:
         return
     period = 1.0 / float(stream.average_rate) if stream.average_rate else 0.0
     _warn_if_short_of(path, last_time + period, stated)
+
+
+def _duration_tag(text: str | None) -> float | None:
+    """Seconds of a Matroska ``DURATION`` tag (``HH:MM:SS.fraction``), or None where it is absent or malformed."""
+    try:
+        hours, minutes, seconds = (text or "").split(":")
+        return int(hours) * 3600 + int(minutes) * 60 + float(seconds)
+    except ValueError:
+        return None
 
 
 def _warn_if_short_of(path: Path, decoded: float, stated: float) -> None:
@@ -131,8 +157,10 @@ def _read_video_opencv(path: Path, short_side: int | None) -> torch.Tensor:
             if not ok:
                 break
             if not frames:
-                _warn_if_enlarged(path, min(frame.shape[:2]), short_side)
-                out_w, out_h = _scaled_size(frame.shape[1], frame.shape[0], short_side)
+                numerator, denominator = capture.get(cv2.CAP_PROP_SAR_NUM), capture.get(cv2.CAP_PROP_SAR_DEN)
+                width = _displayed_width(frame.shape[1], numerator / denominator if denominator > 0 else None)
+                _warn_if_enlarged(path, min(width, frame.shape[0]), short_side)
+                out_w, out_h = _scaled_size(width, frame.shape[0], short_side)
             if frame.shape[:2] != (out_h, out_w):
                 frame = cv2.resize(frame, (out_w, out_h), interpolation=cv2.INTER_AREA)
             frames.append(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
@@ -196,22 +224,29 @@ def write_video(frames: torch.Tensor, path: str | os.PathLike, fps: float = 8) -
             _write_mp4(array, tmp, fps)
         else:
             _write_gif(array, tmp, fps)
+        # On disk before the rename, and the rename too: after a power loss the file under its final name is
+        # whole, never empty.
+        fsync_path(tmp)
         os.replace(tmp, path)
+        fsync_path(path.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
 
 
 def check_writable(path: str | os.PathLike) -> None:
-    """ValueError unless ``write_video`` can write ``path``'s format here: a suffix it does not take, or .mp4
-    without an encoder (no PyAV, or an FFmpeg build with none of ``_MP4_CODECS``). Callers that compute for
-    minutes before writing check first, so nothing computed is lost to a missing encoder."""
+    """ValueError unless ``write_video`` can write ``path``'s format here: a suffix it does not take, .mp4
+    without an encoder (no PyAV, or an FFmpeg build with none of ``_MP4_CODECS``), a path that is a folder or lies
+    under a file. Callers that compute for minutes before writing check first, so nothing computed is lost."""
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in WRITE_SUFFIXES:
         raise ValueError(
             f"write_video: unsupported suffix {path.suffix!r} in {path}; supported: {', '.join(WRITE_SUFFIXES)}"
         )
+    if path.is_dir():
+        raise ValueError(f"cannot write {path}: it is a folder")
+    check_folder_possible(path.parent, f"cannot write {path} into")
     if suffix == ".mp4":
         try:
             _pick_mp4_codec()

@@ -133,6 +133,12 @@ def test_profile_takes_theta_0_as_given_and_checks_and_records_the_clips(runs, t
     for clips in (0, -3):
         with pytest.raises(ValueError, match="clips must be an integer >= 1"):
             profile_checkpoint(checkpoint, str(tmp_path / "p"), device="cpu", clips=clips)
+    # An --out that cannot be a folder: named before the model runs (a raw error after it had run, before).
+    (tmp_path / "file").write_text("")
+    for out in (tmp_path / "file", tmp_path / "file" / "sub"):
+        for command in ("profile", "observe"):
+            assert main([command, "--checkpoint", checkpoint, "--out", str(out), "--device", "cpu"]) == 2
+            assert f"--out {out}: {tmp_path / 'file'} is a file, not a folder" in capsys.readouterr().err
         with pytest.raises(SystemExit):
             main(["profile", "--checkpoint", checkpoint, "--out", str(tmp_path / "p"), "--clips", str(clips)])
         assert "argument --clips" in capsys.readouterr().err

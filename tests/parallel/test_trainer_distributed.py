@@ -187,3 +187,35 @@ def test_context_parallel_settings_are_checked_at_setup_for_their_mode(tmp_path)
     scp = run_distributed(_construct, 3, str(tmp_path / "scp"), ["parallel.cp=3", "parallel.cp_mode=scp",
                           "parallel.gpus_per_node=2", "data.frames=6"], out_dir=tmp_path / "b", timeout_s=60)
     assert scp == [None, None, None]
+
+
+def _construct_with_one_file_unreadable_on_rank_1(rank: int, world: int, folder: str, root: str) -> str | None:
+    from dsv.train import data
+    from dsv.train.video_io import VideoDecodeError
+
+    if rank == 1:  # as a read error on one node, or a file still being copied in when that rank listed it
+        read = data.read_video
+
+        def failing(path, short_side):
+            if Path(path).name == "b.mp4":
+                raise VideoDecodeError(f"read_video: PyAV cannot decode {path}: moov atom not found")
+            return read(path, short_side)
+
+        data.read_video = failing
+    return _construct(rank, world, root, [f"data.path={folder}"])
+
+
+def test_ranks_that_loaded_other_videos_are_refused(tmp_path):
+    """Every rank decodes the folder itself: a rank that skipped a file trained on other videos than the rest
+    without a word (the checkpoint holds rank 0's fingerprint only). Every rank raises, naming the difference."""
+    from dsv.train.video_io import write_video
+    from tests.train.test_training import _drifting_video
+
+    folder = tmp_path / "videos"
+    folder.mkdir()
+    for name, phase in (("a.mp4", 0.0), ("b.mp4", 1.0)):
+        write_video(_drifting_video(20, phase), folder / name)
+    errors = run_distributed(_construct_with_one_file_unreadable_on_rank_1, 2, str(folder), str(tmp_path / "run"),
+                             out_dir=tmp_path, timeout_s=60)
+    assert all(error is not None and "data: ranks [1] loaded other sources than rank 0" in error
+               and "rank 1: ['a.mp4']" in error for error in errors), errors

