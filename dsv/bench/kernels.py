@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from dsv.bench.report_file import check_report_path, write_report
 from dsv.cli import positive_int
 from dsv.ops.sparse_attention import hopper_backward_unsupported, hopper_forward_unsupported
 
@@ -298,6 +299,7 @@ def run(args) -> int:
     if not torch.cuda.is_available():
         print("dsv bench kernels needs a CUDA GPU", file=sys.stderr)
         return 2
+    check_report_path(args.out)
     from torch.nn.attention.flex_attention import flex_attention
 
     dtype = DTYPES[args.dtype]
@@ -318,9 +320,8 @@ def run(args) -> int:
         torch.cuda.empty_cache()  # the next length's inputs start from a clean pool
     report = _report(rows, args, torch.cuda.get_device_name(), *_dsv_kernels(args, dtype))
     print(report)
+    write_report(args.out, report)
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(report)
         print(f"wrote {args.out}")
     return 0
 

@@ -70,7 +70,12 @@ def load_reports(paths: list[Path]) -> list[tuple[str, dict]]:
         missing = [key for key in required if key not in results]
         if missing:
             raise ValueError(f"--results {path}: not a `dsv bench quality` results.json (no {', '.join(missing)})")
-        reports.append((file.parent.name, results))
+        name = file.parent.name
+        same = [other for other, _ in reports if other == name]
+        if same:  # the name keys the notes and the checks: two of one name would merge there
+            raise ValueError(f"--results {path}: another report's folder is also named {name!r}; a report is named "
+                             "by its folder, so give the folders distinct names (e.g. dated and hardware-named)")
+        reports.append((name, results))
     return reports
 
 
@@ -137,7 +142,7 @@ def check_comparable(reports: list[tuple[str, dict]]) -> None:
     # versions shows in the resolved config alone.
     reference = first_with_config(reports)
     for name, results in reports:
-        if reference is None or "config" not in results or name == reference[0]:
+        if reference is None or "config" not in results or results is reference[1]:
             continue
         try:
             difference = config_difference(results["config"], reference[1]["config"])

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from dsv.bench.profiling import write_op_profile
+from dsv.bench.report_file import check_report_path, write_report
 from dsv.cli import device_name, non_negative_int, positive_int
 from dsv.modules.attention import model_parameters
 from dsv.modules.dit import VideoDiT, flow_matching_loss
@@ -461,6 +462,7 @@ def _gates(run_: _Run, tokens: int, mode: str) -> list[str]:
 
 
 def run(args) -> int:
+    check_report_path(args.out)
     repeated = sorted({mode for mode in args.modes if args.modes.count(mode) > 1})
     if repeated:
         raise ValueError(f"--modes {' '.join(args.modes)}: expected each mode at most once, "
@@ -599,7 +601,5 @@ def run(args) -> int:
     lines += ["", "Correctness gates:", "", *(f"- {gate}" for gate in gates)]
     report = "\n".join(lines) + "\n"
     print(report)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(report)
+    write_report(args.out, report)
     return 0

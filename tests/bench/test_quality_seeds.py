@@ -232,6 +232,13 @@ def test_the_command_writes_the_report_and_refuses_a_folder_without_results(tmp_
     assert written["loss_gaps_by_step"] == [] and not (out / "gaps_by_step.png").exists()  # no held-out tables
     assert main(["bench", "quality-seeds", "--results", str(tmp_path), "--out", str(out)]) == 2
     assert "no results.json of `dsv bench quality` there" in capsys.readouterr().err
+    # Two folders of one name (h200/quality, h100/quality): the second's config was never compared with the first's
+    # (its name was taken for the first's), and the notes merged them.
+    (tmp_path / "h100" / "a").mkdir(parents=True)
+    (tmp_path / "h100" / "a" / "results.json").write_text((tmp_path / "a" / "results.json").read_text())
+    assert main(["bench", "quality-seeds", "--results", str(tmp_path / "a"), str(tmp_path / "h100" / "a"),
+                 "--out", str(out)]) == 2
+    assert "another report's folder is also named 'a'" in capsys.readouterr().err
 
 
 def test_reports_whose_resolved_configs_differ_are_refused_by_the_first_key_that_differs(tmp_path):

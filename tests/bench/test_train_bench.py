@@ -385,6 +385,10 @@ def test_bench_train_refuses_a_mode_listed_twice(tmp_path, capsys):
     error = capsys.readouterr().err
     assert "--modes dsv dense dsv: expected each mode at most once, dsv listed more than once" in error
     assert not out.exists()
+    # A report path that cannot be written: refused before the runs (after them, before).
+    (tmp_path / "file").write_text("")
+    assert main(["bench", "train", *TINY, "--modes", "dense", "--out", str(tmp_path / "file" / "r.md")]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
 
 
 def test_bench_train_checks_every_token_count_and_the_profile_before_running(tmp_path, capsys, monkeypatch):
