@@ -396,8 +396,8 @@ class Trainer:
         path = checkpoint_root(self.run_dir) / f"step_{self.step:08d}"
         error, cause = None, None
         if self.rank == 0:
-            self._sync_logs()
             try:
+                self._sync_logs()  # in here: a full disk while syncing the logs is told to every rank too
                 train = self.cfg.train
                 path = save_checkpoint(self.run_dir, self.step, weights, state, config_to_dict(self.cfg),
                                        keep=train.keep_checkpoints,

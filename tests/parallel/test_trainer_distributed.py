@@ -219,3 +219,32 @@ def test_ranks_that_loaded_other_videos_are_refused(tmp_path):
                              out_dir=tmp_path, timeout_s=60)
     assert all(error is not None and "data: ranks [1] loaded other sources than rank 0" in error
                and "rank 1: ['a.mp4']" in error for error in errors), errors
+
+
+def _train_with_a_full_disk_on_rank_0(rank: int, world: int, root: str) -> str | None:
+    from dsv.train import trainer as trainer_module
+    from dsv.train.checkpoint import CheckpointError
+    from dsv.train.config import apply_overrides
+    from dsv.train.recipes import get_recipe
+
+    if rank == 0:
+        def full_disk(self):
+            raise OSError(28, "No space left on device")
+
+        trainer_module.Trainer._sync_logs = full_disk
+    cfg = apply_overrides(get_recipe("debug_cpu"), TINY + [
+        "train.threads=1", "train.steps=1", "train.ckpt_every=1", f"train.out_dir={root}"])
+    try:
+        trainer_module.Trainer(cfg, quiet=True).run()
+    except CheckpointError as err:
+        return str(err)
+    return None
+
+
+def test_a_failure_syncing_the_logs_before_a_save_is_told_to_every_rank(tmp_path):
+    """Rank 0 syncs the logs before it writes a checkpoint: a full disk there raised on rank 0 alone, outside what
+    it tells the others, who then failed on a closed connection with no cause (or waited two hours)."""
+    errors = run_distributed(_train_with_a_full_disk_on_rank_0, 2, str(tmp_path / "run"), out_dir=tmp_path,
+                             timeout_s=120)
+    assert all(error is not None and "saving step 1 failed on rank 0: OSError: [Errno 28] No space left" in error
+               for error in errors), errors
