@@ -197,8 +197,9 @@ class DSVAttentionCore(nn.Module):
             # value: one step from the recent predictor, not the integral of its early, poor recall).
             self.update_keep_boost(self.keep_boost, self.recall_ema)
 
-    def dispatch(self) -> None:
-        """Decide dense or sparse for this block from its profiled sparsity, and each head's budget."""
+    def dispatch(self, batch: int | None = None) -> None:
+        """Decide dense or sparse for this block from its profiled sparsity, and each head's budget; the speed
+        model at `batch` (None: the last forward's)."""
         if self.cfg.mode not in ("dsv", "oracle"):
             return  # a window or dense layer under a controller of DSV layers: its attention is fixed by its mode
         sparsity = self.sparsity_ema
@@ -214,7 +215,7 @@ class DSVAttentionCore(nn.Module):
         if sparse:
             # `dispatch_margin`: a dense block must gain to go sparse, a sparse one stays until it would lose.
             margin = 0.0 if self._use_sparse_host else self.cfg.dispatch_margin
-            pays, reason = self.sparse_pays(keep, margin)
+            pays, reason = self.sparse_pays(keep, margin, batch)
             sparse = sparse if pays is None else pays
             self.dispatch_reason += reason
         self.use_sparse.fill_(sparse)

@@ -51,6 +51,16 @@ def average_over_ranks(layers: list) -> None:
         buffer.copy_(value.view_as(buffer))
 
 
+def largest_batches_over_ranks(layers: list) -> list[int | None]:
+    """Each layer's batch of its last forward, the largest over all ranks (None where no rank has run it): the
+    kernel-speed model decides sparse or dense by batch size, and ranks with uneven batches (a batch the world
+    size does not divide) would otherwise dispatch differently, so that their replicas drift apart."""
+    local = [layer._last_shape[0] if layer._last_shape is not None else 0 for layer in layers]
+    batches = torch.tensor(local, dtype=torch.float64, device=layers[0].sparsity_ema.device)
+    dist.all_reduce(batches, op=dist.ReduceOp.MAX)
+    return [int(batch) or None for batch in batches.tolist()]
+
+
 def fill_from_meta(module: nn.Module, from_meta: list[str], initial: dict[str, torch.Tensor]) -> None:
     """Give the buffers `from_meta` (on the meta device before a conversion, `to_empty` off it) their
     initial values, where the conversion made them real: `to_empty` leaves memory unwritten, and DSV's state
@@ -265,7 +275,8 @@ class DSVController(nn.Module):
         self._unended_training_steps = 0
         self._warn_if_nothing_trained()
         self._refuse_sharded_predictors()
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if distributed:
             # Data parallelism (DDP, FSDP, accelerate): each rank measured its own data. The switch and the
             # dispatch below must decide alike on every rank, and a checkpoint (rank 0's) must hold what every
             # rank holds, so that a resume continues each rank exactly.
@@ -284,8 +295,9 @@ class DSVController(nn.Module):
                 for layer in self._layers:
                     layer.enter_stage2()
         if self._stage_host == 2 and (profiled or events.switched):
-            for layer in self._layers:
-                layer.dispatch()
+            batches = largest_batches_over_ranks(self._layers) if distributed else [None] * len(self._layers)
+            for layer, batch in zip(self._layers, batches):
+                layer.dispatch(batch)
             events.redispatched = True
         return events
 

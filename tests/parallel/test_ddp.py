@@ -48,3 +48,24 @@ def test_ddp_ranks_on_their_own_data_switch_and_dispatch_alike(tmp_path):
     assert rank0["host_copies"] == rank1["host_copies"] == [True] * len(rank0["states"])
     assert rank0["states"][-1]["stage"] == 2 and rank0["states"][-1]["sparse_layers"] == [0, 1]
     assert rank0["paths"] == rank1["paths"] and rank0["paths"][-1] == ["sparse:reference"] * 2
+
+
+def uneven_batch_worker(rank, world, batches_per_rank, fixed_ms):
+    import dsv.modules.attention as attention
+    from dsv.modules.dispatch import SparseSpeedModel
+
+    # A kernel-speed model whose fixed cost makes sparse attention pay at 3 samples but not at 1.
+    attention.speed_model = lambda backend, group, block: (SparseSpeedModel(565.0, 1.25, fixed_ms, "test"), "test")
+    return ddp_worker(rank, world, batches_per_rank)
+
+
+def test_ranks_with_uneven_batches_dispatch_alike(tmp_path):
+    """The speed model decides by batch size: a rank of 1 sample went dense where one of 3 went sparse, and the
+    replicas drifted apart without a word. Every rank now decides at the largest batch of the ranks."""
+    four = [tuple(torch.cat(pair) for pair in zip(a, b)) for a, b in zip(make_batches(seed=1), make_batches(seed=2))]
+    uneven = [[tuple(t[:1] for t in batch) for batch in four], [tuple(t[1:] for t in batch) for batch in four]]
+    assert uneven[0][0][0].shape[0] == 1 and uneven[1][0][0].shape[0] == 3
+    rank0, rank1 = run_distributed(uneven_batch_worker, WORLD, uneven, 3e-6, out_dir=tmp_path)
+    assert rank0["paths"] == rank1["paths"] and rank0["paths"][-1] == ["sparse:reference"] * 2
+    for state0, state1 in zip(rank0["states"], rank1["states"]):
+        assert_close_dicts(state1, state0, rtol=0, atol=0, equal_nan=True)
