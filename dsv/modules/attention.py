@@ -628,14 +628,14 @@ class DSVAttentionCore(nn.Module):
             sparsity = head_sparsity(q, k, rows, cfg.theta, scale=self.scale)
         self._check_profile_finite(loss_ema, sparsity)
         with torch.no_grad():
-            sparsity_ema.copy_(_ema(sparsity_ema, sparsity, cfg.ema_momentum))
+            sparsity_ema.copy_(_ema(sparsity_ema, mean_over_ranks(sparsity), cfg.ema_momentum))
             if cfg.mode == "dense":
                 return
             # Recall of the selection this layer would make at its measured budget.
             keep_blocks = keep_blocks_from_sparsity(sparsity_ema, -(-seq_len // cfg.key_block),
                                                     cfg.keep_floor_blocks, self.budget_margin(keep_boost))
             index = self.compute_index(hidden, q, k, grid, keep_blocks=keep_blocks)
-            recall = index_recall(q, k, index, rows, scale=self.scale, check_index=False).mean(0)
+            recall = mean_over_ranks(index_recall(q, k, index, rows, scale=self.scale, check_index=False).mean(0))
             recall_ema.copy_(_ema(recall_ema, recall, cfg.ema_momentum))
             if controller.current_stage == 2:
                 self.update_keep_boost(keep_boost, recall)
@@ -824,6 +824,17 @@ class RepeatableSelection:
 def _same_selection(a, b) -> bool:
     """Two selections (`SparseIndex` or a rank's `LocalIndex`) list the same keys."""
     return torch.equal(a.counts, b.counts) and torch.equal(a.indices, b.indices)
+
+
+def mean_over_ranks(values: torch.Tensor) -> torch.Tensor:
+    """`values` averaged over all ranks of a distributed run (one all-reduce; unchanged in one process). A
+    profiling measurement is averaged where it is made: the budget and the recall it feeds must be one process's
+    on the whole batch, not each rank's on its share (averaging only the EMAs afterwards left the recall floor
+    measured at each rank's own budget). Every rank calls it at the same point, as `any_rank`."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        values = values.clone()
+        dist.all_reduce(values, op=dist.ReduceOp.AVG)
+    return values
 
 
 def any_rank(flag: torch.Tensor, group=None) -> bool:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from dsv.modules.attention import DSVAttention, RepeatableSelection, _ema, any_rank, key_seed
+from dsv.modules.attention import DSVAttention, RepeatableSelection, _ema, any_rank, key_seed, mean_over_ranks
 from dsv.modules.predictor import release_parked
 from dsv.ops import (
     SparseIndex,
@@ -473,14 +473,15 @@ class ContextParallel:
                                        layer.heads, layout)
         layer._check_profile_finite(layer.loss_ema, sparsity)
         with torch.no_grad():
-            layer.sparsity_ema.copy_(_ema(layer.sparsity_ema, sparsity, cfg.ema_momentum))
+            # Over every rank: the CP group's ranks hold the same value, data-parallel groups their own shares.
+            layer.sparsity_ema.copy_(_ema(layer.sparsity_ema, mean_over_ranks(sparsity), cfg.ema_momentum))
             if cfg.mode == "dense":
                 return
             keep_blocks = keep_blocks_from_sparsity(layer.sparsity_ema, -(-seq_len // cfg.key_block),
                                                     cfg.keep_floor_blocks, layer.budget_margin(layer.keep_boost))
             index = self._index(layer, x, q, k, layout, grid, keep_blocks.cpu())
             recall = index_recall(q_all, k_all, index, rows, scale=layer.scale, check_index=False).mean(0)
-            recall = self._sum_heads(recall, heads, layer.heads, layout)
+            recall = mean_over_ranks(self._sum_heads(recall, heads, layer.heads, layout))
             layer.recall_ema.copy_(_ema(layer.recall_ema, recall, cfg.ema_momentum))
             if controller.current_stage == 2:
                 layer.update_keep_boost(layer.keep_boost, recall)

@@ -122,9 +122,9 @@ def shard_model(
     leaves buffers as plain tensors. With data parallelism each rank measures sparsity, recall and
     predictor loss on its own data, so a forward hook on the root runs `sync_dsv_state` after every
     training forward; the controller's `end_step` (stage switch, dispatch) then sees identical EMAs on
-    every rank. One caveat: within the step, a layer computes its recall at the budget of its
-    not-yet-averaged sparsity EMA; the recall boost it steps from that recall is averaged like the EMAs,
-    so the ranks still agree.
+    every rank. The profiling measurements themselves (sparsity, and the recall at the budget it gives) are
+    averaged over the ranks where they are made (`mean_over_ranks`), so budgets and recall floor are one
+    process's on the whole batch.
 
     Args:
         model: a DSV model whose repeated blocks sit in an `nn.ModuleList` (`VideoDiT.blocks`).
