@@ -142,7 +142,7 @@ class _LatentGrid:
                 f"gives the empty token grid (T, H, W)={grid}"
             )
         # Wan's rotary table holds `rope_max_seq_len` positions per axis; a longer axis fails inside its reshape.
-        limit = getattr(module.config, "rope_max_seq_len", None) if hasattr(module, "config") else None
+        limit = getattr(module.config, "rope_max_seq_len", None)  # Wan's only
         if limit is not None and max(grid) > limit:
             raise ValueError(
                 f"{type(module).__name__}: the token grid (T, H, W)={grid} of hidden_states {tuple(x.shape)} has an "

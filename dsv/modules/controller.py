@@ -56,7 +56,7 @@ def largest_batches_over_ranks(layers: list) -> list[int | None]:
     kernel-speed model decides sparse or dense by batch size, and ranks with uneven batches (a batch the world
     size does not divide) would otherwise dispatch differently, so that their replicas drift apart."""
     local = [layer._last_shape[0] if layer._last_shape is not None else 0 for layer in layers]
-    batches = torch.tensor(local, dtype=torch.float64, device=layers[0].sparsity_ema.device)
+    batches = torch.tensor(local, dtype=torch.int64, device=layers[0].sparsity_ema.device)
     dist.all_reduce(batches, op=dist.ReduceOp.MAX)
     return [int(batch) or None for batch in batches.tolist()]
 

@@ -193,9 +193,10 @@ class VideoDiT(nn.Module):
                                  f"({self.cfg.num_classes}: the null class), got {y.dtype} {tuple(y.shape)}")
             # One small device sync: an id out of range fails deep in the embedding (on a GPU as a device-side
             # assert that ends the process's CUDA use).
-            if y.numel() and (int(y.min()) < 0 or int(y.max()) > self.cfg.num_classes):
+            low, high = torch.stack([y.min(), y.max()]).tolist() if y.numel() else (0, 0)
+            if low < 0 or high > self.cfg.num_classes:
                 raise ValueError(f"y must be class ids in [0, {self.cfg.num_classes}] ({self.cfg.num_classes}: the "
-                                 f"null class), got values from {int(y.min())} to {int(y.max())}")
+                                 f"null class), got values from {low} to {high}")
         if self.y_embed is not None:
             if y is None:
                 y = torch.full_like(t, self.cfg.num_classes, dtype=torch.long)  # the null class

@@ -11,7 +11,6 @@ from dsv.parallel.fsdp import (
     check_replicas_in_sync,
     replica_divergence,
     shard_model,
-    sync_dsv_state,
 )
 from dsv.parallel.hcp import (
     all_to_all,
@@ -49,5 +48,4 @@ __all__ = [
     "scp_attention",
     "shard_model",
     "sparse_attention_fn",
-    "sync_dsv_state",
 ]

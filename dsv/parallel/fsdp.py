@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from dsv.modules.attention import DSVAttentionCore
-from dsv.modules.controller import DSVController, average_over_ranks
+from dsv.modules.controller import DSVController
 from dsv.modules.dit import VideoDiT
 from dsv.modules.predictor import LowRankPredictor
 
@@ -32,13 +32,6 @@ def _block_units(model: nn.Module) -> list[nn.Module]:
         for module in model.modules() if isinstance(module, nn.ModuleList)
         for block in module if _dsv_layers(block)
     ]
-
-
-def sync_dsv_state(model: nn.Module) -> None:
-    """`average_over_ranks` over the model's DSV layers. `shard_model` runs it after each training forward,
-    so that within a step (gradient accumulation) the ranks' EMAs already agree; the controller's `end_step`
-    averages once more before it decides."""
-    average_over_ranks(_dsv_layers(model))
 
 
 def _replicated_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -119,12 +112,10 @@ def shard_model(
     replicating them costs little memory and no extra collective beyond that all-reduce.
 
     DSV's buffers (EMAs, dispatch, kept fractions, the controller's stage) are never sharded: FSDP
-    leaves buffers as plain tensors. With data parallelism each rank measures sparsity, recall and
-    predictor loss on its own data, so a forward hook on the root runs `sync_dsv_state` after every
-    training forward; the controller's `end_step` (stage switch, dispatch) then sees identical EMAs on
-    every rank. The profiling measurements themselves (sparsity, and the recall at the budget it gives) are
-    averaged over the ranks where they are made (`mean_over_ranks`), so budgets and recall floor are one
-    process's on the whole batch.
+    leaves buffers as plain tensors. With data parallelism each rank measures on its own data: the profiling
+    measurements (sparsity, and the recall at the budget it gives) are averaged over the ranks where they are
+    made (`mean_over_ranks`), so budgets and recall floor are one process's on the whole batch, and the
+    controller's `end_step` averages the EMAs (the predictor loss's too) before it switches and dispatches.
 
     Args:
         model: a DSV model whose repeated blocks sit in an `nn.ModuleList` (`VideoDiT.blocks`).
@@ -162,11 +153,4 @@ def shard_model(
     # under autocast on one GPU; the model casts the video to its patch embedding's dtype itself.
     root_policy = dataclasses.replace(policy, cast_forward_inputs=False)
     fully_shard(model, mp_policy=root_policy, **options)
-
-    def after_forward(module: nn.Module, _args, _output) -> None:
-        # The EMAs change only in a training forward with grad enabled (attention.prepare_index).
-        if module.training and torch.is_grad_enabled():
-            sync_dsv_state(module)
-
-    model.register_forward_hook(after_forward)
     return model

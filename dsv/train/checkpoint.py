@@ -121,8 +121,7 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Ten
     }
     write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
     for f in (WEIGHTS, STATE):
-        with open(tmp / f, "rb+") as handle:
-            os.fsync(handle.fileno())
+        fsync_path(tmp / f)
     fsync_path(tmp)  # the folder's entries too, before the rename makes it a checkpoint
     if final.exists():  # re-saving a step: move the old copy aside first, drop it only after the swap
         stale = root / f".stale_{name}_{os.getpid()}"

@@ -398,10 +398,8 @@ class Trainer:
         if self.rank == 0:
             try:
                 self._sync_logs()  # in here: a full disk while syncing the logs is told to every rank too
-                train = self.cfg.train
                 path = save_checkpoint(self.run_dir, self.step, weights, state, config_to_dict(self.cfg),
-                                       keep=train.keep_checkpoints,
-                                       scheduled=lambda step: step % train.ckpt_every == 0 or step == train.steps)
+                                       keep=self.cfg.train.keep_checkpoints, scheduled=self._checkpoint_due)
             except Exception as err:  # told to every rank below, then raised everywhere
                 error, cause = f"{type(err).__name__}: {err}", err
         if self.world > 1:
@@ -430,6 +428,10 @@ class Trainer:
         # look at every parameter's device before any hook of ours runs.
         for predictor in self._predictors():
             predictor.unpark()
+
+    def _checkpoint_due(self, step: int) -> bool:
+        """Whether `step` is on the run's checkpoint schedule (every `ckpt_every` steps, and the last)."""
+        return step % self.cfg.train.ckpt_every == 0 or step == self.cfg.train.steps
 
     def _check_same_sources(self) -> None:
         """Every rank decodes the folder itself: one that skipped a file (a read error on its node, a file still
@@ -848,7 +850,7 @@ class Trainer:
                 self._print(f"step {self.step:5d} | held-out loss {held['heldout_loss']:.4f}{ema_text} | per-block "
                             "state:\n" + self._describe_layers(self.controller.summary()))
                 last.update(held)
-            saved = self.step % cfg.ckpt_every == 0 or self.step == cfg.steps
+            saved = self._checkpoint_due(self.step)
             if saved:
                 self._save_and_tell()
             if self.step < cfg.steps and self._out_of_time():
