@@ -8,9 +8,14 @@ attention forward + backward on the same inputs and index:
   SCP (each rank keeps its queries and fetches the remote critical K/V blocks), and hybrid (the
   planner's factorisation and placement).
 
-A correctness gate comes first: each layout's output rows must equal single-GPU sparse attention on the
-whole sequence (same index). Times are the slowest rank's (every rank waits for it at the next
-collective), median over timed steps, each synchronised with the GPU at both ends. The planner's
+Per sequence length the dense baseline runs first: Ulysses HCP with cuDNN dense attention, the layout a
+dense model would use; every row's speedup is over it, and its TFLOP/s counts all query-key pairs (the sparse
+rows': the pairs their index keeps), per GPU.
+
+A correctness gate comes first: each layout's output rows and dq/dk/dv must equal single-GPU attention on the
+whole sequence (same index; dense for the baseline) in float32. Times are the slowest rank's (every rank waits
+for it at the next collective), median over timed steps, each synchronised with the GPU at both ends; peak
+memory is the largest over ranks of the allocator's peak over the timed steps, inputs included. The planner's
 prediction for each layout uses link and kernel speeds measured in the same run (all-to-all bandwidth;
 cuDNN dense and the sparse kernel at the profile's mean kept fraction on one GPU), so its error is the
 cost model's, not the constants'.
@@ -32,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from dsv.bench.kernels import attention_flops, kept_pairs
 from dsv.bench.profiling import write_op_profile
 from dsv.bench.report_file import check_report_path, write_report
 from dsv.bench.train import _timed, gate_tolerance
@@ -96,16 +102,30 @@ def _fwd_bwd(attention, q, k, v, grad):
     return step
 
 
+def _cudnn(device: torch.device):
+    """cuDNN attention by name on a GPU: SDPA's default order would take another backend wherever cuDNN is not
+    preferred (on the CPU, SDPA's own choice)."""
+    return sdpa_kernel(SDPBackend.CUDNN_ATTENTION) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _dense_tflops(heads: int, seq_len: int, dim: int, device, dtype) -> float:
+    """cuDNN dense fwd+bwd TFLOP/s on one GPU, `heads` heads."""
+    q, k, v, grad = (torch.randn(1, heads, seq_len, dim, device=device, dtype=dtype) for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    with _cudnn(torch.device(device)):
+        dense_ms = _median_ms(_fwd_bwd(lambda a, b, c: F.scaled_dot_product_attention(a, b, c), q, k, v, grad), 5,
+                              device)
+    return 14.0 * heads * seq_len * seq_len * dim / (dense_ms * 1e-3) / 1e12
+
+
 def _rates(heads: int, seq_len: int, dim: int, block: int, mean_keep: float, device, dtype) -> tuple[float, float]:
     """(cuDNN dense fwd+bwd TFLOP/s, sparse kernel's efficiency relative to it) on one GPU, `heads` heads."""
+    dense_tflops = _dense_tflops(heads, seq_len, dim, device, dtype)
     q, k, v, grad = (torch.randn(1, heads, seq_len, dim, device=device, dtype=dtype) for _ in range(4))
     for t in (q, k, v):
         t.requires_grad_(True)
     flops = 14.0 * heads * seq_len * seq_len * dim
-    # cuDNN by name on a GPU: SDPA's default order would take another backend wherever cuDNN is not preferred.
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION) if torch.device(device).type == "cuda" else contextlib.nullcontext():
-        dense_ms = _median_ms(_fwd_bwd(lambda a, b, c: F.scaled_dot_product_attention(a, b, c), q, k, v, grad), 5,
-                              device)
     blocks = seq_len // block
     keep = torch.full((heads,), max(1, round(mean_keep * blocks)))
     q_lr, k_lr = (torch.randn(1, heads, seq_len, 16, device=device) for _ in range(2))
@@ -114,7 +134,6 @@ def _rates(heads: int, seq_len: int, dim: int, block: int, mean_keep: float, dev
     sparse_ms = _median_ms(_fwd_bwd(lambda a, b, c: sparse_attention(a, b, c, dataclasses.replace(index),
                                                                       check_index=False), q, k, v, grad), 5, device)
     sparse_tflops = flops * float(keep[0]) / blocks / (sparse_ms * 1e-3) / 1e12
-    dense_tflops = flops / (dense_ms * 1e-3) / 1e12
     return dense_tflops, min(1.0, sparse_tflops / dense_tflops)
 
 
@@ -139,6 +158,9 @@ def run(args) -> int:
     link_gbps = _alltoall_gbps(device, world)
     rows, failures = [], []
     for seq_len in args.tokens:
+        rows += _bench_dense(args, runtimes["naive_hcp"], seq_len, link_gbps, device, failures)
+        if failures:
+            break
         for name, sparsity in profiles(args.heads).items():
             rows += _bench(args, runtimes, seq_len, name, sparsity, link_gbps, device, failures)
             if failures:
@@ -188,20 +210,8 @@ def _bench(args, runtimes, seq_len, name, sparsity, link_gbps, device, failures)
             return cp.from_heads(cp.attend(qh, kh, vh, fresh, layout, dim**-0.5, "auto"), layout)
 
         inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        out = attention(*inputs)
-        grads = torch.autograd.grad(out, inputs, grad)
-        errors = torch.stack([(a.float() - b).norm() / b.norm()
-                              for a, b in zip((out.detach(), *grads), (reference, *reference_grads))])
-        # The kernels' bound for the dtype (a fixed 1% passed a lost key block in float32). NaN fails too (it
-        # compares False with any bound), on whichever rank it appears.
-        failed = (~torch.isfinite(errors) | (errors > gate_tolerance(dtype))).any().float()
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-        worst = torch.nan_to_num(errors, nan=float("inf"))
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the worst rank's rows
-        error = float(worst.max())
-        if failed:
-            failures.append(f"{mode} at S={seq_len} ({name}): relative error of out, dq, dk, dv "
-                            f"{', '.join(f'{e:.2e}' for e in worst.tolist())} (worst over ranks)")
+        error = _gate(attention, inputs, grad, reference, reference_grads, f"{mode} at S={seq_len} ({name})",
+                      failures)
         steps[mode] = (layout, error, _fwd_bwd(attention, *inputs, grad))
     if failures:
         return []
@@ -210,25 +220,97 @@ def _bench(args, runtimes, seq_len, name, sparsity, link_gbps, device, failures)
     cluster = Cluster(gpus=world, gpus_per_node=world, intra_node_gbps=link_gbps, inter_node_gbps=link_gbps,
                       dense_tflops=dense_tflops, sparse_efficiency=efficiency,
                       hcp_overhead_s=MEASURED_HCP_OVERHEAD_S, scp_overhead_s=MEASURED_SCP_OVERHEAD_S)
+    flops = attention_flops(kept_pairs(index), dim, backward=True)
     results = []
     for mode, (layout, error, step) in steps.items():
-        ms = _median_ms(step, args.steps, device)
-        if args.op_profile is not None:  # every rank steps (collectives); rank 0 writes
-            name_part = name.replace(" ", "_")
-            path = args.op_profile / f"{seq_len}-{name_part}-{mode}.txt"
-            if rank == 0:
-                write_op_profile(step, device, path)
-            else:
-                step()
+        ms, peak = _time_and_profile(step, args, device, f"{seq_len}-{name.replace(' ', '_')}-{mode}")
         predicted = evaluate(sparsity, AttentionShape(seq_len, heads, dim), cluster, layout.hcp,
                              [list(p) for p in layout.placement], True, fetched.get(layout.scp)).time_s * 1e3
         results.append({"tokens": seq_len, "profile": name, "mode": mode, "layout": layout.describe(),
-                        "ms": ms, "predicted_ms": predicted, "error": error,
+                        "ms": ms, "predicted_ms": predicted, "error": error, "flops": flops, "peak_gib": peak,
                         "dense_tflops": dense_tflops, "efficiency": efficiency})
     return results
 
 
+def _gate(attention, inputs, grad, reference, reference_grads, what: str, failures: list[str]) -> float:
+    """One forward and backward of `attention` on this rank's rows against the float32 reference: the largest
+    relative error of out, dq, dk, dv over the ranks (inf for NaN); appends to `failures` above the dtype's bound."""
+    out = attention(*inputs)
+    grads = torch.autograd.grad(out, inputs, grad)
+    errors = torch.stack([(a.float() - b).norm() / b.norm()
+                          for a, b in zip((out.detach(), *grads), (reference, *reference_grads))])
+    # The kernels' bound for the dtype (a fixed 1% passed a lost key block in float32). NaN fails too (it
+    # compares False with any bound), on whichever rank it appears.
+    failed = (~torch.isfinite(errors) | (errors > gate_tolerance(inputs[0].dtype))).any().float()
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    worst = torch.nan_to_num(errors, nan=float("inf"))
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the worst rank's rows
+    if failed:
+        failures.append(f"{what}: relative error of out, dq, dk, dv "
+                        f"{', '.join(f'{e:.2e}' for e in worst.tolist())} (worst over ranks)")
+    return float(worst.max())
+
+
+def _time_and_profile(step, args, device: torch.device, name: str) -> tuple[float, float]:
+    """(median ms of the slowest rank, peak GiB over the ranks during the timed steps; NaN off CUDA), then the
+    operator table of one more step if asked (every rank steps, for the collectives; rank 0 writes)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    ms = _median_ms(step, args.steps, device)
+    peak = torch.tensor(torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan"),
+                        device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if args.op_profile is not None:
+        if dist.get_rank() == 0:
+            write_op_profile(step, device, args.op_profile / f"{name}.txt")
+        else:
+            step()
+    return ms, float(peak)
+
+
+def _bench_dense(args, runtime: ContextParallel, seq_len: int, link_gbps: float, device, failures) -> list[dict]:
+    """The dense baseline's row at `seq_len`: Ulysses HCP (equal contiguous heads per rank) with cuDNN dense
+    attention, gated against float32 dense attention on the whole sequence."""
+    heads, dim, world, rank = args.heads, args.head_dim, dist.get_world_size(), dist.get_rank()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator(device=device).manual_seed(seq_len + 1)
+    full = [torch.randn(1, heads, seq_len, dim, device=device, dtype=dtype, generator=gen) for _ in range(4)]
+    local_len = seq_len // world
+    rows_of_rank = slice(rank * local_len, (rank + 1) * local_len)
+    reference_inputs = [t.detach().to(torch.float32, copy=True).requires_grad_(True) for t in full[:3]]
+    reference_out = F.scaled_dot_product_attention(*reference_inputs)  # float32: SDPA's memory-efficient backend
+    reference_grads = torch.autograd.grad(reference_out, reference_inputs, full[3].to(torch.float32))
+    reference = reference_out.detach()[:, :, rows_of_rank]
+    reference_grads = [g[:, :, rows_of_rank] for g in reference_grads]
+    del reference_inputs, reference_out
+    q, k, v, grad = (t[:, :, rows_of_rank].contiguous() for t in full)
+    layout = runtime.plan_layout([1.0] * heads, False, heads, dim, seq_len, 1)
+
+    def attention(q_, k_, v_):
+        qh, kh, vh = (t.contiguous() for t in runtime.to_heads(torch.cat((q_, k_, v_), -1), layout).chunk(3, -1))
+        with _cudnn(device):
+            return runtime.from_heads(runtime.attend(qh, kh, vh, None, layout, dim**-0.5, "auto"), layout)
+
+    inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    error = _gate(attention, inputs, grad, reference, reference_grads, f"dense at S={seq_len}", failures)
+    if failures:
+        return []
+    step = _fwd_bwd(attention, *inputs, grad)
+    ms, peak = _time_and_profile(step, args, device, f"{seq_len}-dense")
+    dense_tflops = _dense_tflops(max(1, heads // world), seq_len, dim, device, dtype)
+    cluster = Cluster(gpus=world, gpus_per_node=world, intra_node_gbps=link_gbps, inter_node_gbps=link_gbps,
+                      dense_tflops=dense_tflops, sparse_efficiency=1.0,
+                      hcp_overhead_s=MEASURED_HCP_OVERHEAD_S, scp_overhead_s=MEASURED_SCP_OVERHEAD_S)
+    predicted = evaluate([0.0] * heads, AttentionShape(seq_len, heads, dim), cluster, layout.hcp,
+                         [list(p) for p in layout.placement], False).time_s * 1e3
+    return [{"tokens": seq_len, "profile": "—", "mode": "dense", "layout": layout.describe(), "ms": ms,
+             "predicted_ms": predicted, "error": error, "peak_gib": peak,
+             "flops": attention_flops(float(heads) * seq_len * seq_len, dim, backward=True),
+             "dense_tflops": dense_tflops, "efficiency": None}]
+
+
 def _report(rows, args, world, link_gbps, failures) -> str:
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     lines = [
         f"# Context-parallel sparse attention on {world}x "
         f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU (functional check)'}",
@@ -246,20 +328,28 @@ def _report(rows, args, world, link_gbps, failures) -> str:
         "overlap — SCP's worst case. It adds each layout's fixed overhead beyond FLOPs and bytes as fitted to "
         f"an earlier 2-GPU run (HCP {MEASURED_HCP_OVERHEAD_S * 1e3:.1f} ms, SCP {MEASURED_SCP_OVERHEAD_S * 1e3:.1f} "
         "ms per block; `dsv/parallel/context.py`). Before timing, each layout's output and dq/dk/dv were "
-        "compared with a float32 single-process reference (sparse attention over the whole sequence, same "
-        "index) on every rank: the last column is the largest relative error over the four and the ranks "
-        "(the gate fails above 1e-2 or on NaN). Each timed step builds its index's key-major view, as a "
-        "training step does.",
+        "compared with a float32 single-process reference (attention over the whole sequence, same index; dense "
+        "for the dense row) on every rank: the last column is the largest relative error over the four and the "
+        f"ranks (the gate fails above {gate_tolerance(dtype):.1e}, two units of the dtype's eps, or on NaN). Each "
+        "timed step builds its index's key-major view, as a training step does. × dense: over the dense "
+        "baseline (Ulysses HCP, cuDNN) at the same S. TFLOP/s per GPU: the attention FLOPs of the pairs computed "
+        "(14·D per query-key pair: all of them dense, the index's sparse) over ms and GPUs. Peak GiB: the largest "
+        "over the ranks of the allocator's peak during the timed steps, inputs included"
+        f"{'' if args.device == 'cuda' else ' (not tracked on the CPU)'}.",
         "",
-        "| S | profile | layout | mode | ms | x naive HCP | planner ms | planner error | "
-        "max rel. error (out, dq, dk, dv) vs float32 |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| S | profile | layout | mode | ms | × dense | x naive HCP | TFLOP/s per GPU | peak GiB | planner ms "
+        "| planner error | max rel. error (out, dq, dk, dv) vs float32 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        naive = next(r["ms"] for r in rows if (r["tokens"], r["profile"], r["mode"]) ==
-                     (row["tokens"], row["profile"], "naive_hcp"))
+        dense = next(r["ms"] for r in rows if (r["tokens"], r["mode"]) == (row["tokens"], "dense"))
+        naive = next((r["ms"] for r in rows if (r["tokens"], r["profile"], r["mode"]) ==
+                      (row["tokens"], row["profile"], "naive_hcp")), None)
+        over_naive = "—" if naive is None else f"{naive / row['ms']:.2f}"
         lines.append(f"| {row['tokens']} | {row['profile']} | {row['layout']} | {row['mode']} | {row['ms']:.2f} | "
-                     f"{naive / row['ms']:.2f} | {row['predicted_ms']:.2f} | "
+                     f"{dense / row['ms']:.2f} | {over_naive} | "
+                     f"{row['flops'] / world / row['ms'] / 1e9:.3g} | {row['peak_gib']:.2f} | "
+                     f"{row['predicted_ms']:.2f} | "
                      f"{(row['predicted_ms'] - row['ms']) / row['ms']:+.0%} | {row['error']:.1e} |")
     lines += ["", "Calibration per shape (one GPU, the rank's share of heads): cuDNN dense fwd+bwd TFLOP/s and the "
               "sparse kernel's efficiency relative to it at the profile's mean kept fraction:", ""]
@@ -268,8 +358,9 @@ def _report(rows, args, world, link_gbps, failures) -> str:
         key = (row["tokens"], row["profile"])
         if key not in seen:
             seen.add(key)
-            lines.append(f"- S = {key[0]}, {key[1]}: {row['dense_tflops']:.0f} TFLOP/s, efficiency "
-                         f"{row['efficiency']:.2f}")
+            efficiency = "" if row["efficiency"] is None else f", efficiency {row['efficiency']:.2f}"
+            lines.append(f"- S = {key[0]}, {'dense' if row['mode'] == 'dense' else key[1]}: "
+                         f"{row['dense_tflops']:.0f} TFLOP/s{efficiency}")
     lines += ["", "Target: hybrid >= 1.3x naive HCP on the skewed profile."]
     for row in rows:
         if row["profile"] == "skewed" and row["mode"] == "hybrid":

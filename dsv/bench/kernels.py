@@ -81,6 +81,38 @@ def kept_pairs(index) -> float:
     return float((keys.double() * rows.double()).sum())
 
 
+def speed_model_fit(rows: list[dict]) -> list[str]:
+    """The report's check of the dispatch's kernel-speed model (`dsv.modules.dispatch`) on this GPU: a least-squares
+    fit of `fixed_ms + relative_cost · kept · dense_ms` to DSV's per-call time (fwd+bwd, the fused estimation and
+    the key-major build, as a training step pays them), against dense measured at the same S, and each row's error
+    of the model that the dispatch uses for these blocks. Empty without two DSV rows of distinct kept·dense."""
+    from dsv.modules.dispatch import speed_model
+
+    points = [(r["kept"] * r["dense_ms"], r["ms"] + r["est_ms"] + r["key_major_ms"], r) for r in rows
+              if r["method"] == "DSV" and r.get("dense_ms")]
+    if len({round(x, 9) for x, _, _ in points}) < 2:
+        return []
+    design = torch.tensor([[1.0, x] for x, _, _ in points], dtype=torch.float64)
+    times = torch.tensor([[y] for _, y, _ in points], dtype=torch.float64)
+    fixed, relative = torch.linalg.lstsq(design, times).solution.flatten().tolist()
+    fit_error = max(abs(fixed + relative * x - y) / y for x, y, _ in points)
+    group, block = points[0][2]["group_size"], points[0][2]["kv_block"]
+    model, words = speed_model("triton", group, block)
+    lines = ["", f"Dispatch speed model check ({group}-token groups, {block}-token key blocks): DSV's time per call "
+             "(fwd+bwd + fused estimation + key-major build) fitted as fixed + relative cost · kept · dense fwd+bwd "
+             f"(least squares over the {len(points)} DSV rows): fixed {fixed:.2f} ms, relative cost {relative:.2f}, "
+             f"largest error of the fit {fit_error:.1%}."]
+    if model is not None:
+        errors = [(model.fixed_ms + model.relative_cost * x - y) / y for x, y, _ in points]
+        dense_rates = sorted({round(r["tflops"]) for r in rows if r["method"] == "cuDNN dense"})
+        lines.append(f"The dispatch's model ({words}: fixed {model.fixed_ms:.2f} ms, relative cost "
+                     f"{model.relative_cost:.2f}, dense at {model.dense_tflops:.0f} TFLOP/s; measured here "
+                     f"{', '.join(map(str, dense_rates))}) on this GPU's dense times, error per DSV row in table order "
+                     f"(positive: it predicts sparse slower than measured, so near break-even it keeps a block dense): "
+                     f"{', '.join(f'{e:+.0%}' for e in errors)}.")
+    return lines
+
+
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -288,7 +320,7 @@ def _bench_seq_len(S: int, args, dtype: torch.dtype, flex, device: str = "cuda")
                          forward="Triton" if hopper_why else "Hopper",
                          backward="split Triton" if fused_why else "fused Hopper",
                          tflops=flops / dsv_ms / 1e9, mem=dsv_mem, est_ms=est_ms, est_gpu_ms=est_gpu_ms,
-                         key_major_ms=key_major_ms,
+                         key_major_ms=key_major_ms, group_size=G, kv_block=kv,
                          est_ref_ms=est_ref_ms, dense_ms=dense_ms, flex_ms=flex_ms, gpu_ms=dsv_gpu_ms,
                          flex_gpu_ms=flex_gpu_ms))
         print(rows[-1], flush=True)
@@ -398,6 +430,7 @@ def _report(rows, args, device_name: str, forward_kernel: str, backward_kernel: 
             f"| {_fmt(r['tflops'], '.0f')} | {_fmt(speed_dense, '.1f')} | {_fmt(speed_flex, '.2f')} | {gpu} | {est} "
             f"| {share} | {_fmt(r.get('key_major_ms'), '.3f')} | {_fmt(r['mem'])} | {note} |"
         )
+    lines += speed_model_fit(rows)
     return "\n".join(lines) + "\n"
 
 

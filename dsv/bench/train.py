@@ -33,12 +33,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import nn
 
+from dsv.bench.kernels import attention_flops, kept_pairs
 from dsv.bench.profiling import write_op_profile
 from dsv.bench.report_file import check_report_path, write_report
 from dsv.cli import device_name, non_negative_int, positive_int
 from dsv.modules.attention import model_parameters
 from dsv.modules.dit import VideoDiT, flow_matching_loss
+from dsv.modules.predictor import LowRankPredictor
 from dsv.ops import sparse_attention, sparse_attention_reference
 from dsv.ops.grouping import check_cube_tiles
 from dsv.parallel.planner import load_profile, paper_profile
@@ -303,6 +306,11 @@ def _sparse_gate(run: _Run) -> str:
     return f"{what}: relative L2 error {worst:.2e} <= {tolerance:.2e} ({detail})"
 
 
+def _tflops(row: dict) -> float:
+    """A row's model TFLOP/s: its step's model FLOPs (`step_flops`) over its ms/step."""
+    return (row["matmul_flops"] + row["attention_flops"]) / row["ms"] / 1e9
+
+
 def _peaks_against_dense(rows: list[dict]) -> list[str]:
     """Each mode's peaks minus dense's at the same token count, in MiB: the table's GiB hide a few MiB."""
     dense = {r["tokens"]: r for r in rows if r["mode"] == "dense"}
@@ -421,6 +429,51 @@ class _Run:
                 self.restore_dsv_state(state)
 
 
+def step_flops(run_: _Run) -> tuple[float, float]:
+    """Model FLOPs of one training step as `(matmul, attention)`, by the usual conventions: the linear layers and
+    the patch convolution 3× their forward (the backward computes the input's and the weight's gradients), the
+    attention 14·D per query-key pair that each layer computes (`attention_flops`: 4 forward, 2.5× that backward),
+    every key for a dense layer, the pairs of its own index for a sparse one. Activation checkpointing's
+    recomputed forward and the detached predictors (which step themselves, off the model's graph) are not
+    counted. Measured on one forward without gradients, as the step would run it: hooks on the model's linear
+    and convolution layers, and an observer on each attention layer that builds the index it would use."""
+    model = run_.model
+    predictors = {id(m) for p in model.modules() if isinstance(p, LowRankPredictor) for m in p.modules()}
+    matmul, attention = [], []
+
+    def count_matmul(module, inputs, output):
+        if isinstance(module, nn.Linear):
+            matmul.append(2.0 * inputs[0].numel() * module.out_features)
+        else:  # a convolution: one multiply-add per output element and kernel tap of its input channels
+            taps = module.in_channels // module.groups * math.prod(module.kernel_size)
+            matmul.append(2.0 * output.numel() * taps)
+
+    def observer(layer, hidden, q, k, grid):
+        batch, heads, seq_len, head_dim = q.shape
+        pairs = kept_pairs(layer.compute_index(hidden, q, k, grid)) if layer.runs_sparse() \
+            else float(batch * heads) * seq_len * seq_len
+        attention.append(attention_flops(pairs, head_dim, backward=True))
+
+    hooks = [m.register_forward_hook(count_matmul) for m in model.modules()
+             if isinstance(m, (nn.Linear, nn.Conv3d)) and id(m) not in predictors]
+    layers = model.controller.layers
+    for layer in layers:
+        layer.observer = observer
+    try:
+        # No gradients: no predictor step and no selection kept for a recompute, so the state under test stays
+        # as it is. Eager blocks: a compiled block cannot run the Python hooks.
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+            run_.loss()
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for layer in layers:
+            layer.observer = None
+    if len(attention) != len(layers):
+        raise RuntimeError(f"FLOP count: {len(attention)} of {len(layers)} attention layers were seen in the forward")
+    return 3.0 * sum(matmul), sum(attention)
+
+
 def _sparse_kernels(run_: _Run) -> str:
     """Which attention kernels the sparse layers' last eager training forward ran, forward and backward, with
     how many layers took each (e.g. a layout that keeps the fused Hopper backward out says so here); compiled
@@ -509,6 +562,7 @@ def run(args) -> int:
                       "would compute NaN or wrong attention: not timed, no report written", file=sys.stderr)
                 return 1
             row["sparse_blocks"] = sum(layer.runs_sparse() for layer in run_.model.controller.layers)
+            row["matmul_flops"], row["attention_flops"] = step_flops(run_)
             # After the gates' training step, before the timed ones (the profiling steps below may re-dispatch).
             row["kernels"] = _sparse_kernels(run_)
             if mode == "dsv":
@@ -551,7 +605,7 @@ def run(args) -> int:
                 row["categories"] = write_op_profile(run_.step, device, args.op_profile / f"{tokens}-{mode}.txt")
             measured.append(row)
             kernels = f" ({row['kernels']})" if row["kernels"] else ""
-            print(f"{tokens:>6} {mode:>6}: {row['ms']:.1f} ms/step, "
+            print(f"{tokens:>6} {mode:>6}: {row['ms']:.1f} ms/step, {_tflops(row):.0f} TFLOP/s, "
                   f"{row['peak_gib']:.3f} GiB ({row['peak_requested_gib']:.3f} requested), "
                   f"{row['sparse_blocks']} sparse blocks{kernels}. {row['notes']}", flush=True)
             del run_
@@ -584,12 +638,18 @@ def run(args) -> int:
              f"{cfg.attention.learn_every_stage2} step(s) on "
              f"{cfg.attention.predictor_keys or 'all'} keys; predictor state and recompute rows "
              f"{'in host memory between uses' if cfg.attention.host_offload else 'kept on the GPU'} "
-             "(attention.host_offload).", "",
-             "| tokens | mode | ms/step | × dense | peak GiB (timed steps) | of it requested | sparse blocks | "
-             "DSV overheads |",
-             "|---|---|---|---|---|---|---|---|"]
+             "(attention.host_offload). TFLOP/step: the step's model FLOPs (linear layers and patch convolution 3× "
+             "their forward; attention 14·D per query-key pair a layer computes: all of them dense, its index's "
+             "sparse; checkpointing's recompute and the detached predictors not counted), with attention's share; "
+             "TFLOP/s: those over ms/step.", "",
+             "| tokens | mode | ms/step | × dense | TFLOP/step (attention) | TFLOP/s | peak GiB (timed steps) "
+             "| of it requested | sparse blocks | DSV overheads |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['tokens']} | {r['mode']} | {r['ms']:.1f} | {r['speedup']:.2f} | {r['peak_gib']:.3f} | "
+        flops = r["matmul_flops"] + r["attention_flops"]
+        lines.append(f"| {r['tokens']} | {r['mode']} | {r['ms']:.1f} | {r['speedup']:.2f} | "
+                     f"{flops / 1e12:.2f} ({r['attention_flops'] / flops:.0%}) | {_tflops(r):.0f} | "
+                     f"{r['peak_gib']:.3f} | "
                      f"{r['peak_requested_gib']:.3f} | "
                      f"{r['sparse_blocks']} | {r['notes']} |")
     lines += _peaks_against_dense(rows)

@@ -46,6 +46,12 @@ H200_TRITON_64 = SparseSpeedModel(dense_tflops=565.0, relative_cost=1.30, fixed_
 H200_TRITON_32 = SparseSpeedModel(dense_tflops=565.0, relative_cost=3.95, fixed_ms=0.8,
                                   source="benchmarks/NOTES.md (32-token blocks)")
 
+# Checked on one H100 (2026-12-07, `dsv bench kernels`' speed-model check; benchmarks/NOTES.md, "The dispatch
+# speed model on an H100"): cuDNN ran at 557-577 TFLOP/s at head dim 128, as on the H200, and the models above,
+# on its dense times, were within -5%..+5% (64-token blocks) and -2%..+0.4% (32-token) of the sparse time; the
+# 128-token model -7%..+19%, high at 25-50% kept at 16k (the fused Hopper backward has since made those cheaper),
+# where its error keeps a layer near break-even dense.
+
 SPEED_MODELS = {"triton": H200_TRITON}
 """The 128-token-block model per backend, the base that `speed_model` picks by block size."""
 
@@ -67,4 +73,4 @@ def speed_model(backend: str, group_size: int, kv_block: int) -> tuple[SparseSpe
         model, words = H200_TRITON_32, "32-token blocks"
     else:
         model, words = H200_TRITON_32, f"{block}-token blocks, not measured: the 32-token model"
-    return model, f"{words}, H200 times"
+    return model, f"{words}, H200 times, alike on an H100"

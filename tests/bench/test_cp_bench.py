@@ -22,14 +22,21 @@ def test_cp_bench_runs_every_layout_after_its_gate(tmp_path):
     codes = run_distributed(_bench, 2, tmp_path / "report.md", out_dir=tmp_path, timeout_s=120)
     assert codes == [0, 0]
     report = (tmp_path / "report.md").read_text()
-    for mode in ("naive_hcp", "| hcp", "| scp", "hybrid"):
+    for mode in ("| dense", "naive_hcp", "| hcp", "| scp", "hybrid"):
         assert mode in report
     assert "FAILED" not in report
-    table = [line for line in report.splitlines() if line.startswith("| 512")]
-    assert len(table) == 8  # 2 profiles x 4 layouts
+    table = [line.split("|") for line in report.splitlines() if line.startswith("| 512")]
+    assert len(table) == 9  # the dense baseline, then 2 profiles x 4 layouts
+    assert table[0][4].strip() == "dense" and float(table[0][6]) == 1.0  # × dense of the baseline itself
+    dense_ms = float(table[0][5])
+    for row in table:
+        assert float(row[6]) == pytest.approx(dense_ms / float(row[5]), abs=0.006)  # the report rounds to 2 places
+        assert float(row[8]) > 0 and row[9].strip() == "nan"  # TFLOP/s per GPU; peak memory: CUDA only
+    # Per GPU: 14·D FLOPs per pair; the dense baseline computes every pair of 4 heads of 512 tokens, over 2 GPUs.
+    assert float(table[0][8]) == pytest.approx(14 * 16 * 4 * 512**2 / 2 / dense_ms / 1e9, rel=0.01)
     # Rank 0's operator table of each layout (the all-to-alls of the CP exchange among them).
     tables = sorted(path.name for path in (tmp_path / "ops").iterdir())
-    assert len(tables) == 8 and "512-skewed-scp.txt" in tables
+    assert len(tables) == 9 and "512-skewed-scp.txt" in tables and "512-dense.txt" in tables
     assert "all_to_all" in (tmp_path / "ops" / "512-skewed-scp.txt").read_text()
     print(report)
 
@@ -55,7 +62,9 @@ def _bench_broken(rank, world, out, broken):
 
     def broken_attend(self, q, k, v, index, layout, *args, **kwargs):
         result = attend(self, q, k, v, index, layout, *args, **kwargs)
-        if layout.scp > 1 and rank == 1:  # one layout, one rank
+        if broken == "dense" and index is None and rank == 1:  # the dense baseline's backward, one rank
+            result = _ScaleGrad.apply(result)
+        elif layout.scp > 1 and rank == 1:  # one layout, one rank
             if broken == "nan":
                 result = result * float("nan")
             elif broken == "slight":  # 0.1%: far above float32's rounding, inside the fixed 1% bound of before
@@ -72,13 +81,14 @@ def _bench_broken(rank, world, out, broken):
 def test_cp_bench_gate_fails_on_a_nan_or_a_wrong_gradient_on_one_rank(tmp_path):
     """The gate compares the output and dq/dk/dv with an fp32 reference on every rank: NaN on one rank fails it
     (NaN compares False with the bound), and so does a backward that is wrong where the forward is right, and an
-    error of 0.1% in float32 (the bound is the dtype's, not a fixed 1%)."""
-    for broken in ("nan", "grad", "slight"):
+    error of 0.1% in float32 (the bound is the dtype's, not a fixed 1%); the dense baseline is gated alike."""
+    for broken in ("nan", "grad", "slight", "dense"):
         report_path = tmp_path / f"{broken}.md"
         codes = run_distributed(_bench_broken, 2, report_path, broken, out_dir=tmp_path, timeout_s=120)
         assert codes == [1, 1], broken
         report = report_path.read_text()
         assert "FAILED" in report and "relative error of out, dq, dk, dv" in report, broken
+        assert ("dense at S=512: relative error" in report) == (broken == "dense"), broken
 
 
 def _bench_lengths(rank, world, out):

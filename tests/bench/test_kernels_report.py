@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv.bench.kernels import _dsv_kernels, _report
+from dsv.bench.kernels import _dsv_kernels, _report, speed_model_fit
+from dsv.modules.dispatch import speed_model
 
 
 def test_report_rows_have_every_column_and_the_gpu_time_ratio():
@@ -19,7 +20,7 @@ def test_report_rows_have_every_column_and_the_gpu_time_ratio():
              dense_ms=80.0, gpu_ms=11.5),
         dict(S=32768, method="DSV", kept=0.1, sparsity=0.9, fwd_ms=2.6, ms=10.0, tflops=430.0, mem=1.6, est_ms=0.2,
              est_gpu_ms=0.1, est_ref_ms=0.9, dense_ms=80.0, flex_ms=12.0, gpu_ms=9.2, flex_gpu_ms=11.5,
-             forward="Hopper", backward="fused Hopper"),
+             forward="Hopper", backward="fused Hopper", key_major_ms=0.3, group_size=128, kv_block=128),
     ]
     table = [line for line in _report(rows, args, "a GPU", "a kernel", "a backward").splitlines()
              if line.startswith("|")]
@@ -33,6 +34,24 @@ def test_report_rows_have_every_column_and_the_gpu_time_ratio():
     rows[-1]["ms"] = 10.02  # 7.98×: the one-place column reads 8.0, the note says why it is missed
     dsv = [line for line in _report(rows, args, "a GPU", "a kernel", "a backward").splitlines()][-1]
     assert dsv.split("|")[7].strip() == "8.0" and "target ≥8×: missed (7.98×)" in dsv
+
+
+def test_speed_model_fit_recovers_known_costs_and_scores_the_dispatch_model():
+    """Rows made from a known fixed cost and relative cost give those back, and the dispatch model's error per row
+    is its prediction against the measured time; one DSV row (or none) gives no fit."""
+    fixed, relative, dense = 0.9, 1.4, {16384: 13.5, 32768: 54.0}
+    rows = [dict(S=S, method="cuDNN dense", kept=1.0, ms=ms, tflops=570.0) for S, ms in dense.items()]
+    for S, kept in [(16384, 0.5), (16384, 0.1), (32768, 0.25), (32768, 0.05)]:
+        total = fixed + relative * kept * dense[S]
+        rows.append(dict(S=S, method="DSV", kept=kept, ms=total - 0.4, est_ms=0.3, key_major_ms=0.1, dense_ms=dense[S],
+                         group_size=64, kv_block=64))
+    lines = speed_model_fit(rows)
+    assert "fixed 0.90 ms, relative cost 1.40, largest error of the fit 0.0%" in lines[1]
+    model, _ = speed_model("triton", 64, 64)
+    first = (model.fixed_ms + model.relative_cost * 0.5 * 13.5) / (fixed + relative * 0.5 * 13.5) - 1
+    assert f"in table order (positive: it predicts sparse slower than measured, so near break-even it keeps a " \
+           f"block dense): {first:+.0%}," in lines[2]
+    assert speed_model_fit(rows[:3]) == [] and speed_model_fit(rows[:2]) == []
 
 
 def test_kernels_cli_refuses_sizes_and_sparsities_out_of_range(capsys):

@@ -46,15 +46,15 @@ def test_bench_train_reports_all_modes(tmp_path, capsys):
     dsv_row = rows[-1].split("|")
     # The paper profile: blocks 4-31 (here 4 of 5) are >= 0.70 sparse; with the reference backend the
     # 0.8 threshold alone dispatches, so blocks with mean sparsity >= 0.8 run sparse.
-    assert dsv_row[5].strip() == dsv_row[6].strip() == "nan"  # peaks allocated and requested: CUDA only
-    assert int(dsv_row[7]) >= 1
-    assert "predictor update" in dsv_row[8]
+    assert dsv_row[7].strip() == dsv_row[8].strip() == "nan"  # peaks allocated and requested: CUDA only
+    assert int(dsv_row[9]) >= 1
+    assert "predictor update" in dsv_row[10]
     # Which kernels the sparse layers ran, counted over them (here the reference on the CPU, both ways).
-    for mode, sparse_blocks in (("window", 5), ("dsv", int(dsv_row[7]))):
+    for mode, sparse_blocks in (("window", 5), ("dsv", int(dsv_row[9]))):
         assert f"- {mode} at 128 tokens: {sparse_blocks} × forward reference, backward reference" in report
     kernels = report.split("Sparse layers' attention kernels")[1].split("Correctness gates:")[0]
     assert "window at 128 tokens" in kernels and "dense at 128 tokens" not in kernels
-    estimation = float(re.search(r"critical-KV estimation ([0-9.]+) ms/step", dsv_row[8]).group(1))
+    estimation = float(re.search(r"critical-KV estimation ([0-9.]+) ms/step", dsv_row[10]).group(1))
     assert estimation > 0  # timed in the sparse layers of one step
     # One operator table per run (host time on the CPU); the allocator history exists on CUDA only.
     for mode in ("dense", "window", "dsv"):
@@ -100,7 +100,7 @@ def test_bench_train_with_compiled_blocks(tmp_path):
     assert "blocks compiled (aot_eager)" in report
     assert "recompute rows kept on the GPU (attention.host_offload)" in report  # debug_cpu: no offload
     assert "critical-KV estimation n/a (compiled blocks)" in report
-    sparse = int(next(line for line in report.splitlines() if line.startswith("| 128 | dsv |")).split("|")[7])
+    sparse = int(next(line for line in report.splitlines() if line.startswith("| 128 | dsv |")).split("|")[9])
     assert sparse >= 1 and f"- dsv at 128 tokens: {sparse} × not recorded (compiled blocks)" in report
 
 
@@ -125,6 +125,52 @@ def test_profiling_steps_keep_the_profile_under_test():
             assert torch.equal(getattr(layer, name), value), name
         assert layer.dispatch_reason == reason
     assert [layer.runs_sparse() for layer in run.model.controller.layers] == sparse_before
+
+
+def test_step_flops_count_the_linear_layers_and_each_layers_attention_pairs():
+    """Linear and convolution FLOPs are 3x a forward's as torch's FLOP counter counts them (on the CPU it does not
+    count attention), the same in every mode; attention is 14·D per pair: every pair in dense layers, the window's
+    boxes, the sparse DSV layers' budgets. The counting forward leaves the DSV state under test as it was."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dsv.bench.train import step_flops
+    from dsv.ops.measure import window_index
+
+    cfg = apply_overrides(get_recipe("debug_cpu"), ["model.depth=5", "model.hidden=32", "model.heads=2",
+                                                    "attention.cube=2,2,2"])
+    tokens, heads, head_dim, depth = 128, 2, 16, 5
+    dense_pairs = heads * tokens * tokens
+    counts = {}
+    for mode in ("dense", "window", "dsv"):
+        run = _Run(cfg, mode, tokens, 8, torch.device("cpu"))
+        if mode == "dsv":
+            run.step()
+            run.enter_stage2(paper_profile(depth, heads))
+        state = run.dsv_state()
+        counts[mode] = step_flops(run)
+        for layer, (saved, _) in zip(run.model.controller.layers, state):
+            for name, value in saved.items():  # the EMAs start as NaN (not measured yet)
+                torch.testing.assert_close(getattr(layer, name), value, rtol=0, atol=0, equal_nan=True)
+        if mode == "dense":
+            counter = FlopCounterMode(display=False)
+            with torch.no_grad(), counter:
+                run.loss()
+            assert counts[mode][0] == 3 * counter.get_total_flops() > 0
+            assert counts[mode][1] == depth * 14 * head_dim * dense_pairs
+        elif mode == "window":
+            grid, layer = (2, 8, 8), run.model.controller.layers[0]
+            boxes = window_index(grid, cfg.attention.cube, cfg.attention.key_block, 1, heads, cfg.attention.window_frac)
+            window_pairs = int((boxes.counts * cfg.attention.key_block).sum()) * cfg.attention.group_size
+            assert 0 < window_pairs < dense_pairs
+            assert counts[mode][1] == depth * 14 * head_dim * window_pairs
+        else:
+            layers = run.model.controller.layers
+            blocks = tokens // cfg.attention.key_block
+            expected = sum(14 * head_dim * (int(layer._keep_blocks(blocks).sum()) * cfg.attention.key_block * tokens
+                                            if layer.runs_sparse() else dense_pairs) for layer in layers)
+            assert any(layer.runs_sparse() for layer in layers)
+            assert counts[mode][1] == expected < depth * 14 * head_dim * dense_pairs
+    assert counts["dense"][0] == counts["window"][0] == counts["dsv"][0]
 
 
 TINY = ["--recipe", "debug_cpu", "--device", "cpu", "--tokens", "128", "--spatial", "8", "--set", "model.depth=5",
@@ -165,9 +211,9 @@ def test_dsv_step_time_carries_the_periodic_predictor_update(tmp_path, capsys, m
     assert float(rows["dsv"][4]) == pytest.approx(10.0 / expected, abs=0.005)
     speedups = re.search(r"128 against dense: (.*)", capsys.readouterr().out).group(1)
     assert speedups == ", ".join(f"{mode} {1.0 if mode == 'dense' else 10.0 / expected:.2f}x" for mode in modes)
-    update_ms = float(re.search(r"predictor update ([0-9.-]+) ms/step", rows["dsv"][8]).group(1))
+    update_ms = float(re.search(r"predictor update ([0-9.-]+) ms/step", rows["dsv"][10]).group(1))
     assert update_ms == pytest.approx(100.0 / learn_every, abs=0.5)
-    assert ("one update every 3 steps" in rows["dsv"][8]) == (learn_every == 3)
+    assert ("one update every 3 steps" in rows["dsv"][10]) == (learn_every == 3)
 
 
 @pytest.mark.parametrize("override, why", [

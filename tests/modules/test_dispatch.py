@@ -54,7 +54,7 @@ def test_the_model_follows_the_block_size_of_the_layer():
 
     assert speed_model("triton", 128, 128)[0] is H200_TRITON and speed_model("triton", 256, 128)[0] is H200_TRITON
     assert speed_model("triton", 64, 128)[0] is H200_TRITON_64
-    assert speed_model("triton", 32, 32) == (H200_TRITON_32, "32-token blocks, H200 times")
+    assert speed_model("triton", 32, 32) == (H200_TRITON_32, "32-token blocks, H200 times, alike on an H100")
     model, words = speed_model("triton", 16, 16)
     assert model is H200_TRITON_32 and "not measured" in words
     assert speed_model("reference", 128, 128) == (None, "")
@@ -71,7 +71,8 @@ def test_a_layer_with_small_cubes_stays_dense_where_their_kernels_lose():
     layer.sparsity_ema.copy_(torch.tensor([0.62, 0.6, 0.58, 0.6]))  # 40% kept
     layer._last_backend, layer._last_shape = "triton", (1, 32768)
     layer.dispatch()
-    assert not layer.use_sparse and "speed model (32-token blocks, H200 times)" in layer.dispatch_reason
+    assert not layer.use_sparse
+    assert "speed model (32-token blocks, H200 times, alike on an H100)" in layer.dispatch_reason
     layer.sparsity_ema.copy_(torch.tensor([0.92, 0.9, 0.9, 0.88]))  # 10% kept
     layer.dispatch()
     assert layer.use_sparse
