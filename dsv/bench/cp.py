@@ -15,7 +15,8 @@ rows': the pairs their index keeps), per GPU.
 A correctness gate comes first: each layout's output rows and dq/dk/dv must equal single-GPU attention on the
 whole sequence (same index; dense for the baseline) in float32. Times are the slowest rank's (every rank waits
 for it at the next collective), median over timed steps, each synchronised with the GPU at both ends; peak
-memory is the largest over ranks of the allocator's peak over the timed steps, inputs included. The planner's
+memory is the largest over ranks of a step's own: its inputs plus what its steps allocate above what was
+allocated before them (other rows' leftovers and the references left out). The planner's
 prediction for each layout uses link and kernel speeds measured in the same run (all-to-all bandwidth;
 cuDNN dense and the sparse kernel at the profile's mean kept fraction on one GPU), so its error is the
 cost model's, not the constants'.
@@ -190,9 +191,11 @@ def _bench(args, runtimes, seq_len, name, sparsity, link_gbps, device, failures)
     reference_inputs = [t.detach().to(torch.float32, copy=True).requires_grad_(True) for t in full[:3]]
     reference_out = sparse_attention(*reference_inputs, index)
     reference_grads = torch.autograd.grad(reference_out, reference_inputs, full[3].to(torch.float32))
-    reference = reference_out.detach()[:, :, rows_of_rank]
-    reference_grads = [g[:, :, rows_of_rank] for g in reference_grads]
+    # Copies of this rank's rows: views would keep the whole float32 output and gradients alive while timing.
+    reference = reference_out.detach()[:, :, rows_of_rank].clone()
+    reference_grads = [g[:, :, rows_of_rank].clone() for g in reference_grads]
     q, k, v, grad = (t[:, :, rows_of_rank].contiguous() for t in full)
+    del full, reference_inputs, reference_out
     kept = [float(b) / (seq_len // block) for b in keep_blocks]
     fetched = {world: fetched_fraction(index, world)}
     steps = {}
@@ -212,7 +215,7 @@ def _bench(args, runtimes, seq_len, name, sparsity, link_gbps, device, failures)
         inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
         error = _gate(attention, inputs, grad, reference, reference_grads, f"{mode} at S={seq_len} ({name})",
                       failures)
-        steps[mode] = (layout, error, _fwd_bwd(attention, *inputs, grad))
+        steps[mode] = (layout, error, _fwd_bwd(attention, *inputs, grad), (*inputs, grad))
     if failures:
         return []
     dense_tflops, efficiency = _rates(max(1, heads // world), seq_len, dim, block, sum(kept) / heads, device, dtype)
@@ -222,8 +225,8 @@ def _bench(args, runtimes, seq_len, name, sparsity, link_gbps, device, failures)
                       hcp_overhead_s=MEASURED_HCP_OVERHEAD_S, scp_overhead_s=MEASURED_SCP_OVERHEAD_S)
     flops = attention_flops(kept_pairs(index), dim, backward=True)
     results = []
-    for mode, (layout, error, step) in steps.items():
-        ms, peak = _time_and_profile(step, args, device, f"{seq_len}-{name.replace(' ', '_')}-{mode}")
+    for mode, (layout, error, step, tensors) in steps.items():
+        ms, peak = _time_and_profile(step, tensors, args, device, f"{seq_len}-{name.replace(' ', '_')}-{mode}")
         predicted = evaluate(sparsity, AttentionShape(seq_len, heads, dim), cluster, layout.hcp,
                              [list(p) for p in layout.placement], True, fetched.get(layout.scp)).time_s * 1e3
         results.append({"tokens": seq_len, "profile": name, "mode": mode, "layout": layout.describe(),
@@ -251,20 +254,29 @@ def _gate(attention, inputs, grad, reference, reference_grads, what: str, failur
     return float(worst.max())
 
 
-def _time_and_profile(step, args, device: torch.device, name: str) -> tuple[float, float]:
-    """(median ms of the slowest rank, peak GiB over the ranks during the timed steps; NaN off CUDA), then the
-    operator table of one more step if asked (every rank steps, for the collectives; rank 0 writes)."""
+def _time_and_profile(step, inputs: tuple[torch.Tensor, ...], args, device: torch.device,
+                      name: str) -> tuple[float, float]:
+    """(median ms of the slowest rank, peak GiB over the ranks; NaN off CUDA), then the operator table of one more
+    step if asked (every rank steps, for the collectives; rank 0 writes). The peak is the step's own: this rank's
+    `inputs` (q, k, v and the output gradient) plus the most its steps allocate above what was allocated before
+    them, so what other rows left alive (their inputs and gradients, the references) does not count. The inputs'
+    gradients are dropped afterwards."""
     if device.type == "cuda":
+        before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     ms = _median_ms(step, args.steps, device)
-    peak = torch.tensor(torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan"),
-                        device=device)
+    own = float("nan")
+    if device.type == "cuda":
+        own = torch.cuda.max_memory_allocated(device) - before + sum(t.nbytes for t in inputs)
+    peak = torch.tensor(own / 2**30, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if args.op_profile is not None:
         if dist.get_rank() == 0:
             write_op_profile(step, device, args.op_profile / f"{name}.txt")
         else:
             step()
+    for tensor in inputs:
+        tensor.grad = None
     return ms, float(peak)
 
 
@@ -278,12 +290,16 @@ def _bench_dense(args, runtime: ContextParallel, seq_len: int, link_gbps: float,
     local_len = seq_len // world
     rows_of_rank = slice(rank * local_len, (rank + 1) * local_len)
     reference_inputs = [t.detach().to(torch.float32, copy=True).requires_grad_(True) for t in full[:3]]
-    reference_out = F.scaled_dot_product_attention(*reference_inputs)  # float32: SDPA's memory-efficient backend
-    reference_grads = torch.autograd.grad(reference_out, reference_inputs, full[3].to(torch.float32))
-    reference = reference_out.detach()[:, :, rows_of_rank]
-    reference_grads = [g[:, :, rows_of_rank] for g in reference_grads]
-    del reference_inputs, reference_out
+    # By name on a GPU: float32 rules out flash and cuDNN, and the math backend would hold S² scores (256 GiB at
+    # 64k tokens and 16 heads); the memory-efficient one is linear in S. On the CPU, SDPA's own choice.
+    efficient = sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION) if device.type == "cuda" else contextlib.nullcontext()
+    with efficient:
+        reference_out = F.scaled_dot_product_attention(*reference_inputs)
+        reference_grads = torch.autograd.grad(reference_out, reference_inputs, full[3].to(torch.float32))
+    reference = reference_out.detach()[:, :, rows_of_rank].clone()
+    reference_grads = [g[:, :, rows_of_rank].clone() for g in reference_grads]
     q, k, v, grad = (t[:, :, rows_of_rank].contiguous() for t in full)
+    del full, reference_inputs, reference_out
     layout = runtime.plan_layout([1.0] * heads, False, heads, dim, seq_len, 1)
 
     def attention(q_, k_, v_):
@@ -296,7 +312,7 @@ def _bench_dense(args, runtime: ContextParallel, seq_len: int, link_gbps: float,
     if failures:
         return []
     step = _fwd_bwd(attention, *inputs, grad)
-    ms, peak = _time_and_profile(step, args, device, f"{seq_len}-dense")
+    ms, peak = _time_and_profile(step, (*inputs, grad), args, device, f"{seq_len}-dense")
     dense_tflops = _dense_tflops(max(1, heads // world), seq_len, dim, device, dtype)
     cluster = Cluster(gpus=world, gpus_per_node=world, intra_node_gbps=link_gbps, inter_node_gbps=link_gbps,
                       dense_tflops=dense_tflops, sparse_efficiency=1.0,
@@ -334,7 +350,8 @@ def _report(rows, args, world, link_gbps, failures) -> str:
         "timed step builds its index's key-major view, as a training step does. × dense: over the dense "
         "baseline (Ulysses HCP, cuDNN) at the same S. TFLOP/s per GPU: the attention FLOPs of the pairs computed "
         "(14·D per query-key pair: all of them dense, the index's sparse) over ms and GPUs. Peak GiB: the largest "
-        "over the ranks of the allocator's peak during the timed steps, inputs included"
+        "over the ranks of a step's own memory: its q, k, v and output gradient, plus the most its steps "
+        "allocate above what was allocated before them"
         f"{'' if args.device == 'cuda' else ' (not tracked on the CPU)'}.",
         "",
         "| S | profile | layout | mode | ms | × dense | x naive HCP | TFLOP/s per GPU | peak GiB | planner ms "

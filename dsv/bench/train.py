@@ -555,6 +555,9 @@ def run(args) -> int:
                 run_.step()
                 stage1_peak = _peak_gib(device)
                 run_.enter_stage2(profile)
+            # Before the gates: its forward brings every layer's parked predictor state back to the device
+            # (`attention.host_offload`), and the gates' training step parks it again, as the timed steps find it.
+            row["matmul_flops"], row["attention_flops"] = step_flops(run_)
             try:
                 gates += _gates(run_, tokens, mode)
             except GateFailure as err:
@@ -562,7 +565,6 @@ def run(args) -> int:
                       "would compute NaN or wrong attention: not timed, no report written", file=sys.stderr)
                 return 1
             row["sparse_blocks"] = sum(layer.runs_sparse() for layer in run_.model.controller.layers)
-            row["matmul_flops"], row["attention_flops"] = step_flops(run_)
             # After the gates' training step, before the timed ones (the profiling steps below may re-dispatch).
             row["kernels"] = _sparse_kernels(run_)
             if mode == "dsv":
