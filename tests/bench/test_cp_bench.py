@@ -33,7 +33,12 @@ def test_cp_bench_runs_every_layout_after_its_gate(tmp_path):
         assert float(row[6]) == pytest.approx(dense_ms / float(row[5]), abs=0.006)  # the report rounds to 2 places
         assert float(row[8]) > 0 and row[9].strip() == "nan"  # TFLOP/s per GPU; peak memory: CUDA only
     # Per GPU: 14·D FLOPs per pair; the dense baseline computes every pair of 4 heads of 512 tokens, over 2 GPUs.
-    assert float(table[0][8]) == pytest.approx(14 * 16 * 4 * 512**2 / 2 / dense_ms / 1e9, rel=0.01)
+    dense_flops = 14 * 16 * 4 * 512**2
+    assert float(table[0][8]) == pytest.approx(dense_flops / 2 / dense_ms / 1e9, rel=0.01)
+    # The layouts of one profile compute the pairs of one index: equal FLOPs (TFLOP/s × ms), fewer than dense's.
+    for profile in ("skewed", "paper block 4"):
+        flops = [float(row[8]) * float(row[5]) * 2 * 1e9 for row in table if row[2].strip() == profile]
+        assert len(flops) == 4 and max(flops) == pytest.approx(min(flops), rel=0.01) and max(flops) < 0.6 * dense_flops
     # Rank 0's operator table of each layout (the all-to-alls of the CP exchange among them).
     tables = sorted(path.name for path in (tmp_path / "ops").iterdir())
     assert len(tables) == 9 and "512-skewed-scp.txt" in tables and "512-dense.txt" in tables
