@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv.modules.config import AttentionConfig
-from dsv.modules.controller import fill_from_meta
+from dsv.modules.controller import fill_from_meta, mark_host_state_stale
 from dsv.modules.dispatch import speed_model
 from dsv.modules.predictor import LowRankPredictor, release_parked, rotary_frequencies
 from dsv.ops import (
@@ -101,6 +101,7 @@ class DSVAttentionCore(nn.Module):
         for name, value in self._initial_buffers().items():
             self.register_buffer(name, value)
         self.register_load_state_dict_post_hook(self._refresh_after_load)  # a method: the model pickles
+        self.register_state_dict_post_hook(mark_host_state_stale)
         # Host mirrors from the initial values, not read back from the buffers: the model can then be
         # built on the meta device (large-model init under FSDP).
         self._use_sparse_host = self.cfg.mode == "window"
@@ -380,6 +381,8 @@ class DSVAttentionCore(nn.Module):
         self.resolve_backends(q, q.shape[2])
         if self.controller is not None and not torch.compiler.is_compiling():  # an int Dynamo would guard on
             self._seen_id = self.controller.forward_id
+            if self.controller.host_state_stale:  # a forward without begin_step, e.g. sampling after a load
+                self.controller.refresh_host_state()
         # Not in an eager checkpointing recompute (inside the backward): it would see the same forward twice. A
         # compiled block cannot ask (the graph task id is no tensor), so there the hook runs as traced.
         if self.observer is not None and (torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1):
@@ -396,8 +399,10 @@ class DSVAttentionCore(nn.Module):
         index = None
         # Select before the predictor steps, so a checkpointing recompute selects the same keys.
         if self.runs_sparse():
-            indices, counts = select(self._runtime_id, hidden, q, k, list(grid), self.cfg.group_size, training, check,
-                                     autocast_dtype)
+            # Every forward with gradients may be recomputed by activation checkpointing, whatever the layer's
+            # train/eval mode (diffusers checkpoints whenever gradients are on): each one remembers its keys.
+            indices, counts = select(self._runtime_id, hidden, q, k, list(grid), self.cfg.group_size, training,
+                                     torch.is_grad_enabled(), check, autocast_dtype)
             index = SparseIndex(indices, counts, self.cfg.group_size, self.cfg.key_block, q.shape[2])
             check = False
         if learning or check:
@@ -469,18 +474,19 @@ class DSVAttentionCore(nn.Module):
             self._window_cache = (key, index)
         return self._window_cache[1]
 
-    def _select(self, hidden, q, k, grid, training: bool):
+    def _select(self, hidden, q, k, grid, recomputable: bool):
         # An activation-checkpointing recompute runs inside the backward pass: it must reuse the keys of
         # the original forward (the predictor has stepped since). Every other forward selects afresh, so
-        # gradient-accumulation micro-batches each get their own keys. `training` (a training forward
-        # with grad enabled) comes from the caller: a compiled graph runs its ops with grad disabled.
+        # gradient-accumulation micro-batches each get their own keys. `recomputable` (a forward with grad
+        # enabled, whose backward may recompute it) comes from the caller: a compiled graph runs its ops with
+        # grad disabled.
         key = self._forward_key(q, grid)
         if torch._C._current_graph_task_id() != -1:
             return self.recall_selection(key, hidden, lambda: self._selection(hidden, q, k, grid)[0])
-        index, reselect = self._selection(hidden, q, k, grid, keep_for_recompute=training)
+        index, reselect = self._selection(hidden, q, k, grid, keep_for_recompute=recomputable)
         # A window's selection depends on the grid alone: a recompute selects it again. Remembered, it would
         # pile up without a controller's steps to clear it (window mode runs without one).
-        if training and self.cfg.mode != "window":
+        if recomputable and self.cfg.mode != "window":
             self.remember_selection(key, hidden, reselect)
         return index
 
@@ -938,10 +944,12 @@ def _select_kernel(
     grid: list[int],
     group_size: int,
     training: bool,
+    recomputable: bool,
     check_finite: bool,
     autocast_dtype: torch.dtype | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`DSVAttentionCore._select` (after the finite check, when asked): the index's `(indices, counts)`.
+    """`DSVAttentionCore._select` (after the finite check, when asked; collective in training forwards): the
+    index's `(indices, counts)`.
 
     Eager mode hands them on as they are: the layer's recompute cache keeps them only where the selection is
     fixed (window, oracle), and nothing writes an index in place."""
@@ -950,7 +958,7 @@ def _select_kernel(
     if check_finite:
         layer._check_finite(hidden, collective=training)
     with _autocast(q.device.type, autocast_dtype):
-        index = layer._select(hidden, q, k, tuple(grid), training)
+        index = layer._select(hidden, q, k, tuple(grid), recomputable)
     return index.indices, index.counts
 
 
@@ -966,7 +974,7 @@ _layer_select = torch.library.custom_op("dsv::layer_select", _select_op_kernel, 
 
 
 @_layer_select.register_fake
-def _(layer_id, hidden, q, k, grid, group_size, training, check_finite, autocast_dtype):
+def _(layer_id, hidden, q, k, grid, group_size, training, recomputable, check_finite, autocast_dtype):
     batch, heads, seq_len, _ = q.shape
     groups = -(-seq_len // group_size)
     # The row width is the largest per-head budget: host state of the layer, read when the op runs.

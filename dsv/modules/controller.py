@@ -124,6 +124,15 @@ def check_layout_on_load(controller: nn.Module, state_dict: dict, prefix: str, *
         check_layout(state_dict, key, current, "load_state_dict: the DSV state", "this model's")
 
 
+def mark_host_state_stale(module: nn.Module, *_args) -> None:
+    """`state_dict` post-hook of a controller and its layers: the tensors handed out may be written in place
+    (`DSVController.refresh_host_state`). A module-level function: torch marks the hook object, which a bound
+    method cannot take, and the model still pickles."""
+    controller = module if isinstance(module, DSVController) else getattr(module, "controller", None)
+    if controller is not None:
+        controller.host_state_stale = True
+
+
 @dataclass
 class StepEvents:
     """What changed at the end of a step, for the log."""
@@ -152,8 +161,13 @@ class DSVController(nn.Module):
         self._unended_training_steps = 0
         self._layers: list = []
         self._stage_host = 1
+        # Set when a state_dict of the controller or a layer is handed out: whoever holds it may write its
+        # tensors in place (torch.distributed.checkpoint's load, an EMA copy), past `load_state_dict` and its
+        # hooks, so the host mirrors are read again from the buffers at the next step or forward.
+        self.host_state_stale = False
         self._warned_untrained_step = False
         self.register_load_state_dict_post_hook(self._after_load)  # a method, not a lambda: the model pickles
+        self.register_state_dict_post_hook(mark_host_state_stale)
 
     # ----- wiring -----
     def attach(self, model: nn.Module) -> "DSVController":
@@ -219,6 +233,9 @@ class DSVController(nn.Module):
 
     def _after_load(self, _module: nn.Module, _incompatible_keys) -> None:
         self._refresh_host_state()
+        self._follow_stage_in_predictor_lr()
+
+    def _follow_stage_in_predictor_lr(self) -> None:
         # The predictors' learning rate follows the loaded stage (`enter_stage2` lowered it in the run that
         # saved it; a module's state_dict does not hold it). A trainer that restores the predictors'
         # optimizers afterwards sets the same rate.
@@ -226,6 +243,21 @@ class DSVController(nn.Module):
             if layer.predictor is not None:
                 scale = layer.cfg.stage2_lr_scale if self._stage_host == 2 else 1.0
                 layer.predictor.set_lr(layer.cfg.predictor_lr * scale)
+
+    def refresh_host_state(self) -> None:
+        """Read the stage, each layer's dispatch and budgets, and the predictors' learning rate again from the
+        DSV buffers. `load_state_dict` does this itself; a write past it (in place into the tensors of a
+        `state_dict()`, as `torch.distributed.checkpoint.load` does) is caught at the next `begin_step` or eager
+        forward, since taking a state_dict marks the mirrors stale; call this after other in-place writes. One
+        device synchronisation. A model still on the meta device has nothing to read."""
+        buffers = [self.stage, *(b for layer in self._layers for b in (layer.use_sparse, layer.keep_fraction))]
+        if any(b.is_meta for b in buffers):
+            return
+        self._refresh_host_state()
+        for layer in self._layers:
+            layer._refresh_host_state()
+        self._follow_stage_in_predictor_lr()
+        self.host_state_stale = False
 
     # ----- schedule -----
     @property
@@ -246,6 +278,8 @@ class DSVController(nn.Module):
                                    "no end_step(); call controller.end_step() after each optimizer step (it runs "
                                    "the stage switch and the dispatch, without which DSV stays dense), and "
                                    "begin_step once per optimizer step")
+        if self.host_state_stale:
+            self.refresh_host_state()
         self.step = int(step)
         self.forward_id += 1
         if self.cfg.host_offload:

@@ -396,15 +396,15 @@ class ContextParallel:
         # As `DSVAttentionCore._select`: a checkpointing recompute (inside backward) reuses the forward's keys.
         key = (*layer._forward_key(q, grid), layout)
         keep_blocks = layer._keep_blocks(-(-q.shape[2] * layout.scp // layer.cfg.key_block))
-        training = layer.training and torch.is_grad_enabled()
+        recomputable = torch.is_grad_enabled()  # whatever the train/eval mode, as `DSVAttentionCore.prepare_index`
 
         def selection(keep_for_recompute: bool = False) -> Callable[[], SparseIndex | LocalIndex]:
             return self._selection(layer, x, q, k, layout, grid, keep_blocks, keep_for_recompute, local=True)
 
         if torch._C._current_graph_task_id() != -1:
             return layer.recall_selection(key, x, lambda: selection()())
-        select = selection(keep_for_recompute=training)
-        if training and layer.cfg.mode != "window":  # as `DSVAttentionCore._select`: a window is selected again
+        select = selection(keep_for_recompute=recomputable)
+        if recomputable and layer.cfg.mode != "window":  # as `DSVAttentionCore._select`: a window is selected again
             layer.remember_selection(key, x, select)
         return select()
 

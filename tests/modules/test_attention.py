@@ -193,6 +193,27 @@ def test_two_checkpointed_forwards_of_a_step_match_plain_backward(order):
     assert_checkpointing_matches_plain(run)
 
 
+def test_an_eval_mode_forward_with_gradients_recomputes_its_own_keys():
+    """diffusers checkpoints whenever gradients are on, whatever the train/eval mode: a training forward's keys
+    pending, an eval-mode forward's checkpointing recompute took them (the only pending entry) for its own, and its
+    gradients belonged to other keys. Every forward with gradients now remembers its keys."""
+    x1, x2 = torch.randn(1, 64, DIM, dtype=torch.float64), torch.randn(1, 64, DIM, dtype=torch.float64)
+
+    def run(checkpointing: bool):
+        model = in_stage2(x1, keep_floor_blocks=1)
+        ins = [x.clone().requires_grad_(True) for x in (x1, x2)]
+        call = (lambda x: torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)) if checkpointing else model
+        model.train()
+        first = call(ins[0])  # a training forward: learns, its keys pending
+        model.eval()
+        second = call(ins[1])  # with gradients in eval mode; its backward alone
+        second.pow(2).sum().backward()
+        assert model.attn.last_path == "sparse:reference"
+        return (second.detach(), ins[1].grad, model.attn.to_qkv.weight.grad, first.detach())
+
+    assert_checkpointing_matches_plain(run)
+
+
 @pytest.mark.parametrize("predictor_lr", [1e-3, 0.3], ids=["same-keys", "keys-changed"])
 def test_two_forwards_of_one_input_in_a_step_match_plain_backward_or_raise(predictor_lr):
     """The same input twice in one step before the backward: the recompute cannot tell the two forwards

@@ -236,7 +236,7 @@ def test_runtime_ops_pass_opcheck():
     hidden = torch.randn(2, 64, 32)
     q, k = (torch.randn(2, 2, 64, 16, requires_grad=True) for _ in range(2))
     # Not training: the selection is then free of side effects, which opcheck's repeated calls need.
-    select_args = (layer._runtime_id, hidden, q, k, list(GRID), layer.cfg.group_size, False, True, None)
+    select_args = (layer._runtime_id, hidden, q, k, list(GRID), layer.cfg.group_size, False, False, True, None)
     assert_opcheck_passes(torch.ops.dsv.layer_select.default, select_args)
     indices, _ = torch.ops.dsv.layer_select(*select_args)
     assert_opcheck_passes(torch.ops.dsv.layer_update.default,

@@ -196,3 +196,38 @@ def test_a_loop_without_end_step_is_refused_at_its_second_step():
         dense.controller.begin_step(step)
         dense(x, t).pow(2).mean().backward()
         dense.controller.end_step()
+
+
+def test_a_state_written_in_place_is_read_again_before_it_is_used(tmp_path):
+    """torch.distributed.checkpoint loads into the tensors of `model.state_dict()`, past `load_state_dict`: the host
+    mirrors that the forward and `end_step` decide on kept a fresh model's stage 1, so the resumed run ran dense,
+    switched a second time (its switch step overwritten) and its predictors learned at stage 1's rate. Taking a
+    state_dict marks them stale; the next forward (sampling) or begin_step (training) reads them again."""
+    import torch.distributed.checkpoint as dcp
+
+    trained = model_with(switch_loss_threshold=0.1, profile_every_stage1=1, sparse_threshold=0.5)
+    set_layer_state(trained, [0.01] * 3, [[0.9, 0.95], [0.5, 0.6], [0.99, 0.7]])
+    trained.controller.begin_step(0)
+    assert trained.controller.end_step().switched and trained.controller.sparse_layers() == [0, 1, 2]
+    dcp.save(trained.state_dict(), checkpoint_id=tmp_path, no_dist=True)
+
+    x = torch.randn(1, 3, 4, 16, 16)
+    t = torch.rand(1)
+    for use in ("sampling", "training"):
+        resumed = model_with(switch_loss_threshold=0.1, profile_every_stage1=1, sparse_threshold=0.5)
+        dcp.load(resumed.state_dict(), checkpoint_id=tmp_path, no_dist=True)
+        ctrl = resumed.controller
+        assert int(ctrl.stage) == 2 and ctrl.host_state_stale
+        if use == "sampling":
+            resumed.eval()
+            with torch.no_grad():
+                resumed(x, t)
+            assert [layer.last_path for layer in ctrl.layers] == ["sparse:reference"] * 3
+        else:
+            ctrl.begin_step(1)
+            assert ctrl.current_stage == 2 and ctrl.sparse_layers() == [0, 1, 2]
+            assert not ctrl.end_step().switched and int(ctrl.switch_step) == 1
+        lr = ctrl.layers[0].predictor.optimizer.param_groups[0]["lr"]
+        assert math.isclose(lr, 1e-3 * 0.1) and not ctrl.host_state_stale
+        torch.testing.assert_close(ctrl.layers[0].keep_fraction, trained.controller.layers[0].keep_fraction)
+        assert ctrl.layers[0]._keep_fraction_host == trained.controller.layers[0]._keep_fraction_host
