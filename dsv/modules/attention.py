@@ -129,6 +129,8 @@ class DSVAttentionCore(nn.Module):
         self.dispatch_reason = {"window": "attention.mode=window: the fixed 3-D window in every step",
                                 "dense": "attention.mode=dense"}.get(self.cfg.mode, "not dispatched yet")
         self._learned_id = -1
+        # The controller's `learn_id` of this layer's last predictor step and profile: once per optimizer step.
+        self._learned_step_id = -1
         # The controller's forward id of this layer's last eager forward, training or not (`end_step` warns
         # when a step ran forwards but none that trains).
         self._seen_id = -1
@@ -541,8 +543,7 @@ class DSVAttentionCore(nn.Module):
         else:
             problem = (f"a checkpointing recompute found no selection of its forward among {len(entries)} of this "
                        "step, and the predictor has stepped since, so selecting again would give other keys than "
-                       "the forward used. Run each training forward's backward before the next step's forward "
-                       "(call controller.begin_step once per optimizer step)")
+                       "the forward used. Run each training forward's backward before the next begin_step")
         raise RuntimeError(f"{type(self).__name__} layer {self.layer_index}: {problem}")
 
     def _forward_key(self, q: torch.Tensor, grid) -> tuple:
@@ -605,6 +606,11 @@ class DSVAttentionCore(nn.Module):
                 "trained its predictor: the forward ran without gradients, as under reentrant activation "
                 "checkpointing. Use torch.utils.checkpoint.checkpoint(..., use_reentrant=False).")
         self._learned_id = self.controller.forward_id
+        if self._learned_step_id == self.controller.learn_id:
+            # This optimizer step learned already: a micro-batch with a begin_step of its own, or a step begun
+            # again after an abandoned attempt.
+            return False
+        self._learned_step_id = self.controller.learn_id
         return True
 
     def _learn_and_profile(self, hidden, q, k, grid, loss_ema, sparsity_ema, recall_ema, keep_boost) -> None:
@@ -677,7 +683,7 @@ class DSVAttentionCore(nn.Module):
         if self.runs_sparse():
             return True
         controller = self.controller
-        if self._learned_id == controller.forward_id:
+        if self._learned_id == controller.forward_id or self._learned_step_id == controller.learn_id:
             return False
         learn_period = 1 if controller.current_stage == 1 else self.cfg.learn_every_stage2
         return controller.step % learn_period == 0 or controller.profile_due()

@@ -154,6 +154,12 @@ class DSVController(nn.Module):
         # Increments in `begin_step`: a layer remembers how to re-select the keys of each training forward of
         # the step under it, so that an activation-checkpointing recompute uses its forward's keys.
         self.forward_id = 0
+        # Increments in `begin_step` when the step number changes: a layer learns and profiles once per optimizer
+        # step, also where a loop calls begin_step for each micro-batch of a gradient accumulation (each then has
+        # a forward id of its own) or begins a step again after an abandoned attempt.
+        self.learn_id = 0
+        self._begun_step: int | None = None
+        self._ended_step: int | None = None
         # `forward_id` at the last `end_step`: an `end_step` that finds it unchanged had no `begin_step` before it.
         self._ended_forward_id = 0
         # Training steps in a row (begin_step, a forward that trained) left without end_step: one is a step
@@ -265,23 +271,33 @@ class DSVController(nn.Module):
         return self._stage_host
 
     def begin_step(self, step: int) -> None:
-        """Called before each training step's forwards with the number of optimizer steps done so far."""
+        """Called before each training step's forwards (or before each of its micro-batches: the step learns
+        and profiles once either way) with the number of optimizer steps done so far."""
         if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
             raise ValueError(f"begin_step: step must be a non-negative int (optimizer steps done so far), "
                              f"got {step!r}")
+        if self.cfg.mode not in FIXED_MODES and step == self._ended_step:
+            # end_step ran the switch and the dispatch for this step already: a counter that did not advance
+            # (each micro-batch begun and ended, or a constant step) would repeat them within one step.
+            raise ValueError(f"begin_step({step}): step {step} has ended (end_step); pass the number of optimizer "
+                             "steps done so far, and call end_step once per optimizer step, after all its "
+                             "micro-batches")
+        new_step = step != self._begun_step
         unended = self.cfg.mode not in FIXED_MODES and self.forward_id != self._ended_forward_id
-        if unended and any(layer._learned_id == self.forward_id for layer in self._layers):
+        if unended and new_step and any(layer._learned_id == self.forward_id for layer in self._layers):
             self._unended_training_steps += 1
             if self._unended_training_steps >= 2:
                 # end_step runs the stage switch and the dispatch: without it DSV would stay dense for good.
                 raise RuntimeError(f"begin_step({step}): the last {self._unended_training_steps} training steps had "
                                    "no end_step(); call controller.end_step() after each optimizer step (it runs "
-                                   "the stage switch and the dispatch, without which DSV stays dense), and "
-                                   "begin_step once per optimizer step")
+                                   "the stage switch and the dispatch, without which DSV stays dense)")
         if self.host_state_stale:
             self.refresh_host_state()
         self.step = int(step)
         self.forward_id += 1
+        if new_step:
+            self.learn_id += 1
+            self._begun_step = self.step
         if self.cfg.host_offload:
             release_parked()
             # Each layer's predictor work brings back the next predictor in use (`predictor_done`); the first
@@ -306,6 +322,7 @@ class DSVController(nn.Module):
             raise RuntimeError("end_step: no begin_step(step) since the last end_step; call "
                                "controller.begin_step(step) before each step's forwards")
         self._ended_forward_id = self.forward_id
+        self._ended_step = self.step
         self._unended_training_steps = 0
         self._warn_if_nothing_trained()
         self._refuse_sharded_predictors()

@@ -231,3 +231,34 @@ def test_a_state_written_in_place_is_read_again_before_it_is_used(tmp_path):
         assert math.isclose(lr, 1e-3 * 0.1) and not ctrl.host_state_stale
         torch.testing.assert_close(ctrl.layers[0].keep_fraction, trained.controller.layers[0].keep_fraction)
         assert ctrl.layers[0]._keep_fraction_host == trained.controller.layers[0]._keep_fraction_host
+
+
+def test_a_step_learns_once_whatever_the_begin_steps_of_its_micro_batches(monkeypatch):
+    """A gradient-accumulation loop that calls begin_step for each micro-batch gave the predictors one optimizer
+    step per micro-batch, and weighted each profiling step's measurement as many times into the EMAs; a step
+    begun again after an abandoned attempt did the same. A step learns and profiles once. A step number that
+    has ended is refused at its next begin_step: a loop that ends each micro-batch (or never advances the step)
+    would run the switch and the dispatch within a step."""
+    import pytest
+
+    from dsv.modules.predictor import LowRankPredictor
+
+    calls = []
+    update = LowRankPredictor.update
+    monkeypatch.setattr(LowRankPredictor, "update", lambda self, *a, **k: calls.append(self) or update(self, *a, **k))
+    x, t = torch.randn(3, 3, 2, 8, 8), torch.rand(3)
+    model = model_with(profile_every_stage1=1)
+    ctrl = model.controller
+    for step in range(2):
+        for micro in range(3):
+            ctrl.begin_step(step)
+            model(x[micro:micro + 1], t[micro:micro + 1]).pow(2).mean().backward()
+        ctrl.end_step()
+    assert len(calls) == 2 * 3  # two steps, once in each of the 3 layers
+    with pytest.raises(ValueError, match=r"begin_step\(1\): step 1 has ended \(end_step\); pass the number of "
+                                         "optimizer steps done so far"):
+        ctrl.begin_step(1)
+    ctrl.begin_step(2)
+    model(x[:1], t[:1]).pow(2).mean().backward()
+    ctrl.end_step()
+    assert len(calls) == 3 * 3
