@@ -48,7 +48,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
     ) from err
 from safetensors import safe_open
 
-from dsv.modules.attention import DSVAttentionCore
+from dsv.modules.attention import DSVAttentionCore, ddp_ignore_predictors
 from dsv.modules.config import AttentionConfig
 from dsv.modules.controller import (
     CONTROLLER_NAME,
@@ -463,6 +463,10 @@ def install_dsv(transformer: nn.Module, cfg: AttentionConfig) -> DSVController:
     controller.register_load_state_dict_pre_hook(check_layout_on_load)  # also for a state loaded by hand
     transformer.add_module(CONTROLLER_NAME, controller)
     controller.attach(transformer)
+    # diffusers' layerwise casting (`enable_layerwise_casting`) would store the predictors in its storage dtype
+    # (fp8), rounding their trained weights, and hand the selection weights of another dtype than its input.
+    skip = list(getattr(transformer, "_skip_layerwise_casting_patterns", None) or [])
+    transformer._skip_layerwise_casting_patterns = [*skip, r"\.processor\."]
     grid.controller = controller
     transformer.register_forward_pre_hook(grid, with_kwargs=True)
     transformer.register_forward_hook(grid.forward_done, with_kwargs=True)
@@ -612,6 +616,7 @@ class WanVideoModel(nn.Module):
         install_dsv(transformer, cfg)
         text_dim = transformer.config.text_dim
         self.null_text = nn.Parameter(torch.randn(1, text_tokens, text_dim) * text_dim**-0.5)
+        ddp_ignore_predictors(self)  # DDP may wrap this module, above the transformer that install_dsv set it on
 
     @property
     def controller(self) -> DSVController:

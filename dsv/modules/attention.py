@@ -883,6 +883,20 @@ def predictor_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for m in model.modules() if isinstance(m, LowRankPredictor) for p in m.parameters()]
 
 
+def ddp_ignore_predictors(model: nn.Module) -> nn.Module:
+    """Have `DistributedDataParallel(model)` leave the sparsity predictors alone; returns `model`. They take their
+    gradients and all-reduce them inside the forward, which DDP's reducer reads as parameters that got no gradient
+    in the backward, and it stops the next step. DDP reads the list this sets when it wraps `model`: the
+    controller's `attach` sets it on the module it attaches; call this on any module above it that DDP (or
+    `accelerate`) wraps."""
+    predictor_ids = {id(p) for p in predictor_parameters(model)}
+    ignored = [name for name, p in model.named_parameters() if id(p) in predictor_ids]
+    if ignored:
+        already = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+        model._ddp_params_and_buffers_to_ignore = already + [n for n in ignored if n not in already]
+    return model
+
+
 def model_parameters(model: nn.Module) -> list[nn.Parameter]:
     """Parameters for the model's optimizer: all but the sparsity predictors, which step themselves."""
     predictor_params = {id(p) for p in predictor_parameters(model)}

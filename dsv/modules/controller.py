@@ -179,7 +179,7 @@ class DSVController(nn.Module):
     def attach(self, model: nn.Module) -> "DSVController":
         """Attach every DSV attention layer (`DSVAttentionCore`: `DSVAttention` or an integration's
         processor) in `model`, in module order, to this controller."""
-        from dsv.modules.attention import DSVAttentionCore, predictor_parameters
+        from dsv.modules.attention import DSVAttentionCore, ddp_ignore_predictors
 
         layers = [m for m in model.modules() if isinstance(m, DSVAttentionCore)]
         if not layers:
@@ -201,14 +201,7 @@ class DSVController(nn.Module):
         self._layers = layers
         for index, layer in enumerate(self._layers):
             layer.bind(self, index)
-        # DistributedDataParallel (as `accelerate` wraps a model) must leave the predictors alone: they take
-        # their gradients and all-reduce them inside the forward, which its reducer reads as parameters that got
-        # no gradient in the backward and stops the next step. It reads this list when it wraps `model`.
-        predictor_ids = {id(p) for p in predictor_parameters(model)}
-        ignored = [name for name, p in model.named_parameters() if id(p) in predictor_ids]
-        if ignored:
-            already = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
-            model._ddp_params_and_buffers_to_ignore = already + [n for n in ignored if n not in already]
+        ddp_ignore_predictors(model)
         return self
 
     @property

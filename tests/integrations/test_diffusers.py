@@ -771,3 +771,53 @@ def test_frozen_predictors_are_named_and_ddp_leaves_the_predictors_alone(tmp_pat
         dist.destroy_process_group()
     assert controller.current_stage == 2
     assert [layer.last_path for layer in controller.layers] == ["sparse:reference"] * 2
+
+
+def test_ddp_around_a_module_above_the_transformer_leaves_the_predictors_alone(tmp_path):
+    """DSV's own WanVideoModel (as any wrapper a user's loop hands to DDP or accelerate) holds the transformer that
+    install_dsv marked: DDP of the wrapper read no ignore list and stopped the second step. The wrapper marks
+    itself; `dsv.ddp_ignore_predictors` marks any other."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from dsv.integrations.diffusers import build_wan_for_training
+
+    model = build_wan_for_training(cfg("dsv", max_stage1_steps=2, sparse_threshold=0.0, profile_every_stage1=1),
+                                   num_layers=2, num_heads=2, head_dim=16, ffn_dim=64, text_dim=32)
+    predictors = {id(p) for p in dsv.predictor_parameters(model)}
+    assert set(model._ddp_params_and_buffers_to_ignore) == {
+        n for n, p in model.named_parameters() if id(p) in predictors}
+    outer = torch.nn.Sequential(model)  # a user's wrapper, marked by the helper
+    assert dsv.ddp_ignore_predictors(outer) is outer
+    assert set(outer._ddp_params_and_buffers_to_ignore) == {f"0.{n}" for n in model._ddp_params_and_buffers_to_ignore}
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        wrapped = DistributedDataParallel(model)
+        for step in range(4):
+            model.controller.begin_step(step)
+            wrapped(torch.randn(2, 3, 4, 8, 8), torch.rand(2)).pow(2).mean().backward()
+            model.controller.end_step()
+    finally:
+        dist.destroy_process_group()
+    assert model.controller.current_stage == 2
+
+
+def test_layerwise_casting_leaves_the_predictors_in_their_dtype():
+    """diffusers' enable_layerwise_casting stored the predictors in fp8 too: their trained weights rounded, and the
+    first sparse forward failed on a dtype mismatch inside the selection. install_dsv keeps the processors out."""
+    model = tiny_wan()
+    controller = install_dsv(model, cfg("dsv", max_stage1_steps=1, sparse_threshold=0.0, profile_every_stage1=1))
+    inputs = wan_inputs()
+    controller.begin_step(0)
+    wan_forward(model, inputs).pow(2).mean().backward()
+    controller.end_step()
+    predictor = controller.layers[0].predictor
+    trained = predictor.q_proj.weight.detach().clone()
+    model.eval()
+    model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+    assert model.blocks[0].attn1.to_q.weight.dtype == torch.float8_e4m3fn  # the casting does apply elsewhere
+    assert torch.equal(predictor.q_proj.weight, trained)
+    with torch.no_grad():
+        out = wan_forward(model, inputs)
+    assert torch.isfinite(out).all()
+    assert [layer.last_path for layer in controller.layers] == ["sparse:reference"] * 2
