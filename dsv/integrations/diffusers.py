@@ -149,6 +149,8 @@ class _LatentGrid:
                 f"axis longer than the model's rope_max_seq_len={limit} positions"
             )
         self.grid = grid
+        if getattr(module, "gradient_checkpointing", False):
+            self.keep_grid_in_checkpoints(module)
         if torch.is_grad_enabled():  # a forward a backward (and its recomputes) may follow
             forward_id = self.controller.forward_id if self.controller is not None else None
             if self._pending_step != forward_id:  # a new step: the previous one's backward is done
@@ -158,6 +160,15 @@ class _LatentGrid:
             # forwards without `begin_step` or a backward would otherwise grow it for good).
             if grid not in self._pending:
                 self._pending.append(grid)
+
+    def keep_grid_in_checkpoints(self, module: nn.Module) -> None:
+        """Wrap diffusers' `_gradient_checkpointing_func` of the transformer (set by `enable_gradient_checkpointing`,
+        which may come after install_dsv) so that each checkpointed block runs with this forward's grid, in the
+        forward and in its recompute."""
+        checkpoint = getattr(module, "_gradient_checkpointing_func", None)
+        if checkpoint is None or (isinstance(checkpoint, _CheckpointWithGrid) and checkpoint.latent_grid is self):
+            return
+        module._gradient_checkpointing_func = _CheckpointWithGrid(checkpoint, self)
 
     def forward_done(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
         self.grid = None  # a processor called after this is a checkpointing recompute, or a misuse
@@ -194,6 +205,30 @@ class _LatentGrid:
         grid = self.grid if self.grid is not None else self.recompute_grid(layer_index, hidden_states.shape[1])
         perm, inv = cube_permutation_on(grid, self.cube, hidden_states.device)
         return grid, perm, inv
+
+
+class _CheckpointWithGrid:
+    """diffusers' gradient-checkpointing call with the forward's token grid set around the checkpointed block, so
+    that its recompute (inside the backward, after the forward has ended) runs with the grid of its own forward.
+    Without it the recompute looked the grid up among the step's pending forwards: a compiled block traced that
+    lookup, a graph unlike its forward's (regional compilation failed on the first backward), and a second
+    backward through one graph (`retain_graph=True`) found none left."""
+
+    def __init__(self, checkpoint, latent_grid: _LatentGrid):
+        self.checkpoint, self.latent_grid = checkpoint, latent_grid
+
+    def __call__(self, block, *args, **kwargs):
+        grid = self.latent_grid.grid
+
+        def with_grid(*block_args, **block_kwargs):
+            latent_grid = self.latent_grid
+            saved, latent_grid.grid = latent_grid.grid, grid
+            try:
+                return block(*block_args, **block_kwargs)
+            finally:
+                latent_grid.grid = saved
+
+        return self.checkpoint(with_grid, *args, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------
