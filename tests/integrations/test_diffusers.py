@@ -340,16 +340,41 @@ def _two_forwards_one_backward(inputs, checkpointing, checkpoint_func=None):
 def test_a_checkpointing_recompute_uses_the_grid_of_its_own_forward():
     """Two forwards at token grids (4, 4, 4) and (4, 4, 8) before one backward, under gradient checkpointing:
     each block's recompute runs after both forwards and must permute its tokens by its own forward's grid
-    (it took the last forward's before). Two grids of one token count, (4, 4, 8) and (4, 8, 4), cannot be
-    told apart in a recompute: a clear error instead of another forward's grid (gradients ~70% off before)."""
+    (it took the last forward's before). Two grids of one token count, (4, 4, 8) and (4, 8, 4), too: diffusers'
+    checkpointed blocks run with their forward's grid (they raised that they could not be told apart before)."""
+    for inputs in ([_latent(4, 8, 8, 1), _latent(4, 8, 16, 2)], [_latent(4, 8, 16, 1), _latent(4, 16, 8, 2)]):
+        want, got = (_two_forwards_one_backward(inputs, checkpointing) for checkpointing in (False, True))
+        assert want.keys() == got.keys() and len(want) > 20
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], **TOL32, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_blocks_checkpointed_by_hand_are_told_apart_by_token_count_or_refused():
+    """Blocks wrapped in torch.utils.checkpoint by the user's own code (not diffusers'): their recomputes run after
+    the transformer's forward and find their grid among the step's forwards by token count; two grids of one
+    count cannot be told apart there, and that is a clear error, not another forward's grid."""
+    import functools
+
+    def run(inputs, by_hand):
+        torch.manual_seed(0)
+        model = tiny_wan().double()
+        install_dsv(model, cfg("oracle"))
+        _sparse_quarter(model)
+        if by_hand:
+            for block in model.blocks:
+                block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False)
+        model.train()
+        model.dsv_controller.begin_step(0)
+        sum(wan_forward(model, x).pow(2).mean() for x in inputs).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
     inputs = [_latent(4, 8, 8, 1), _latent(4, 8, 16, 2)]
-    want, got = (_two_forwards_one_backward(inputs, checkpointing) for checkpointing in (False, True))
+    want, got = run(inputs, False), run(inputs, True)
     assert want.keys() == got.keys() and len(want) > 20
     for name in want:
         torch.testing.assert_close(got[name], want[name], **TOL32, msg=lambda m, n=name: f"{n}: {m}")
-    message = r"cannot tell which of the token grids \[\(4, 4, 8\), \(4, 8, 4\)\]"
-    with pytest.raises(RuntimeError, match=message):
-        _two_forwards_one_backward([_latent(4, 8, 16, 1), _latent(4, 16, 8, 2)], checkpointing=True)
+    with pytest.raises(RuntimeError, match=r"cannot tell which of the token grids \[\(4, 4, 8\), \(4, 8, 4\)\]"):
+        run([_latent(4, 8, 16, 1), _latent(4, 16, 8, 2)], True)
 
 
 def test_gradient_accumulation_over_shapes_of_one_token_count_under_checkpointing():
