@@ -539,7 +539,8 @@ class DSVAttentionCore(nn.Module):
             problem = (f"{len(matches)} training forwards of this step had the same input and selected different "
                        "keys (the predictor stepped between them), so a checkpointing recompute cannot tell which "
                        "keys are its own. Run the backward of each forward before the next one, or do not repeat "
-                       "an input within a step")
+                       "an input within a step (conditional and unconditional passes of guidance training whose "
+                       "inputs agree at this layer: run them as one batch)")
         else:
             problem = (f"a checkpointing recompute found no selection of its forward among {len(entries)} of this "
                        "step, and the predictor has stepped since, so selecting again would give other keys than "
