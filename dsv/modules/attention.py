@@ -597,6 +597,14 @@ class DSVAttentionCore(nn.Module):
         as under reentrant checkpointing: a layer with a predictor raises (stepping here would bypass the host
         offload's schedule; passing silently would leave the predictor untrained and the model dense for good);
         dense, window and oracle layers have nothing to train and skip."""
+        if self.predictor is not None and self.controller.forward_id == 0 and not self.controller.warned_no_begin_step:
+            # Layers learn once per begin_step: a loop that never calls it trains each predictor once, measures
+            # once, and never switches, so DSV stays dense without a word.
+            self.controller.warned_no_begin_step = True
+            warnings.warn("DSV: a training forward before any controller.begin_step(step): call begin_step before "
+                          "each optimizer step's forwards and end_step after it (they schedule the predictors' "
+                          "learning, the profiling, the stage switch and the dispatch); without them the predictors "
+                          "learn once and DSV stays dense", stacklevel=3)
         if self._learned_id == self.controller.forward_id:
             return False
         if torch._C._current_graph_task_id() != -1:

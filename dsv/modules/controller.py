@@ -172,6 +172,7 @@ class DSVController(nn.Module):
         # hooks, so the host mirrors are read again from the buffers at the next step or forward.
         self.host_state_stale = False
         self._warned_untrained_step = False
+        self.warned_no_begin_step = False  # set by the first training forward that finds no begin_step before it
         self.register_load_state_dict_post_hook(self._after_load)  # a method, not a lambda: the model pickles
         self.register_state_dict_post_hook(mark_host_state_stale)
 

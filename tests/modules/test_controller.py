@@ -1,6 +1,7 @@
 """Controller transitions: the stage switch, per-block dispatch, per-head budgets, and its saved state."""
 
 import math
+import warnings
 
 import torch
 
@@ -262,3 +263,19 @@ def test_a_step_learns_once_whatever_the_begin_steps_of_its_micro_batches(monkey
     model(x[:1], t[:1]).pow(2).mean().backward()
     ctrl.end_step()
     assert len(calls) == 3 * 3
+
+
+def test_training_forwards_without_begin_step_warn_once():
+    """A loop that never called begin_step trained each predictor once and never switched, without a word."""
+    import pytest
+
+    x, t = torch.randn(1, 3, 2, 8, 8), torch.rand(1)
+    model = model_with()
+    with pytest.warns(UserWarning, match=r"a training forward before any controller.begin_step\(step\)"):
+        model(x, t).pow(2).mean().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x, t).pow(2).mean().backward()  # once
+        fresh = model_with()
+        fresh.controller.begin_step(0)
+        fresh(x, t).pow(2).mean().backward()  # with begin_step: no warning
