@@ -476,7 +476,7 @@ class DSVAttentionCore(nn.Module):
             self._window_cache = (key, index)
         return self._window_cache[1]
 
-    def _select(self, hidden, q, k, grid, recomputable: bool):
+    def _select(self, hidden, q, k, grid, training: bool, recomputable: bool):
         # An activation-checkpointing recompute runs inside the backward pass: it must reuse the keys of
         # the original forward (the predictor has stepped since). Every other forward selects afresh, so
         # gradient-accumulation micro-batches each get their own keys. `recomputable` (a forward with grad
@@ -485,10 +485,14 @@ class DSVAttentionCore(nn.Module):
         key = self._forward_key(q, grid)
         if torch._C._current_graph_task_id() != -1:
             return self.recall_selection(key, hidden, lambda: self._selection(hidden, q, k, grid)[0])
-        index, reselect = self._selection(hidden, q, k, grid, keep_for_recompute=recomputable)
+        # Outside training mode, only within a step (begin_step .. end_step), where the predictor may step before
+        # the recompute: outside one nothing steps, a recompute selects the same keys again, and remembering
+        # every such forward (a sampler that takes gradients) would keep their rows for good.
+        remember = recomputable and (training or (self.controller is not None and self.controller.step_open))
+        index, reselect = self._selection(hidden, q, k, grid, keep_for_recompute=remember)
         # A window's selection depends on the grid alone: a recompute selects it again. Remembered, it would
         # pile up without a controller's steps to clear it (window mode runs without one).
-        if recomputable and self.cfg.mode != "window":
+        if remember and self.cfg.mode != "window":
             self.remember_selection(key, hidden, reselect)
         return index
 
@@ -987,7 +991,7 @@ def _select_kernel(
     if check_finite:
         layer._check_finite(hidden, collective=training)
     with _autocast(q.device.type, autocast_dtype):
-        index = layer._select(hidden, q, k, tuple(grid), recomputable)
+        index = layer._select(hidden, q, k, tuple(grid), training, recomputable)
     return index.indices, index.counts
 
 

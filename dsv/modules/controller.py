@@ -27,6 +27,10 @@ LAYOUT_BUFFER = "layout"
 with (`layout_record`), so that the state is not loaded into a model of another cube, key block or θ."""
 
 
+# Training forwards under one step number without end_step after which begin_step warns: gradient accumulation
+# with a begin_step per micro-batch stays below it.
+REPEATED_BEGIN_WARNING = 64
+
 # Per-layer buffers that the profiler and the predictor update inside the training forward (EMAs, and the
 # recall boost's integral step). Rank-local inputs make them differ by rank; `average_over_ranks` averages them.
 EMA_BUFFERS = ("sparsity_ema", "recall_ema", "loss_ema", "keep_boost")
@@ -160,6 +164,12 @@ class DSVController(nn.Module):
         self.learn_id = 0
         self._begun_step: int | None = None
         self._ended_step: int | None = None
+        # Between begin_step and end_step: the predictors may step, so a forward with gradients outside training
+        # mode must remember its keys for its recompute; outside a step nothing steps and a recompute re-selects.
+        self.step_open = False
+        # begin_steps of one step number in a row whose forwards trained, without end_step (micro-batches, or a
+        # counter that never advances in a loop without end_step).
+        self._repeated_unended = 0
         # `forward_id` at the last `end_step`: an `end_step` that finds it unchanged had no `begin_step` before it.
         self._ended_forward_id = 0
         # Training steps in a row (begin_step, a forward that trained) left without end_step: one is a step
@@ -247,15 +257,21 @@ class DSVController(nn.Module):
     def refresh_host_state(self) -> None:
         """Read the stage, each layer's dispatch and budgets, and the predictors' learning rate again from the
         DSV buffers. `load_state_dict` does this itself; a write past it (in place into the tensors of a
-        `state_dict()`, as `torch.distributed.checkpoint.load` does) is caught at the next `begin_step` or eager
-        forward, since taking a state_dict marks the mirrors stale; call this after other in-place writes. One
-        device synchronisation. A model still on the meta device has nothing to read."""
+        `state_dict()`, as `torch.distributed.checkpoint.load` does) is caught at the next `begin_step`, eager
+        layer forward, or forward of a VideoDiT or an installed diffusers model (compiled blocks or not), since
+        taking a state_dict marks the mirrors stale; call this after other in-place writes. One device
+        synchronisation. A model still on the meta device has nothing to read."""
         buffers = [self.stage, *(b for layer in self._layers for b in (layer.use_sparse, layer.keep_fraction))]
         if any(b.is_meta for b in buffers):
             return
-        self._refresh_host_state()
+        # One transfer for all of them (each read of a device value would wait for the device on its own).
+        values = torch.cat([b.detach().reshape(-1).to("cpu", torch.float64) for b in buffers]).tolist()
+        self._stage_host = int(values[0])
+        at = 1
         for layer in self._layers:
-            layer._refresh_host_state()
+            layer._use_sparse_host = bool(values[at])
+            layer._keep_fraction_host = values[at + 1:at + 1 + layer.heads]
+            at += 1 + layer.heads
         self._follow_stage_in_predictor_lr()
         self.host_state_stale = False
 
@@ -278,7 +294,14 @@ class DSVController(nn.Module):
                              "micro-batches")
         new_step = step != self._begun_step
         unended = self.cfg.mode not in FIXED_MODES and self.forward_id != self._ended_forward_id
-        if unended and new_step and any(layer._learned_id == self.forward_id for layer in self._layers):
+        trained = unended and any(layer._learned_id == self.forward_id for layer in self._layers)
+        self._repeated_unended = self._repeated_unended + 1 if trained and not new_step else 0
+        if self._repeated_unended == REPEATED_BEGIN_WARNING:
+            warnings.warn(f"begin_step({step}): {self._repeated_unended} training forwards in a row under one step "
+                          "number without end_step(): the step learns once, so a loop that never advances the step "
+                          "or never calls end_step() leaves DSV dense; call end_step() after each optimizer step",
+                          stacklevel=2)
+        if trained and new_step:
             self._unended_training_steps += 1
             if self._unended_training_steps >= 2:
                 # end_step runs the stage switch and the dispatch: without it DSV would stay dense for good.
@@ -289,6 +312,7 @@ class DSVController(nn.Module):
             self.refresh_host_state()
         self.step = int(step)
         self.forward_id += 1
+        self.step_open = True
         if new_step:
             self.learn_id += 1
             self._begun_step = self.step
@@ -317,6 +341,7 @@ class DSVController(nn.Module):
                                "controller.begin_step(step) before each step's forwards")
         self._ended_forward_id = self.forward_id
         self._ended_step = self.step
+        self.step_open = False
         self._unended_training_steps = 0
         self._warn_if_nothing_trained()
         self._refuse_sharded_predictors()

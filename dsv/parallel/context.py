@@ -396,7 +396,9 @@ class ContextParallel:
         # As `DSVAttentionCore._select`: a checkpointing recompute (inside backward) reuses the forward's keys.
         key = (*layer._forward_key(q, grid), layout)
         keep_blocks = layer._keep_blocks(-(-q.shape[2] * layout.scp // layer.cfg.key_block))
-        recomputable = torch.is_grad_enabled()  # whatever the train/eval mode, as `DSVAttentionCore.prepare_index`
+        # As `DSVAttentionCore._select`: in training mode, or within a step whatever the mode.
+        recomputable = torch.is_grad_enabled() and (
+            layer.training or (layer.controller is not None and layer.controller.step_open))
 
         def selection(keep_for_recompute: bool = False) -> Callable[[], SparseIndex | LocalIndex]:
             return self._selection(layer, x, q, k, layout, grid, keep_blocks, keep_for_recompute, local=True)

@@ -279,3 +279,34 @@ def test_training_forwards_without_begin_step_warn_once():
         fresh = model_with()
         fresh.controller.begin_step(0)
         fresh(x, t).pow(2).mean().backward()  # with begin_step: no warning
+
+
+def test_forwards_with_gradients_outside_a_step_keep_no_selection_and_a_stuck_step_warns():
+    """Every grad-enabled forward remembered its keys for a recompute: a sampler that takes gradients of an eval
+    model, with no begin_step, kept one more per forward for good. Outside a step nothing can step the predictor,
+    so such forwards keep none. A loop whose step number never advances without end_step learned once and stayed
+    dense in silence: it warns."""
+    import pytest
+
+    from dsv.modules.controller import REPEATED_BEGIN_WARNING
+
+    x, t = torch.randn(1, 3, 2, 8, 8), torch.rand(1)
+    model = model_with(max_stage1_steps=1, sparse_threshold=0.0, profile_every_stage1=1)
+    model.controller.begin_step(0)
+    model(x, t).sum().backward()
+    model.controller.end_step()
+    assert model.controller.sparse_layers() == [0, 1, 2]
+    model.eval()
+    xs = x.clone().requires_grad_(True)
+    for _ in range(5):
+        torch.autograd.grad(model(xs, t).sum(), xs)
+    assert all(not layer._selection_cache for layer in model.controller.layers)
+
+    stuck = model_with()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(REPEATED_BEGIN_WARNING):
+            stuck.controller.begin_step(0)
+            stuck(x, t).pow(2).mean().backward()
+    with pytest.warns(UserWarning, match=rf"{REPEATED_BEGIN_WARNING} training forwards in a row under one step"):
+        stuck.controller.begin_step(0)
