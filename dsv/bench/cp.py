@@ -177,25 +177,15 @@ def run(args) -> int:
 
 def _bench(args, runtimes, seq_len, name, sparsity, link_gbps, device, failures) -> list[dict]:
     heads, dim, block, world = args.heads, args.head_dim, args.block, dist.get_world_size()
-    rank = dist.get_rank()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gen = torch.Generator(device=device).manual_seed(seq_len)
     full = [torch.randn(1, heads, seq_len, dim, device=device, dtype=dtype, generator=gen) for _ in range(4)]
     q_lr, k_lr = (torch.randn(1, heads, seq_len, 16, device=device, generator=gen) for _ in range(2))
     keep_blocks = keep_blocks_from_sparsity(torch.tensor(sparsity), seq_len // block, 1)
     index = estimate_index(q_lr, k_lr, keep_blocks, block, block)  # the same on every rank (same seed)
-    local_len = seq_len // world
-    rows_of_rank = slice(rank * local_len, (rank + 1) * local_len)
-    # fp32 reference of the forward and of the gradients of this rank's rows (the upstream gradient of every
-    # rank's rows is full[3]: each rank's keys collect gradient from every rank's queries).
-    reference_inputs = [t.detach().to(torch.float32, copy=True).requires_grad_(True) for t in full[:3]]
-    reference_out = sparse_attention(*reference_inputs, index)
-    reference_grads = torch.autograd.grad(reference_out, reference_inputs, full[3].to(torch.float32))
-    # Copies of this rank's rows: views would keep the whole float32 output and gradients alive while timing.
-    reference = reference_out.detach()[:, :, rows_of_rank].clone()
-    reference_grads = [g[:, :, rows_of_rank].clone() for g in reference_grads]
-    q, k, v, grad = (t[:, :, rows_of_rank].contiguous() for t in full)
-    del full, reference_inputs, reference_out
+    (q, k, v, grad), reference, reference_grads = _rank_rows_and_reference(
+        full, lambda *inputs: sparse_attention(*inputs, index))
+    del full
     kept = [float(b) / (seq_len // block) for b in keep_blocks]
     fetched = {world: fetched_fraction(index, world)}
     steps = {}
@@ -233,6 +223,22 @@ def _bench(args, runtimes, seq_len, name, sparsity, link_gbps, device, failures)
                         "ms": ms, "predicted_ms": predicted, "error": error, "flops": flops, "peak_gib": peak,
                         "dense_tflops": dense_tflops, "efficiency": efficiency})
     return results
+
+
+def _rank_rows_and_reference(full: list[torch.Tensor], attention):
+    """From the whole sequence's `full = [q, k, v, output gradient]` ([1, H, S, D]): this rank's rows of each, and
+    the float32 reference output and dq, dk, dv of those rows under `attention(q, k, v)` over the whole sequence
+    (every rank's rows take the upstream gradient full[3]: each rank's keys collect gradient from every rank's
+    queries). The reference rows are copies: views would keep the whole float32 tensors alive while timing."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    local_len = full[0].shape[2] // world
+    rows = slice(rank * local_len, (rank + 1) * local_len)
+    inputs = [t.detach().to(torch.float32, copy=True).requires_grad_(True) for t in full[:3]]
+    out = attention(*inputs)
+    grads = torch.autograd.grad(out, inputs, full[3].to(torch.float32))
+    reference = out.detach()[:, :, rows].clone()
+    reference_grads = [g[:, :, rows].clone() for g in grads]
+    return [t[:, :, rows].contiguous() for t in full], reference, reference_grads
 
 
 def _gate(attention, inputs, grad, reference, reference_grads, what: str, failures: list[str]) -> float:
@@ -283,23 +289,19 @@ def _time_and_profile(step, inputs: tuple[torch.Tensor, ...], args, device: torc
 def _bench_dense(args, runtime: ContextParallel, seq_len: int, link_gbps: float, device, failures) -> list[dict]:
     """The dense baseline's row at `seq_len`: Ulysses HCP (equal contiguous heads per rank) with cuDNN dense
     attention, gated against float32 dense attention on the whole sequence."""
-    heads, dim, world, rank = args.heads, args.head_dim, dist.get_world_size(), dist.get_rank()
+    heads, dim, world = args.heads, args.head_dim, dist.get_world_size()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gen = torch.Generator(device=device).manual_seed(seq_len + 1)
     full = [torch.randn(1, heads, seq_len, dim, device=device, dtype=dtype, generator=gen) for _ in range(4)]
-    local_len = seq_len // world
-    rows_of_rank = slice(rank * local_len, (rank + 1) * local_len)
-    reference_inputs = [t.detach().to(torch.float32, copy=True).requires_grad_(True) for t in full[:3]]
-    # By name on a GPU: float32 rules out flash and cuDNN, and the math backend would hold S² scores (256 GiB at
-    # 64k tokens and 16 heads); the memory-efficient one is linear in S. On the CPU, SDPA's own choice.
-    efficient = sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION) if device.type == "cuda" else contextlib.nullcontext()
-    with efficient:
-        reference_out = F.scaled_dot_product_attention(*reference_inputs)
-        reference_grads = torch.autograd.grad(reference_out, reference_inputs, full[3].to(torch.float32))
-    reference = reference_out.detach()[:, :, rows_of_rank].clone()
-    reference_grads = [g[:, :, rows_of_rank].clone() for g in reference_grads]
-    q, k, v, grad = (t[:, :, rows_of_rank].contiguous() for t in full)
-    del full, reference_inputs, reference_out
+
+    def dense_reference(*inputs):
+        # By name on a GPU: float32 rules out flash and cuDNN, and the math backend would hold S² scores (256 GiB
+        # at 64k tokens and 16 heads); the memory-efficient one is linear in S. On the CPU, SDPA's own choice.
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION) if device.type == "cuda" else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(*inputs)
+
+    (q, k, v, grad), reference, reference_grads = _rank_rows_and_reference(full, dense_reference)
+    del full
     layout = runtime.plan_layout([1.0] * heads, False, heads, dim, seq_len, 1)
 
     def attention(q_, k_, v_):

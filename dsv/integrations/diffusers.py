@@ -149,8 +149,8 @@ class _LatentGrid:
                 f"axis longer than the model's rope_max_seq_len={limit} positions"
             )
         self.grid = grid
-        if self.controller is not None and self.controller.host_state_stale:
-            self.controller.refresh_host_state()  # a state written in place since (compiled blocks cannot)
+        if self.controller is not None:
+            self.controller.refresh_host_state_if_stale()  # a state written in place since (compiled blocks cannot)
         if getattr(module, "gradient_checkpointing", False):
             self.keep_grid_in_checkpoints(module)
         if torch.is_grad_enabled():  # a forward a backward (and its recomputes) may follow

@@ -383,8 +383,7 @@ class DSVAttentionCore(nn.Module):
         self.resolve_backends(q, q.shape[2])
         if self.controller is not None and not torch.compiler.is_compiling():  # an int Dynamo would guard on
             self._seen_id = self.controller.forward_id
-            if self.controller.host_state_stale:  # a forward without begin_step, e.g. sampling after a load
-                self.controller.refresh_host_state()
+            self.controller.refresh_host_state_if_stale()  # a forward without begin_step, e.g. sampling
         # Not in an eager checkpointing recompute (inside the backward): it would see the same forward twice. A
         # compiled block cannot ask (the graph task id is no tensor), so there the hook runs as traced.
         if self.observer is not None and (torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1):
@@ -401,8 +400,8 @@ class DSVAttentionCore(nn.Module):
         index = None
         # Select before the predictor steps, so a checkpointing recompute selects the same keys.
         if self.runs_sparse():
-            # Every forward with gradients may be recomputed by activation checkpointing, whatever the layer's
-            # train/eval mode (diffusers checkpoints whenever gradients are on): each one remembers its keys.
+            # Any forward with gradients may be recomputed by activation checkpointing, whatever the layer's
+            # train/eval mode (diffusers checkpoints whenever gradients are on): `_select` decides what to keep.
             indices, counts = select(self._runtime_id, hidden, q, k, list(grid), self.cfg.group_size, training,
                                      torch.is_grad_enabled(), check, autocast_dtype)
             index = SparseIndex(indices, counts, self.cfg.group_size, self.cfg.key_block, q.shape[2])

@@ -264,8 +264,8 @@ class DSVController(nn.Module):
         buffers = [self.stage, *(b for layer in self._layers for b in (layer.use_sparse, layer.keep_fraction))]
         if any(b.is_meta for b in buffers):
             return
-        # One transfer for all of them (each read of a device value would wait for the device on its own).
-        values = torch.cat([b.detach().reshape(-1).to("cpu", torch.float64) for b in buffers]).tolist()
+        # Gathered on their device, then one transfer (each read of a device value would wait for it on its own).
+        values = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in buffers]).tolist()
         self._stage_host = int(values[0])
         at = 1
         for layer in self._layers:
@@ -274,6 +274,11 @@ class DSVController(nn.Module):
             at += 1 + layer.heads
         self._follow_stage_in_predictor_lr()
         self.host_state_stale = False
+
+    def refresh_host_state_if_stale(self) -> None:
+        """`refresh_host_state` where a state_dict has been handed out since the mirrors were last read."""
+        if self.host_state_stale:
+            self.refresh_host_state()
 
     # ----- schedule -----
     @property
@@ -308,8 +313,7 @@ class DSVController(nn.Module):
                 raise RuntimeError(f"begin_step({step}): the last {self._unended_training_steps} training steps had "
                                    "no end_step(); call controller.end_step() after each optimizer step (it runs "
                                    "the stage switch and the dispatch, without which DSV stays dense)")
-        if self.host_state_stale:
-            self.refresh_host_state()
+        self.refresh_host_state_if_stale()
         self.step = int(step)
         self.forward_id += 1
         self.step_open = True

@@ -176,8 +176,8 @@ class VideoDiT(nn.Module):
         if t.shape != (x.shape[0],):
             raise ValueError(f"t must be [B]={x.shape[0]} timesteps in [0, 1], got {tuple(t.shape)}")
         grid = self.token_grid(x.shape)
-        if self.controller.host_state_stale and not torch.compiler.is_compiling():
-            self.controller.refresh_host_state()  # a state written in place since (a compiled block cannot)
+        if not torch.compiler.is_compiling():
+            self.controller.refresh_host_state_if_stale()  # a state written in place since (a compiled block cannot)
         # Under FSDP mixed precision the weights arrive in bf16 and the inputs are not cast for us.
         x = x.to(self.patch_embed.weight.dtype) if not torch.is_autocast_enabled(x.device.type) else x
         # [B, S, hidden] in raster order, made contiguous once: the transposed view's strides would otherwise
