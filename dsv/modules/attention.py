@@ -118,6 +118,9 @@ class DSVAttentionCore(nn.Module):
         self._warned_backend = False
         self._window_cache: tuple[tuple, SparseIndex] | None = None
         self._last_shape: tuple[int, int] | None = None
+        # (batch, sequence length) and sparse backend of the last training forward: what the dispatch times.
+        self._trained_shape: tuple[int, int] | None = None
+        self._trained_backend: str | None = None
         self._warned_estimation = False
         self._warned_forward_kernel = False
         self._warned_backward_kernel = False
@@ -202,7 +205,7 @@ class DSVAttentionCore(nn.Module):
 
     def dispatch(self, batch: int | None = None) -> None:
         """Decide dense or sparse for this block from its profiled sparsity, and each head's budget; the speed
-        model at `batch` (None: the last forward's)."""
+        model at `batch` (None: `dispatch_basis`'s)."""
         if self.cfg.mode not in ("dsv", "oracle"):
             return  # a window or dense layer under a controller of DSV layers: its attention is fixed by its mode
         sparsity = self.sparsity_ema
@@ -224,16 +227,25 @@ class DSVAttentionCore(nn.Module):
         self.use_sparse.fill_(sparse)
         self._refresh_host_state()
 
+    def dispatch_basis(self) -> tuple[tuple[int, int] | None, str]:
+        """`((batch, sequence length), sparse backend)` that the dispatch times: the last training forward's, so
+        that an evaluation forward run between a step's training forwards and its `end_step` (another batch,
+        dtype or device) does not decide it; the last forward's where none has trained."""
+        if self._trained_shape is not None:
+            return self._trained_shape, self._trained_backend
+        return self._last_shape, self._last_backend
+
     def sparse_pays(self, keep: torch.Tensor, margin: float = 0.0, batch: int | None = None) -> tuple[bool | None, str]:
         """Whether the measured kernel speed (`dsv.modules.dispatch`) predicts sparse attention at the per-head
-        kept fractions `keep` (float ``[H]``) faster than dense, by `margin` of dense's time, at this layer's last
-        shape (with `batch`, at that batch size instead); and the numbers as text. None (and "") where no speed
-        model applies: `speed_dispatch` off, a backend without one, or no forward seen yet."""
-        model, blocks = (speed_model(self._last_backend, self.cfg.group_size, self.cfg.key_block)
+        kept fractions `keep` (float ``[H]``) faster than dense, by `margin` of dense's time, at the shape of
+        `dispatch_basis` (with `batch`, at that batch size instead); and the numbers as text. None (and "") where
+        no speed model applies: `speed_dispatch` off, a backend without one, or no forward seen yet."""
+        basis, backend = self.dispatch_basis()
+        model, blocks = (speed_model(backend, self.cfg.group_size, self.cfg.key_block)
                          if self.cfg.speed_dispatch else (None, ""))
-        if model is None or self._last_shape is None:
+        if model is None or basis is None:
             return None, ""
-        last_batch, seq_len = self._last_shape
+        last_batch, seq_len = basis
         # The kernels run whole key blocks, at least the floor: at short sequences a head's budget rounds up by
         # a sizeable fraction, which the model must be given rather than the fraction asked for.
         num_kv_blocks = -(-seq_len // self.cfg.key_block)
@@ -243,7 +255,7 @@ class DSVAttentionCore(nn.Module):
         shape = (last_batch if batch is None else batch, self.heads, seq_len, self.head_dim)
         dense_ms = model.dense_ms(*shape)
         return model.pays(run_keep, *shape, margin=margin), (
-            f"; {self._last_backend} speed model ({blocks}): sparse {model.sparse_ms(run_keep, *shape):.2f} ms at "
+            f"; {backend} speed model ({blocks}): sparse {model.sparse_ms(run_keep, *shape):.2f} ms at "
             f"{run_keep:.3f} kept in whole key blocks vs dense {dense_ms:.2f} ms"
             + (f" (to go sparse: < {(1.0 - margin) * dense_ms:.2f} ms)" if margin else ""))
 
@@ -630,6 +642,9 @@ class DSVAttentionCore(nn.Module):
         sparsity and the recall of this layer's selection. Updates the given EMA tensors in place: the layer's
         buffers, or a compiled graph's copies of them."""
         cfg, controller = self.cfg, self.controller
+        # Here, at run time, not in the traced forward: a compiled graph replays host writes after it has run.
+        self._trained_shape = (q.shape[0], q.shape[2])
+        self._trained_backend = resolve_backend(cfg.backend, q, cfg.group_size, cfg.key_block)[0]
         if not self.claim_step():
             return
         seq_len = q.shape[2]

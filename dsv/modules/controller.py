@@ -56,10 +56,11 @@ def average_over_ranks(layers: list) -> None:
 
 
 def largest_batches_over_ranks(layers: list) -> list[int | None]:
-    """Each layer's batch of its last forward, the largest over all ranks (None where no rank has run it): the
-    kernel-speed model decides sparse or dense by batch size, and ranks with uneven batches (a batch the world
-    size does not divide) would otherwise dispatch differently, so that their replicas drift apart."""
-    local = [layer._last_shape[0] if layer._last_shape is not None else 0 for layer in layers]
+    """Each layer's batch of its last training forward (`dispatch_basis`), the largest over all ranks (None
+    where no rank has run it): the kernel-speed model decides sparse or dense by batch size, and ranks with
+    uneven batches (a batch the world size does not divide) would otherwise dispatch differently, so that their
+    replicas drift apart."""
+    local = [basis[0] if (basis := layer.dispatch_basis()[0]) is not None else 0 for layer in layers]
     batches = torch.tensor(local, dtype=torch.int64, device=layers[0].sparsity_ema.device)
     dist.all_reduce(batches, op=dist.ReduceOp.MAX)
     return [int(batch) or None for batch in batches.tolist()]
@@ -255,8 +256,9 @@ class DSVController(nn.Module):
                 layer.predictor.set_lr(layer.cfg.predictor_lr * scale)
 
     def refresh_host_state(self) -> None:
-        """Read the stage, each layer's dispatch and budgets, and the predictors' learning rate again from the
-        DSV buffers. `load_state_dict` does this itself; a write past it (in place into the tensors of a
+        """Read the stage, each layer's dispatch and budgets again from the DSV buffers, and set the predictors'
+        learning rate to the stage's where the stage read differs from the one held (a rate set by hand stays
+        while the stage does). `load_state_dict` does this itself; a write past it (in place into the tensors of a
         `state_dict()`, as `torch.distributed.checkpoint.load` does) is caught at the next `begin_step`, eager
         layer forward, or forward of a VideoDiT or an installed diffusers model (compiled blocks or not), since
         taking a state_dict marks the mirrors stale; call this after other in-place writes. One device
@@ -266,13 +268,16 @@ class DSVController(nn.Module):
             return
         # Gathered on their device, then one transfer (each read of a device value would wait for it on its own).
         values = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in buffers]).tolist()
+        stage_changed = int(values[0]) != self._stage_host
         self._stage_host = int(values[0])
         at = 1
         for layer in self._layers:
             layer._use_sparse_host = bool(values[at])
             layer._keep_fraction_host = values[at + 1:at + 1 + layer.heads]
             at += 1 + layer.heads
-        self._follow_stage_in_predictor_lr()
+        if stage_changed:
+            # Only then: every state_dict() marks the mirrors stale, and a save must not reset the rate.
+            self._follow_stage_in_predictor_lr()
         self.host_state_stale = False
 
     def refresh_host_state_if_stale(self) -> None:
@@ -395,15 +400,26 @@ class DSVController(nn.Module):
     def _warn_if_nothing_trained(self) -> None:
         """Warns once when the step ran the model but no training forward (grad enabled, train mode): its
         predictors learned nothing and no sparsity was measured, so DSV would stay dense for good without a
-        word, e.g. for a model that `from_pretrained` returned in eval mode. Eager forwards only."""
-        if self._warned_untrained_step or not any(layer.predictor is not None for layer in self._layers):
+        word, e.g. for a model that `from_pretrained` returned in eval mode. Likewise, once, when some layers
+        trained and others ran without training (a block left in eval mode, or run under torch.no_grad, inside
+        a training model): those layers would stay dense for good. Eager forwards only."""
+        learners = [layer for layer in self._layers if layer.predictor is not None]
+        if self._warned_untrained_step or not learners:
             return
-        ran = any(layer._seen_id == self.forward_id for layer in self._layers)
-        if ran and not any(layer._learned_id == self.forward_id for layer in self._layers):
-            self._warned_untrained_step = True
+        ran = [layer for layer in learners if layer._seen_id == self.forward_id]
+        untrained = [layer.layer_index for layer in ran if layer._learned_id != self.forward_id]
+        if not ran or not untrained:
+            return
+        self._warned_untrained_step = True
+        if len(untrained) == len(ran) and not any(layer._learned_id == self.forward_id for layer in self._layers):
             warnings.warn(f"DSV step {self.step}: the model ran, but no forward of this step trained (the model is "
                           "in eval mode or ran under torch.no_grad), so the predictors learned nothing and no "
                           "sparsity was measured; call model.train() before training forwards", stacklevel=2)
+        else:
+            warnings.warn(f"DSV step {self.step}: DSV layers {untrained} ran in this step but no forward of theirs "
+                          "trained (their modules are in eval mode, or they ran under torch.no_grad) while other "
+                          "layers trained: their predictors learn nothing and they stay dense; call .train() on "
+                          "the whole model", stacklevel=2)
 
     def _switch_reason(self) -> str | None:
         """Why stage 1 ends now, or None while it goes on."""

@@ -233,6 +233,36 @@ def test_a_state_written_in_place_is_read_again_before_it_is_used(tmp_path):
         torch.testing.assert_close(ctrl.layers[0].keep_fraction, trained.controller.layers[0].keep_fraction)
         assert ctrl.layers[0]._keep_fraction_host == trained.controller.layers[0]._keep_fraction_host
 
+    # A rate set by hand survives a save (which marks the mirrors stale) while the stage stays.
+    ctrl.layers[0].predictor.set_lr(5e-5)
+    ctrl.state_dict()
+    assert ctrl.host_state_stale
+    ctrl.begin_step(2)
+    assert not ctrl.host_state_stale
+    assert ctrl.layers[0].predictor.optimizer.param_groups[0]["lr"] == 5e-5
+
+
+def test_a_layer_left_untrained_inside_a_training_model_warns_once():
+    """One block in eval mode (or run under no_grad) inside a model that trains: its predictor never learned and
+    the block stayed dense for good, without a word (the warning covered only a model where nothing trained)."""
+    import pytest
+
+    model = model_with()
+    ctrl = model.controller
+    x = torch.randn(1, 3, 2, 8, 8)
+    t = torch.rand(1)
+    model.blocks[1].eval()
+    ctrl.begin_step(0)
+    model(x, t).pow(2).mean().backward()
+    with pytest.warns(UserWarning, match=r"DSV layers \[1\] ran in this step but no forward of theirs trained"):
+        ctrl.end_step()
+    assert ctrl.layers[0].has_learned and not ctrl.layers[1].has_learned
+    ctrl.begin_step(1)
+    model(x, t).pow(2).mean().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ctrl.end_step()  # once
+
 
 def test_a_step_learns_once_whatever_the_begin_steps_of_its_micro_batches(monkeypatch):
     """A gradient-accumulation loop that calls begin_step for each micro-batch gave the predictors one optimizer

@@ -137,3 +137,43 @@ def test_window_and_dense_layers_keep_their_mode_under_a_dispatching_controller(
         layer.dispatch()
         assert layer.dispatch_reason == reason and reason.startswith(f"attention.mode={mode}")
         assert layer.runs_sparse() is runs_sparse and bool(layer.use_sparse) is use_sparse
+
+
+def test_the_dispatch_times_the_training_forwards_not_an_evaluation_between_them(monkeypatch):
+    """A custom loop that evaluates (another batch size) between a step's training forward and its end_step: the
+    dispatch timed the kernels at the evaluation's batch, the last forward's, and could send a block sparse or
+    dense for a batch that training never runs."""
+    import dsv.modules.attention as attention
+    from dsv.modules.dit import ModelConfig, VideoDiT
+
+    timed = []
+
+    class Recording:
+        """A speed model that records the shapes it is asked about."""
+
+        def dense_ms(self, *shape):
+            timed.append(shape)
+            return 1.0
+
+        def sparse_ms(self, keep, *shape):
+            return 0.5
+
+        def pays(self, keep, *shape, margin=0.0):
+            return True
+
+    # The Triton backend on a CPU: stage 1 runs dense attention, which no backend touches.
+    monkeypatch.setattr(attention, "resolve_backend", lambda *args: ("triton", None))
+    monkeypatch.setattr(attention, "speed_model", lambda backend, *blocks: (Recording(), "recorded"))
+    torch.manual_seed(0)
+    model = VideoDiT(ModelConfig(hidden=32, depth=2, heads=2), AttentionConfig(cube=(2, 2, 2)))
+    layer = model.controller.layers[0]
+    model.controller.begin_step(0)
+    model(torch.randn(2, 3, 2, 8, 8), torch.rand(2)).pow(2).mean().backward()
+    model.eval()
+    with torch.no_grad():
+        model(torch.randn(5, 3, 2, 8, 8), torch.rand(5))
+    tokens = layer._last_shape[1]
+    assert layer._last_shape == (5, tokens)
+    assert layer.dispatch_basis() == ((2, tokens), "triton")
+    layer.sparse_pays(torch.full((2,), 0.2))
+    assert timed == [(2, 2, tokens, 16)]
