@@ -1,4 +1,5 @@
-"""DSV self-attention in diffusers video transformers: `WanTransformer3DModel`, `CogVideoXTransformer3DModel`.
+"""DSV self-attention in diffusers video transformers: `WanTransformer3DModel`, `CogVideoXTransformer3DModel`,
+`HunyuanVideoTransformer3DModel`.
 
 `install_dsv(transformer, cfg)` swaps the processor of every *self*-attention module for a DSV processor and
 registers a `DSVController` as `transformer.dsv_controller`. The processors reuse the module's own
@@ -12,10 +13,11 @@ divides the input's frame/height/width sizes by the model's patch size. A grid t
 does not tile runs as it is: the whole cubes first, the edge tokens after them in groups of neighbours
 (`dsv.ops.grouping`).
 
-Text tokens of CogVideoX: its attention is joint over `[text; video]`. DSV applies to the video-to-video
-part only. Every video query attends to all text keys on top of its selected video keys (text keys are
-never pruned, whatever the budget), and every text query attends densely to all tokens. The predictor, the
-profiled sparsity and the recall of a CogVideoX layer describe the video-to-video attention.
+Text tokens of CogVideoX and HunyuanVideo: their attention is joint over video and text tokens. DSV applies to
+the video-to-video part only. Every video query attends to all text keys on top of its selected video keys (text
+keys are never pruned, whatever the budget; HunyuanVideo's padded text keys, which its mask hides, never count),
+and every text query attends densely to all tokens. The predictor, the profiled sparsity and the recall of such
+a layer describe the video-to-video attention.
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ import torch.nn.functional as F
 from torch import nn
 
 try:
-    from diffusers import CogVideoXTransformer3DModel, WanTransformer3DModel
+    from diffusers import CogVideoXTransformer3DModel, HunyuanVideoTransformer3DModel, WanTransformer3DModel
     from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0
     from diffusers.models.embeddings import apply_rotary_emb
+    from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0
     from diffusers.models.transformers.transformer_wan import WanAttnProcessor
     from diffusers.utils.constants import (
         SAFE_WEIGHTS_INDEX_NAME,
@@ -63,6 +66,7 @@ from dsv.ops.grouping import cube_permutation_on
 
 __all__ = [
     "CogVideoXDSVProcessor",
+    "HunyuanVideoDSVProcessor",
     "WanDSVProcessor",
     "WanVideoModel",
     "build_wan_for_training",
@@ -360,14 +364,12 @@ def _append_always_kept(index: SparseIndex, extra_len: int) -> SparseIndex:
     return SparseIndex(torch.cat([indices, extra_rows], 2), counts, group_size, kv_block, total)
 
 
-class CogVideoXDSVProcessor(_OwnAttentionKernels, DSVAttentionCore):
-    """DSV processor for the joint text+video self-attention (`attn1`) of a `CogVideoXBlock`.
+class _JointVideoTextProcessor(_OwnAttentionKernels, DSVAttentionCore):
+    """What the processors of joint video+text attention (CogVideoX, HunyuanVideo) share: the video tokens'
+    rotary embeddings, and attention in which DSV selects the video keys of each video query cube, every
+    unpadded text key is kept for every video query, and text queries attend densely."""
 
-    Called with `hidden_states [B, S, C]` (video tokens, raster order, `S = T*H*W`),
-    `encoder_hidden_states [B, L, C]` (text tokens) and optionally `image_rotary_emb = (cos, sin)`, each
-    `[S, D]`; returns `(video [B, S, C], text [B, L, C])` like `CogVideoXAttnProcessor2_0`. DSV selects
-    the video keys of each video query cube; text keys are always kept and text queries attend densely.
-    """
+    name = "joint processor"
 
     def __init__(self, attn: nn.Module, cfg: AttentionConfig, grid: _LatentGrid):
         heads = attn.heads
@@ -379,14 +381,66 @@ class CogVideoXDSVProcessor(_OwnAttentionKernels, DSVAttentionCore):
         # `__call__` signature; nn.Module.__call__ is `(*args, **kwargs)` and would lose image_rotary_emb.
         return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
 
-    def _heads(self, attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`x [B, N, C]` → `q, k, v [B, H, N, D]`, with CogVideoX's per-head query/key norms."""
-        q, k, v = (proj(x).unflatten(2, (self.heads, -1)).transpose(1, 2) for proj in (attn.to_q, attn.to_k, attn.to_v))
-        if attn.norm_q is not None:
-            q = attn.norm_q(q)
-        if attn.norm_k is not None:
-            k = attn.norm_k(k)
-        return q, k, v
+    def _heads(self, x: torch.Tensor, projections, norms) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`x [B, N, C]` → `q, k, v [B, H, N, D]` through the projections `(to_q, to_k, to_v)` and the per-head
+        query/key `norms` (either may be None)."""
+        q, k, v = (proj(x).unflatten(2, (self.heads, -1)).transpose(1, 2) for proj in projections)
+        norm_q, norm_k = norms
+        return (q if norm_q is None else norm_q(q)), (k if norm_k is None else norm_k(k)), v
+
+    def _rotate_video(self, q: torch.Tensor, k: torch.Tensor, image_rotary_emb, perm: torch.Tensor):
+        """The model's rotary embedding `(cos, sin)`, each `[S, D]` in raster order, on the video `q, k [B, H, S,
+        D]` in grouped order."""
+        if image_rotary_emb is None:
+            return q, k
+        seq_len = q.shape[2]
+        expected = (seq_len, self.head_dim)
+        if any(tuple(f.shape) != expected for f in image_rotary_emb):
+            # Tables of another grid would be read row by row as this grid's positions, without an error.
+            raise ValueError(
+                f"{self.name}: image_rotary_emb must be (cos, sin), each of shape {list(expected)} for this "
+                f"latent's {seq_len} video tokens; got {[tuple(f.shape) for f in image_rotary_emb]}"
+            )
+        freqs = tuple(f.index_select(0, perm) for f in image_rotary_emb)  # [S, D] in grouped order
+        return apply_rotary_emb(q, freqs), apply_rotary_emb(k, freqs)
+
+    def _joint_attention(self, video: tuple, text: tuple, index: SparseIndex | None, text_lengths: list[int] | None,
+                         key_mask: torch.Tensor | None) -> torch.Tensor:
+        """`video = (q, k, v)` each `[B, H, S, D]` (grouped order), `text = (q, k, v)` each `[B, H, L, D]` →
+        `[B, H, S + L, D]`, video rows first. Dense under `key_mask` where `index` is None; else each video query
+        group attends to its selected video key blocks and to its sample's first `text_lengths[b]` text keys
+        (None: all `L`), and text queries attend densely under `key_mask`."""
+        seq_len, text_len = video[0].shape[2], text[0].shape[2]
+        # Video first, text after: the video groups and key blocks keep their ids, text keys get the last ids.
+        q, k, v = (torch.cat(pair, 2) for pair in zip(video, text))
+        if index is None:
+            return self.attend(q, k, v, None, key_mask)
+        if text_lengths is None:
+            video_out = self.attend(q, k, v, _append_always_kept(index, text_len))[:, :, :seq_len]
+        else:
+            # The index keeps whole key blocks: the padded text keys are left out by giving each sample the
+            # sequence of its own unpadded text, one sample at a time (video training runs small batches).
+            video_out = torch.cat([self.attend(
+                *(t[b:b + 1, :, :seq_len + n] for t in (q, k, v)),
+                _append_always_kept(SparseIndex(index.indices[b:b + 1], index.counts[b:b + 1], index.group_size,
+                                                index.kv_block, seq_len), n))[:, :, :seq_len]
+                for b, n in enumerate(text_lengths)])
+        # Text queries attend densely to every attended key (their rows in the sparse call saw text keys only).
+        text_out = (F.scaled_dot_product_attention(text[0], k, v, attn_mask=key_mask, scale=self.scale)
+                    if text_len else text[0])
+        return torch.cat([video_out, text_out], 2)
+
+
+class CogVideoXDSVProcessor(_JointVideoTextProcessor):
+    """DSV processor for the joint text+video self-attention (`attn1`) of a `CogVideoXBlock`.
+
+    Called with `hidden_states [B, S, C]` (video tokens, raster order, `S = T*H*W`),
+    `encoder_hidden_states [B, L, C]` (text tokens) and optionally `image_rotary_emb = (cos, sin)`, each
+    `[S, D]`; returns `(video [B, S, C], text [B, L, C])` like `CogVideoXAttnProcessor2_0`. DSV selects
+    the video keys of each video query cube; text keys are always kept and text queries attend densely.
+    """
+
+    name = "CogVideoXDSVProcessor"
 
     def forward(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb):
         if encoder_hidden_states is None:
@@ -397,31 +451,82 @@ class CogVideoXDSVProcessor(_OwnAttentionKernels, DSVAttentionCore):
         self.check_input(hidden_states, grid)
         seq_len = hidden_states.shape[1]
         hidden = hidden_states.index_select(1, perm)  # grouped order: each query cube is contiguous
-        q_video, k_video, v_video = self._heads(attn, hidden)
-        q_text, k_text, v_text = self._heads(attn, encoder_hidden_states)
-        if image_rotary_emb is not None:
-            expected = (seq_len, self.head_dim)
-            if any(tuple(f.shape) != expected for f in image_rotary_emb):
-                # Tables of another grid would be read row by row as this grid's positions, without an error.
-                raise ValueError(
-                    f"CogVideoXDSVProcessor: image_rotary_emb must be (cos, sin), each of shape {list(expected)} "
-                    f"for this latent's {seq_len} video tokens; got {[tuple(f.shape) for f in image_rotary_emb]}"
-                )
-            freqs = tuple(f.index_select(0, perm) for f in image_rotary_emb)  # [S, D] in grouped order
-            q_video, k_video = apply_rotary_emb(q_video, freqs), apply_rotary_emb(k_video, freqs)
+        projections, norms = (attn.to_q, attn.to_k, attn.to_v), (attn.norm_q, attn.norm_k)
+        q_video, k_video, v_video = self._heads(hidden, projections, norms)
+        text = self._heads(encoder_hidden_states, projections, norms)
+        q_video, k_video = self._rotate_video(q_video, k_video, image_rotary_emb, perm)
         index = self.prepare_index(hidden, q_video, k_video, grid)
-        # Video first, text after: the video groups and key blocks keep their ids, text keys get the last ids.
-        q, k, v = (torch.cat(pair, 2) for pair in ((q_video, q_text), (k_video, k_text), (v_video, v_text)))
-        if index is None:
-            out = self.attend(q, k, v, None)
-        else:
-            video_out = self.attend(q, k, v, _append_always_kept(index, q_text.shape[2]))[:, :, :seq_len]
-            # Text queries attend densely to every token (their rows in the sparse call saw text keys only).
-            text_out = F.scaled_dot_product_attention(q_text, k, v, scale=self.scale) if q_text.shape[2] else q_text
-            out = torch.cat([video_out, text_out], 2)
-        out = out.transpose(1, 2).flatten(2, 3).type_as(q)
+        out = self._joint_attention((q_video, k_video, v_video), text, index, None, None)
+        out = out.transpose(1, 2).flatten(2, 3).type_as(q_video)
         out = attn.to_out[1](attn.to_out[0](out))
         return out[:, :seq_len].index_select(1, inv), out[:, seq_len:]
+
+
+def _text_key_lengths(attention_mask: torch.Tensor | None, batch: int, seq_len: int, text_len: int) -> list[int] | None:
+    """Each sample's number of attended text keys under HunyuanVideo's key mask `attention_mask [B, 1, 1, S + L]`
+    (bool; every video key and the first `L_b` text keys True, the padding after them False), or None where every
+    key is attended (no mask, or one without padding). One device synchronisation."""
+    if attention_mask is None:
+        return None
+    expected_shape = (batch, 1, 1, seq_len + text_len)
+    if attention_mask.dtype != torch.bool or tuple(attention_mask.shape) != expected_shape:
+        raise ValueError(f"HunyuanVideoDSVProcessor: attention_mask must be a bool key mask of shape "
+                         f"{list(expected_shape)} (as HunyuanVideoTransformer3DModel builds it), got "
+                         f"{tuple(attention_mask.shape)} {attention_mask.dtype}")
+    keys = attention_mask[:, 0, 0]
+    lengths = keys[:, seq_len:].sum(1)
+    positions = torch.arange(seq_len + text_len, device=keys.device)
+    if not torch.equal(keys, positions < (seq_len + lengths).unsqueeze(1)):
+        raise ValueError("HunyuanVideoDSVProcessor: attention_mask must attend every video key and, per sample, a "
+                         "leading run of its text keys (the padding after them masked), as "
+                         "HunyuanVideoTransformer3DModel builds it from encoder_attention_mask; DSV's sparse path "
+                         "has no other masks")
+    lengths = lengths.tolist()
+    return None if min(lengths) == text_len else lengths
+
+
+class HunyuanVideoDSVProcessor(_JointVideoTextProcessor):
+    """DSV processor for the joint video+text attention (`attn`) of HunyuanVideo's dual-stream blocks (text
+    projected by the module's `add_q_proj/add_k_proj/add_v_proj`, output through `to_out` and `to_add_out`) and
+    single-stream blocks (text projected like video, no output projection).
+
+    Called with `hidden_states [B, S, C]` (video tokens, raster order, `S = T*H*W`), `encoder_hidden_states
+    [B, L, C]` (text tokens), `attention_mask [B, 1, 1, S + L]` (bool, True where a key is attended: every video
+    key and each sample's unpadded text keys) and `image_rotary_emb = (cos, sin)`, each `[S, D]`; returns `(video
+    [B, S, C], text [B, L, C])` like `HunyuanVideoAttnProcessor2_0`. DSV selects the video keys of each video
+    query cube; each sample's unpadded text keys are always kept, its padded ones never; text queries attend
+    densely under the mask. The mask's text lengths are read on the host (one synchronisation per layer call);
+    where samples' text is padded, their sparse attention runs one sample at a time.
+    """
+
+    name = "HunyuanVideoDSVProcessor"
+
+    def forward(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb):
+        if encoder_hidden_states is None:
+            raise ValueError("HunyuanVideoDSVProcessor: encoder_hidden_states (the text tokens [B, L, C]) is required")
+        grid, perm, inv = self._grid.of_call(self.layer_index, hidden_states)
+        self.check_input(hidden_states, grid)
+        batch, seq_len = hidden_states.shape[:2]
+        text_len = encoder_hidden_states.shape[1]
+        lengths = _text_key_lengths(attention_mask, batch, seq_len, text_len)
+        hidden = hidden_states.index_select(1, perm)  # grouped order: each query cube is contiguous
+        projections, norms = (attn.to_q, attn.to_k, attn.to_v), (attn.norm_q, attn.norm_k)
+        q_video, k_video, v_video = self._heads(hidden, projections, norms)
+        if attn.add_q_proj is not None:  # dual-stream block: text has projections and norms of its own
+            projections = (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+            norms = (attn.norm_added_q, attn.norm_added_k)
+        text = self._heads(encoder_hidden_states, projections, norms)
+        q_video, k_video = self._rotate_video(q_video, k_video, image_rotary_emb, perm)
+        index = self.prepare_index(hidden, q_video, k_video, grid)
+        out = self._joint_attention((q_video, k_video, v_video), text, index, lengths,
+                                    None if lengths is None else attention_mask)
+        out = out.transpose(1, 2).flatten(2, 3).type_as(q_video)
+        video, text_out = out[:, :seq_len], out[:, seq_len:]
+        if getattr(attn, "to_out", None) is not None:
+            video = attn.to_out[1](attn.to_out[0](video))
+        if getattr(attn, "to_add_out", None) is not None:
+            text_out = attn.to_add_out(text_out)
+        return video.index_select(1, inv), text_out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -443,9 +548,15 @@ def _self_attention_layout(transformer: nn.Module):
         patch = (int(transformer.config.patch_size_t or 1), p, p)
         rotary = bool(transformer.config.use_rotary_positional_embeddings)
         return modules, CogVideoXDSVProcessor, CogVideoXAttnProcessor2_0, (patch, 1, "[B, F, C, H, W]"), rotary
+    if isinstance(transformer, HunyuanVideoTransformer3DModel):
+        modules = [(f"{stack}.{i}.attn", block.attn) for stack in ("transformer_blocks", "single_transformer_blocks")
+                   for i, block in enumerate(getattr(transformer, stack))]
+        p = int(transformer.config.patch_size)
+        patch = (int(transformer.config.patch_size_t), p, p)
+        return modules, HunyuanVideoDSVProcessor, HunyuanVideoAttnProcessor2_0, (patch, 2, "[B, C, F, H, W]"), True
     raise TypeError(
-        "install_dsv supports diffusers WanTransformer3DModel and CogVideoXTransformer3DModel, "
-        f"got {type(transformer).__name__}"
+        "install_dsv supports diffusers WanTransformer3DModel, CogVideoXTransformer3DModel and "
+        f"HunyuanVideoTransformer3DModel, got {type(transformer).__name__}"
     )
 
 
@@ -458,13 +569,15 @@ def install_dsv(transformer: nn.Module, cfg: AttentionConfig) -> DSVController:
     """Install DSV on every self-attention layer of a diffusers video transformer.
 
     Args:
-        transformer: a `WanTransformer3DModel` (its `attn1` modules) or `CogVideoXTransformer3DModel`
-            (its joint `attn1` modules; text tokens are always attended, see the module docstring), with
-            the default processors. Cross-attention (Wan `attn2`) is left as it is.
+        transformer: a `WanTransformer3DModel` (its `attn1` modules), `CogVideoXTransformer3DModel` (its joint
+            `attn1` modules; text tokens are always attended, see the module docstring) or
+            `HunyuanVideoTransformer3DModel` (the joint `attn` of its dual- and single-stream blocks; unpadded text
+            tokens always attended, padded ones never; its text refiner is left as it is), with the default
+            processors. Cross-attention (Wan `attn2`) is left as it is.
         cfg: the DSV attention config; a `cfg.cube` that does not tile an input's token grid gives partial cubes
             at its edges (window mode needs whole cubes and says so). `cfg.predictor_rotary=None` (the default)
-            gives the predictors 6 rotary dims where the model's rotary embeddings position q and k (Wan;
-            CogVideoX with `use_rotary_positional_embeddings`), none otherwise.
+            gives the predictors 6 rotary dims where the model's rotary embeddings position q and k (Wan,
+            HunyuanVideo; CogVideoX with `use_rotary_positional_embeddings`), none otherwise.
 
     Returns:
         The controller, also registered as `transformer.dsv_controller` (its stage buffers are in the
@@ -514,9 +627,11 @@ def install_dsv(transformer: nn.Module, cfg: AttentionConfig) -> DSVController:
 # Loading a local from_pretrained folder
 # ----------------------------------------------------------------------------------------------------
 
-_SUPPORTED = {cls.__name__: cls for cls in (WanTransformer3DModel, CogVideoXTransformer3DModel)}
-# state_dict keys that install_dsv adds: the self-attention processors and the controller.
-_DSV_KEY_PATTERNS = (r"(^|\.)attn1\.processor\.", rf"^{CONTROLLER_NAME}\.")
+_SUPPORTED = {cls.__name__: cls for cls in (WanTransformer3DModel, CogVideoXTransformer3DModel,
+                                            HunyuanVideoTransformer3DModel)}
+# state_dict keys that install_dsv adds: the self-attention processors (Wan, CogVideoX: `attn1`; HunyuanVideo's
+# joint blocks: `attn`) and the controller.
+_DSV_KEY_PATTERNS = (r"(^|\.)attn1?\.processor\.", rf"^{CONTROLLER_NAME}\.")
 
 
 @contextlib.contextmanager
@@ -574,7 +689,7 @@ def from_pretrained_local(
     variant: str | None = None,
     torch_dtype: torch.dtype | None = None,
 ) -> nn.Module:
-    """Load a local `save_pretrained` folder of a Wan or CogVideoX transformer and install DSV on it.
+    """Load a local `save_pretrained` folder of a Wan, CogVideoX or HunyuanVideo transformer and install DSV on it.
 
     Nothing is downloaded (`local_files_only=True`). A plain pretrained folder gets fresh DSV state
     (stage 1, untrained predictors). A folder saved from a model with DSV installed also holds the DSV

@@ -458,13 +458,18 @@ class DSVAttentionCore(nn.Module):
                 warnings.warn(f"DSVAttention layer {self.layer_index}: the sparse forward runs the Triton kernel, "
                               f"not the faster warp-specialized Hopper one: {why}", stacklevel=4)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: SparseIndex | None) -> torch.Tensor:
-        """`q, k, v [B, H, S, D]` (grouped order) → `[B, H, S, D]`: dense SDPA when `index` is None,
-        else block-sparse over `index`; records the path in `last_path`."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: SparseIndex | None,
+               key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`q, k, v [B, H, S, D]` (grouped order) → `[B, H, S, D]`: dense SDPA when `index` is None (under
+        `key_mask`, bool and broadcastable to ``[B, H, S, S_k]``, True where a key is attended, if given), else
+        block-sparse over `index`; records the path in `last_path`."""
+        if index is not None and key_mask is not None:
+            raise ValueError("attend: key_mask applies to dense attention only (index must be None); a sparse "
+                             "call leaves the masked keys out of its index")
         self._note_kernels(q, index)
         if index is None:
             self.last_path = "dense:sdpa"
-            return F.scaled_dot_product_attention(q, k, v, scale=self.scale)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, scale=self.scale)
         self._warn_if_slow(q)
         self.last_path = f"sparse:{self._last_backend}"
         return sparse_attention(q, k, v, index, scale=self.scale, backend=self._last_backend, check_index=False)

@@ -1,4 +1,5 @@
-"""DSV installed in diffusers' Wan and CogVideoX transformers, against the unpatched models (same weights)."""
+"""DSV installed in diffusers' Wan, CogVideoX and HunyuanVideo transformers, against the unpatched models (same
+weights)."""
 
 import copy
 import math
@@ -10,14 +11,16 @@ import torch.nn.functional as F
 
 pytest.importorskip("diffusers", reason="the diffusers integration needs `pip install 'dsv[integrations]'`")
 
-from diffusers import CogVideoXTransformer3DModel, WanTransformer3DModel  # noqa: E402
+from diffusers import CogVideoXTransformer3DModel, HunyuanVideoTransformer3DModel, WanTransformer3DModel  # noqa: E402
 from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0  # noqa: E402
 from diffusers.models.embeddings import get_3d_rotary_pos_embed  # noqa: E402
+from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0  # noqa: E402
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor  # noqa: E402
 
 import dsv  # noqa: E402
 from dsv.integrations.diffusers import (  # noqa: E402
     CogVideoXDSVProcessor,
+    HunyuanVideoDSVProcessor,
     WanDSVProcessor,
     _append_always_kept,
     build_wan_for_training,
@@ -211,24 +214,27 @@ def test_wan_dsv_state_is_in_state_dict_and_round_trips(tmp_path):
     assert torch.equal(out, expected)
 
 
+def sparse_grads(base, forward, inputs, checkpointing: bool):
+    """Gradients of a copy of `base` with DSV in stage 2, every layer sparse, after one step of the schedule;
+    with diffusers' gradient checkpointing or without."""
+    model = copy.deepcopy(base)
+    torch.manual_seed(1)  # the same predictor initialisation in every run
+    controller = install_dsv(model, cfg("dsv", max_stage1_steps=1, sparse_threshold=0.0, profile_every_stage1=1))
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    train_steps(model, controller, forward, inputs, steps=1)
+    controller.begin_step(1)
+    result = grads(model, forward, inputs)
+    assert [layer.last_path for layer in controller.layers] == ["sparse:reference"] * 2
+    assert min(min(layer._keep_fraction_host) for layer in controller.layers) < 1.0  # really sparse
+    assert all(layer.has_learned for layer in controller.layers)
+    return result
+
+
 def test_wan_sparse_stage_with_gradient_checkpointing_matches_plain():
-    base = tiny_wan()
-    inputs = wan_inputs()
-
-    def run(checkpointing: bool):
-        model = copy.deepcopy(base)
-        torch.manual_seed(1)  # the same predictor initialisation in both runs
-        controller = install_dsv(model, cfg("dsv", max_stage1_steps=1, sparse_threshold=0.0, profile_every_stage1=1))
-        if checkpointing:
-            model.enable_gradient_checkpointing()
-        train_steps(model, controller, wan_forward, inputs, steps=1)
-        controller.begin_step(1)
-        result = grads(model, wan_forward, inputs)
-        assert [layer.last_path for layer in controller.layers] == ["sparse:reference"] * 2
-        assert min(min(layer._keep_fraction_host) for layer in controller.layers) < 1.0  # really sparse
-        return result
-
-    assert_same_grads(run(True), run(False), TOL32)
+    base, inputs = tiny_wan(), wan_inputs()
+    assert_same_grads(sparse_grads(base, wan_forward, inputs, True), sparse_grads(base, wan_forward, inputs, False),
+                      TOL32)
 
 
 def test_wan_bad_inputs_and_misuse_raise_clear_errors():
@@ -889,3 +895,136 @@ def test_gradient_checkpointing_recomputes_each_block_with_its_forwards_grid(cas
     assert grads.keys() == plain_grads.keys()
     for name in grads:
         torch.testing.assert_close(grads[name], plain_grads[name], **tol)
+
+
+# ----- HunyuanVideo -----
+
+
+def tiny_hunyuan() -> HunyuanVideoTransformer3DModel:
+    """One dual-stream and one single-stream block (the two kinds of joint attention), in float64."""
+    return HunyuanVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=1,
+        num_single_layers=1, num_refiner_layers=1, patch_size=2, patch_size_t=1, text_embed_dim=32,
+        pooled_projection_dim=8, rope_axes_dim=(4, 6, 6),
+    ).double()
+
+
+def hunyuan_inputs(size: int = 8, text_lengths=(7, 4)):
+    """Latent [2, 4, F=4, size, size] → token grid (4, size / 2, size / 2); 7 text tokens (a partial key block of
+    8), the second sample's last 3 padded (its encoder_attention_mask 0 there)."""
+    mask = torch.tensor([[1] * n + [0] * (7 - n) for n in text_lengths])
+    return (torch.randn(2, 4, 4, size, size, dtype=torch.float64), torch.randn(2, 7, 32, dtype=torch.float64), mask,
+            torch.randn(2, 8, dtype=torch.float64))
+
+
+def hunyuan_forward(model, inputs):
+    x, text, mask, pooled = inputs
+    return model(x, torch.tensor([10, 600]), text, mask, pooled, guidance=torch.tensor([3000.0, 3000.0]),
+                 return_dict=False)[0]
+
+
+def test_hunyuan_dense_mode_equals_unpatched_forward_and_backward():
+    reference = tiny_hunyuan()
+    patched = copy.deepcopy(reference)
+    controller = install_dsv(patched, cfg("dense"))
+    inputs = hunyuan_inputs()
+    assert_same_grads(grads(patched, hunyuan_forward, inputs), grads(reference, hunyuan_forward, inputs), TOL64)
+    assert [layer.last_path for layer in controller.layers] == ["dense:sdpa"] * 2
+    assert isinstance(patched.transformer_blocks[0].attn.processor, HunyuanVideoDSVProcessor)
+    assert isinstance(patched.single_transformer_blocks[0].attn.processor, HunyuanVideoDSVProcessor)
+    # The text refiner's self-attention over text tokens is not DSV's.
+    assert not any(isinstance(m.processor, HunyuanVideoDSVProcessor) for name, m in patched.named_modules()
+                   if name.startswith("context_embedder") and hasattr(m, "processor"))
+
+
+@pytest.mark.parametrize("size, text_lengths", [(8, (7, 4)), (6, (7, 4)), (8, (7, 7)), (8, (1, 3))],
+                         ids=["padded", "odd-H-W-padded", "unpadded", "both-padded"])
+def test_hunyuan_oracle_with_all_keys_equals_dense_forward_and_backward(size, text_lengths):
+    """With every video key kept, DSV's joint attention is the stock processor's: each sample's unpadded text
+    keys attended, its padded ones not (also where the video ends inside a key block shared with the text). A
+    sample with no unpadded text at all is NaN in the stock model already (its text refiner attends to no key)."""
+    reference = tiny_hunyuan()
+    patched = copy.deepcopy(reference)
+    controller = install_dsv(patched, cfg("oracle", max_stage1_steps=1, keep_floor_blocks=10_000,
+                                          sparse_threshold=0.0))
+    inputs = hunyuan_inputs(size, text_lengths)
+    train_steps(patched, controller, hunyuan_forward, inputs, steps=1)
+    controller.begin_step(1)
+    result = grads(patched, hunyuan_forward, inputs)
+    assert [layer.last_path for layer in controller.layers] == ["sparse:reference"] * 2
+    assert_same_grads(result, grads(reference, hunyuan_forward, inputs), TOL64)
+
+
+def _calls_inside_the_forward(model, attn, inputs, calls):
+    """`calls(kwargs, out)` run from a forward hook on `attn` during a forward of `model` (the DSV processors read
+    the token grid that the transformer's forward sets), with the module's keyword arguments and output."""
+    results = {}
+    handle = attn.register_forward_hook(lambda m, args, kwargs, out: results.update(calls(kwargs, out)),
+                                        with_kwargs=True)
+    with torch.no_grad():
+        hunyuan_forward(model, inputs)
+    handle.remove()
+    return results
+
+
+@pytest.mark.parametrize("block", ["transformer_blocks", "single_transformer_blocks"])
+def test_hunyuan_padded_text_keys_never_count_and_text_queries_stay_dense(block):
+    """Under a partial budget: the text outputs are the stock processor's, the video outputs skip keys, and the
+    padded text tokens' contents change nothing but their own rows."""
+    model = tiny_hunyuan()
+    install_dsv(model, cfg("oracle"))
+    _sparse_quarter(model)
+    attn = getattr(model, block)[0].attn
+
+    def calls(kwargs, out):
+        changed = dict(kwargs, encoder_hidden_states=kwargs["encoder_hidden_states"].clone())
+        changed["encoder_hidden_states"][1, 4:] = 100.0  # the second sample's padded tokens
+        return {"out": out, "dense": HunyuanVideoAttnProcessor2_0()(attn, **kwargs),
+                "changed": attn.processor(attn, **changed)}
+
+    results = _calls_inside_the_forward(model, attn, hunyuan_inputs(), calls)
+    (video, text), (dense_video, dense_text) = results["out"], results["dense"]
+    video_changed, text_changed = results["changed"]
+    assert attn.processor.last_path == "sparse:reference"
+    torch.testing.assert_close(text, dense_text, **TOL64)
+    assert (video - dense_video).abs().max() > 1e-3  # the video queries did skip keys
+    torch.testing.assert_close(video_changed, video, **TOL64)
+    torch.testing.assert_close(text_changed[:, :4], text[:, :4], **TOL64)
+    torch.testing.assert_close(text_changed[0], text[0], **TOL64)
+
+
+def test_hunyuan_refuses_masks_it_cannot_honour_and_restores_its_state(tmp_path):
+    model = tiny_hunyuan()
+    install_dsv(model, cfg("oracle"))
+    _sparse_quarter(model)
+    attn = model.transformer_blocks[0].attn
+
+    def calls(kwargs, out):
+        holes = kwargs["attention_mask"].clone()
+        holes[0, 0, 0, 3] = False  # a masked video key: not a key-padding mask of the text
+        errors = []
+        for mask in (holes, kwargs["attention_mask"].double()):
+            with pytest.raises(ValueError) as error:
+                attn.processor(attn, **dict(kwargs, attention_mask=mask))
+            errors.append(str(error.value))
+        return {"errors": errors}
+
+    errors = _calls_inside_the_forward(model, attn, hunyuan_inputs(), calls)["errors"]
+    assert "must attend every video key and, per sample, a leading run of its text keys" in errors[0]
+    assert "attention_mask must be a bool key mask of shape [2, 1, 1, 71]" in errors[1]
+    model.save_pretrained(tmp_path)
+    loaded = from_pretrained_local(tmp_path, cfg("oracle"), torch_dtype=torch.float64)
+    assert isinstance(loaded, HunyuanVideoTransformer3DModel) and loaded.dsv_controller.current_stage == 2
+    assert loaded.dsv_controller.sparse_layers() == [0, 1]
+    saved, restored = model.state_dict(), loaded.state_dict()
+    assert saved.keys() == restored.keys()
+    for key in saved:  # the never-measured EMAs are NaN in both
+        torch.testing.assert_close(restored[key], saved[key], rtol=0, atol=0, equal_nan=True, msg=key)
+
+
+def test_hunyuan_trains_sparse_with_gradient_checkpointing_as_without():
+    """The DSV schedule on HunyuanVideo with padded text: stage 2 with every layer sparse, the same gradients with
+    diffusers' gradient checkpointing (each block recomputed with its forward's grid and mask) as without."""
+    base, inputs = tiny_hunyuan(), hunyuan_inputs()
+    assert_same_grads(sparse_grads(base, hunyuan_forward, inputs, True),
+                      sparse_grads(base, hunyuan_forward, inputs, False), TOL64)
