@@ -462,27 +462,33 @@ class CogVideoXDSVProcessor(_JointVideoTextProcessor):
         return out[:, :seq_len].index_select(1, inv), out[:, seq_len:]
 
 
-def _text_key_lengths(attention_mask: torch.Tensor | None, batch: int, seq_len: int, text_len: int) -> list[int] | None:
-    """Each sample's number of attended text keys under HunyuanVideo's key mask `attention_mask [B, 1, 1, S + L]`
-    (bool; every video key and the first `L_b` text keys True, the padding after them False), or None where every
-    key is attended (no mask, or one without padding). One device synchronisation."""
-    if attention_mask is None:
-        return None
+def _check_key_mask(attention_mask: torch.Tensor | None, batch: int, seq_len: int, text_len: int) -> None:
+    """HunyuanVideo's key mask: None, or bool `[B, 1, 1, S + L]`."""
     expected_shape = (batch, 1, 1, seq_len + text_len)
-    if attention_mask.dtype != torch.bool or tuple(attention_mask.shape) != expected_shape:
+    if attention_mask is not None and (attention_mask.dtype != torch.bool
+                                       or tuple(attention_mask.shape) != expected_shape):
         raise ValueError(f"HunyuanVideoDSVProcessor: attention_mask must be a bool key mask of shape "
                          f"{list(expected_shape)} (as HunyuanVideoTransformer3DModel builds it), got "
                          f"{tuple(attention_mask.shape)} {attention_mask.dtype}")
+
+
+@torch.compiler.disable  # values read on the host: a compiled block breaks its graph here (fullgraph refuses)
+def _text_key_lengths_on_host(attention_mask: torch.Tensor | None, seq_len: int) -> list[int] | None:
+    """Each sample's number of attended text keys under HunyuanVideo's key mask `attention_mask [B, 1, 1, S + L]`
+    (every video key and the first `L_b` text keys True, the padding after them False), or None where every key
+    is attended (no mask, or one without padding). One device synchronisation."""
+    if attention_mask is None:
+        return None
     keys = attention_mask[:, 0, 0]
     lengths = keys[:, seq_len:].sum(1)
-    positions = torch.arange(seq_len + text_len, device=keys.device)
+    positions = torch.arange(keys.shape[1], device=keys.device)
     if not torch.equal(keys, positions < (seq_len + lengths).unsqueeze(1)):
         raise ValueError("HunyuanVideoDSVProcessor: attention_mask must attend every video key and, per sample, a "
                          "leading run of its text keys (the padding after them masked), as "
                          "HunyuanVideoTransformer3DModel builds it from encoder_attention_mask; DSV's sparse path "
                          "has no other masks")
     lengths = lengths.tolist()
-    return None if min(lengths) == text_len else lengths
+    return None if min(lengths) == keys.shape[1] - seq_len else lengths
 
 
 class HunyuanVideoDSVProcessor(_JointVideoTextProcessor):
@@ -495,8 +501,9 @@ class HunyuanVideoDSVProcessor(_JointVideoTextProcessor):
     key and each sample's unpadded text keys) and `image_rotary_emb = (cos, sin)`, each `[S, D]`; returns `(video
     [B, S, C], text [B, L, C])` like `HunyuanVideoAttnProcessor2_0`. DSV selects the video keys of each video
     query cube; each sample's unpadded text keys are always kept, its padded ones never; text queries attend
-    densely under the mask. The mask's text lengths are read on the host (one synchronisation per layer call);
-    where samples' text is padded, their sparse attention runs one sample at a time.
+    densely under the mask. A sparse layer reads the mask's text lengths on the host (one synchronisation per
+    call; a compiled block breaks its graph there, so `fullgraph=True` holds for dense layers only); where
+    samples' text is padded, their sparse attention runs one sample at a time.
     """
 
     name = "HunyuanVideoDSVProcessor"
@@ -508,7 +515,7 @@ class HunyuanVideoDSVProcessor(_JointVideoTextProcessor):
         self.check_input(hidden_states, grid)
         batch, seq_len = hidden_states.shape[:2]
         text_len = encoder_hidden_states.shape[1]
-        lengths = _text_key_lengths(attention_mask, batch, seq_len, text_len)
+        _check_key_mask(attention_mask, batch, seq_len, text_len)
         hidden = hidden_states.index_select(1, perm)  # grouped order: each query cube is contiguous
         projections, norms = (attn.to_q, attn.to_k, attn.to_v), (attn.norm_q, attn.norm_k)
         q_video, k_video, v_video = self._heads(hidden, projections, norms)
@@ -518,8 +525,10 @@ class HunyuanVideoDSVProcessor(_JointVideoTextProcessor):
         text = self._heads(encoder_hidden_states, projections, norms)
         q_video, k_video = self._rotate_video(q_video, k_video, image_rotary_emb, perm)
         index = self.prepare_index(hidden, q_video, k_video, grid)
+        # Dense attention takes the mask as it is; the sparse path reads its text lengths.
+        lengths = None if index is None else _text_key_lengths_on_host(attention_mask, seq_len)
         out = self._joint_attention((q_video, k_video, v_video), text, index, lengths,
-                                    None if lengths is None else attention_mask)
+                                    attention_mask if index is None or lengths is not None else None)
         out = out.transpose(1, 2).flatten(2, 3).type_as(q_video)
         video, text_out = out[:, :seq_len], out[:, seq_len:]
         if getattr(attn, "to_out", None) is not None:
