@@ -1032,3 +1032,74 @@ def test_hunyuan_trains_sparse_with_gradient_checkpointing_as_without():
     assert_same_grads(sparse_grads(base, hunyuan_forward, inputs, True), plain, TOL64)
     # Compiled blocks: a sparse layer reads the mask's text lengths outside the graph (a graph break).
     assert_same_grads(sparse_grads(base, hunyuan_forward, inputs, True, compiled=True), plain, TOL64)
+
+
+def _hunyuan_bf16_errors(device: str) -> dict:
+    """Relative errors against float32 of a bf16 HunyuanVideo with DSV keeping every key on its sparse path, and
+    of the stock bf16 model (same weights): `model`, output and input gradient together; `layer`, the first joint
+    attention's output on the model's inputs with the second sample's padded text tokens scaled 100x (attending
+    them would show). Head dim 64, 2x4x4 cubes (32-token groups and key blocks), a 4x8x8 grid. Also `paths`,
+    the DSV layers' attention paths."""
+    torch.manual_seed(0)
+    reference = HunyuanVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=64, num_layers=1,
+        num_single_layers=1, num_refiner_layers=1, patch_size=2, patch_size_t=1, text_embed_dim=32,
+        pooled_projection_dim=8, rope_axes_dim=(16, 24, 24),
+    ).to(device)
+    stock = copy.deepcopy(reference).to(torch.bfloat16)
+    patched = copy.deepcopy(reference).to(torch.bfloat16)
+    install_dsv(patched, dsv.AttentionConfig(mode="oracle", cube=(2, 4, 4), keep_floor_blocks=10_000,
+                                             sparse_threshold=0.0, speed_dispatch=False))
+    state = patched.state_dict()
+    state["dsv_controller.stage"] = torch.tensor(2)
+    for key in [key for key in state if key.endswith("processor.use_sparse")]:
+        state[key] = torch.tensor(True)
+    patched.load_state_dict(state)
+    x, text, mask, pooled = hunyuan_inputs(size=16)
+    inputs = (x.float().to(device), text.float().to(device), mask.to(device), pooled.float().to(device))
+
+    def result(model, dtype):
+        model.zero_grad()
+        x = inputs[0].detach().to(dtype).requires_grad_(True)
+        out = hunyuan_forward(model, (x, inputs[1].to(dtype), inputs[2], inputs[3].to(dtype)))
+        weight = torch.linspace(-1, 1, out.numel(), device=device).view_as(out)
+        (out.float() * weight).sum().backward()
+        return torch.cat([out.float().flatten(), x.grad.float().flatten()])
+
+    def error(got, want):
+        return ((got - want).norm() / want.norm()).item()
+
+    want = result(reference, torch.float32)
+    errors = {"model": [error(result(model, torch.bfloat16), want) for model in (patched, stock)]}
+    attn = patched.transformer_blocks[0].attn
+    reference_attn = copy.deepcopy(reference.transformer_blocks[0].attn)
+
+    def layer_calls(kwargs, out):
+        kwargs = dict(kwargs, encoder_hidden_states=kwargs["encoder_hidden_states"].clone())
+        kwargs["encoder_hidden_states"][1, 4:] *= 100
+        as_float = {name: (value.float() if torch.is_tensor(value) and value.is_floating_point() else value)
+                    for name, value in kwargs.items()}
+        want = torch.cat([t.float() for t in HunyuanVideoAttnProcessor2_0()(reference_attn, **as_float)], 1)
+        got = [torch.cat([t.float() for t in processor(attn, **kwargs)], 1)
+               for processor in (attn.processor, HunyuanVideoAttnProcessor2_0())]
+        return {"layer": [error(g, want) for g in got], "path": attn.processor.last_path}
+
+    with torch.no_grad():
+        found = _calls_inside_the_forward(patched, attn, tuple(t.to(torch.bfloat16) if t.is_floating_point() else t
+                                                               for t in inputs), layer_calls)
+    assert found["path"] == [layer.last_path for layer in patched.dsv_controller.layers][0]
+    return {**errors, "layer": found["layer"], "paths": [layer.last_path for layer in patched.dsv_controller.layers]}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_hunyuan_runs_its_joint_sparse_attention_on_the_triton_kernels():
+    """The text key blocks appended to each group's row, one sample at a time where the text is padded, through
+    the Triton kernels: keeping every key, the bf16 model and layer are as close to float32 as stock bf16 ones."""
+    errors = _hunyuan_bf16_errors("cuda")
+    assert errors["paths"] == ["sparse:triton"] * 2
+    for what in ("model", "layer"):
+        dsv_error, stock_error = errors[what]
+        # Both run in bf16 against float32; DSV sums in another order with its own kernels: within twice the
+        # stock error, plus one bf16 eps (2^-8) for a stock error near zero.
+        assert dsv_error <= 2 * stock_error + 2**-8, (what, dsv_error, stock_error)
