@@ -1,7 +1,7 @@
 """DSV self-attention in diffusers video transformers: `WanTransformer3DModel`, `CogVideoXTransformer3DModel`,
 `HunyuanVideoTransformer3DModel`.
 
-`install_dsv(transformer, cfg)` swaps the processor of every *self*-attention module for a DSV processor and
+`install_dsv(transformer, cfg)` swaps the processor of every video *self*-attention module for a DSV processor and
 registers a `DSVController` as `transformer.dsv_controller`. The processors reuse the module's own
 projections (`to_q`, `to_k`, `to_v`, `to_out`), query/key norms and rotary embeddings, so pretrained weights
 keep working; they are `nn.Module`s, so each layer's predictor and DSV state (sparsity, recall and loss EMAs,
@@ -415,11 +415,15 @@ class _JointVideoTextProcessor(_OwnAttentionKernels, DSVAttentionCore):
         q, k, v = (torch.cat(pair, 2) for pair in zip(video, text))
         if index is None:
             return self.attend(q, k, v, None, key_mask)
-        if text_lengths is None:
-            video_out = self.attend(q, k, v, _append_always_kept(index, text_len))[:, :, :seq_len]
+        if text_lengths is None or len(set(text_lengths)) == 1:
+            kept = text_len if text_lengths is None else text_lengths[0]
+            end = seq_len + kept
+            video_out = self.attend(q[:, :, :end], k[:, :, :end], v[:, :, :end],
+                                    _append_always_kept(index, kept))[:, :, :seq_len]
         else:
             # The index keeps whole key blocks: the padded text keys are left out by giving each sample the
-            # sequence of its own unpadded text, one sample at a time (video training runs small batches).
+            # sequence of its own unpadded text, one sample at a time where they differ (video training runs
+            # small batches).
             video_out = torch.cat([self.attend(
                 *(t[b:b + 1, :, :seq_len + n] for t in (q, k, v)),
                 _append_always_kept(SparseIndex(index.indices[b:b + 1], index.counts[b:b + 1], index.group_size,
@@ -462,33 +466,29 @@ class CogVideoXDSVProcessor(_JointVideoTextProcessor):
         return out[:, :seq_len].index_select(1, inv), out[:, seq_len:]
 
 
-def _check_key_mask(attention_mask: torch.Tensor | None, batch: int, seq_len: int, text_len: int) -> None:
-    """HunyuanVideo's key mask: None, or bool `[B, 1, 1, S + L]`."""
-    expected_shape = (batch, 1, 1, seq_len + text_len)
-    if attention_mask is not None and (attention_mask.dtype != torch.bool
-                                       or tuple(attention_mask.shape) != expected_shape):
-        raise ValueError(f"HunyuanVideoDSVProcessor: attention_mask must be a bool key mask of shape "
-                         f"{list(expected_shape)} (as HunyuanVideoTransformer3DModel builds it), got "
-                         f"{tuple(attention_mask.shape)} {attention_mask.dtype}")
-
-
 @torch.compiler.disable  # values read on the host: a compiled block breaks its graph here (fullgraph refuses)
-def _text_key_lengths_on_host(attention_mask: torch.Tensor | None, seq_len: int) -> list[int] | None:
+def _text_key_lengths_on_host(attention_mask: torch.Tensor | None, seq_len: int, text_len: int) -> list[int] | None:
     """Each sample's number of attended text keys under HunyuanVideo's key mask `attention_mask [B, 1, 1, S + L]`
-    (every video key and the first `L_b` text keys True, the padding after them False), or None where every key
-    is attended (no mask, or one without padding). One device synchronisation."""
+    (bool; every video key and the first `L_b` text keys True, the padding after them False), or None where every
+    key is attended (no mask, or one without padding). One device synchronisation."""
     if attention_mask is None:
         return None
+    if attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or attention_mask.shape[1:3] != (1, 1) or \
+            attention_mask.shape[3] != seq_len + text_len:
+        raise ValueError(f"HunyuanVideoDSVProcessor: attention_mask must be a bool key mask of shape [B, 1, 1, "
+                         f"{seq_len + text_len}] (as HunyuanVideoTransformer3DModel builds it), got "
+                         f"{tuple(attention_mask.shape)} {attention_mask.dtype}")
     keys = attention_mask[:, 0, 0]
     lengths = keys[:, seq_len:].sum(1)
     positions = torch.arange(keys.shape[1], device=keys.device)
-    if not torch.equal(keys, positions < (seq_len + lengths).unsqueeze(1)):
+    valid = (keys == (positions < (seq_len + lengths).unsqueeze(1))).all()
+    valid, *lengths = torch.cat([valid.view(1).long(), lengths.long()]).tolist()  # the one read
+    if not valid:
         raise ValueError("HunyuanVideoDSVProcessor: attention_mask must attend every video key and, per sample, a "
                          "leading run of its text keys (the padding after them masked), as "
                          "HunyuanVideoTransformer3DModel builds it from encoder_attention_mask; DSV's sparse path "
                          "has no other masks")
-    lengths = lengths.tolist()
-    return None if min(lengths) == keys.shape[1] - seq_len else lengths
+    return None if min(lengths) == text_len else lengths
 
 
 class HunyuanVideoDSVProcessor(_JointVideoTextProcessor):
@@ -513,9 +513,8 @@ class HunyuanVideoDSVProcessor(_JointVideoTextProcessor):
             raise ValueError("HunyuanVideoDSVProcessor: encoder_hidden_states (the text tokens [B, L, C]) is required")
         grid, perm, inv = self._grid.of_call(self.layer_index, hidden_states)
         self.check_input(hidden_states, grid)
-        batch, seq_len = hidden_states.shape[:2]
+        seq_len = hidden_states.shape[1]
         text_len = encoder_hidden_states.shape[1]
-        _check_key_mask(attention_mask, batch, seq_len, text_len)
         hidden = hidden_states.index_select(1, perm)  # grouped order: each query cube is contiguous
         projections, norms = (attn.to_q, attn.to_k, attn.to_v), (attn.norm_q, attn.norm_k)
         q_video, k_video, v_video = self._heads(hidden, projections, norms)
@@ -526,7 +525,7 @@ class HunyuanVideoDSVProcessor(_JointVideoTextProcessor):
         q_video, k_video = self._rotate_video(q_video, k_video, image_rotary_emb, perm)
         index = self.prepare_index(hidden, q_video, k_video, grid)
         # Dense attention takes the mask as it is; the sparse path reads its text lengths.
-        lengths = None if index is None else _text_key_lengths_on_host(attention_mask, seq_len)
+        lengths = None if index is None else _text_key_lengths_on_host(attention_mask, seq_len, text_len)
         out = self._joint_attention((q_video, k_video, v_video), text, index, lengths,
                                     attention_mask if index is None or lengths is not None else None)
         out = out.transpose(1, 2).flatten(2, 3).type_as(q_video)
