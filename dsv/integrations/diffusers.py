@@ -503,7 +503,7 @@ class HunyuanVideoDSVProcessor(_JointVideoTextProcessor):
     query cube; each sample's unpadded text keys are always kept, its padded ones never; text queries attend
     densely under the mask. A sparse layer reads the mask's text lengths on the host (one synchronisation per
     call; a compiled block breaks its graph there, so `fullgraph=True` holds for dense layers only); where
-    samples' text is padded, their sparse attention runs one sample at a time.
+    samples' text is padded unequally, their sparse attention runs one sample at a time.
     """
 
     name = "HunyuanVideoDSVProcessor"
