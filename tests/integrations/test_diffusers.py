@@ -921,8 +921,8 @@ def hunyuan_inputs(size: int = 8, text_lengths=(7, 4)):
 
 def hunyuan_forward(model, inputs):
     x, text, mask, pooled = inputs
-    return model(x, torch.tensor([10, 600]), text, mask, pooled, guidance=torch.tensor([3000.0, 3000.0]),
-                 return_dict=False)[0]
+    return model(x, torch.tensor([10, 600], device=x.device), text, mask, pooled,
+                 guidance=torch.tensor([3000.0, 3000.0], device=x.device), return_dict=False)[0]
 
 
 def test_hunyuan_dense_mode_equals_unpatched_forward_and_backward():
