@@ -618,6 +618,8 @@ def install_dsv(transformer: nn.Module, cfg: AttentionConfig) -> DSVController:
     # What the saved DSV state is measured with, so that `from_pretrained_local` can refuse another layout
     # (sparsity EMAs and budgets of one cube or θ mean something else under another).
     controller.register_buffer(LAYOUT_BUFFER, layout_record(cfg))
+    # On the transformer's device, as the processors: its stage buffers are read with the layers' state.
+    controller.to(modules[0][1].to_q.weight.device)
     controller.register_load_state_dict_pre_hook(check_layout_on_load)  # also for a state loaded by hand
     transformer.add_module(CONTROLLER_NAME, controller)
     controller.attach(transformer)

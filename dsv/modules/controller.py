@@ -266,8 +266,10 @@ class DSVController(nn.Module):
         buffers = [self.stage, *(b for layer in self._layers for b in (layer.use_sparse, layer.keep_fraction))]
         if any(b.is_meta for b in buffers):
             return
-        # Gathered on their device, then one transfer (each read of a device value would wait for it on its own).
-        values = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in buffers]).tolist()
+        # Gathered on one device, then one transfer (each read of a device value would wait for it on its own); the
+        # layers' device, which the controller's buffers need not share (a controller left on the CPU).
+        device = buffers[-1].device
+        values = torch.cat([b.detach().reshape(-1).to(device, torch.float64) for b in buffers]).tolist()
         stage_changed = int(values[0]) != self._stage_host
         self._stage_host = int(values[0])
         at = 1

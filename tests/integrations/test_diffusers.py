@@ -1103,3 +1103,17 @@ def test_hunyuan_runs_its_joint_sparse_attention_on_the_triton_kernels():
         # Both run in bf16 against float32; DSV sums in another order with its own kernels: within twice the
         # stock error, plus one bf16 eps (2^-8) for a stock error near zero.
         assert dsv_error <= 2 * stock_error + 2**-8, (what, dsv_error, stock_error)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_dsv_installed_on_a_model_already_on_the_gpu_keeps_its_controller_there():
+    """install_dsv on a transformer already on the GPU left the controller's buffers on the CPU, and the host
+    state's refresh (after a state_dict) then failed to gather the stage with the layers' state."""
+    model = tiny_wan().cuda()
+    controller = install_dsv(model, cfg("dsv"))
+    assert {b.device.type for b in controller.buffers()} == {"cuda"}
+    model.state_dict()  # marks the host mirrors stale
+    with torch.no_grad():
+        wan_forward(model, tuple(t.cuda() for t in wan_inputs()))
+    assert not controller.host_state_stale

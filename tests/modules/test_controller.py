@@ -340,3 +340,4 @@ def test_forwards_with_gradients_outside_a_step_keep_no_selection_and_a_stuck_st
             stuck(x, t).pow(2).mean().backward()
     with pytest.warns(UserWarning, match=rf"{REPEATED_BEGIN_WARNING} training forwards in a row under one step"):
         stuck.controller.begin_step(0)
+
