@@ -1,5 +1,5 @@
 """DSV self-attention in diffusers video transformers: `WanTransformer3DModel`, `CogVideoXTransformer3DModel`,
-`HunyuanVideoTransformer3DModel`.
+`HunyuanVideoTransformer3DModel`, `LTXVideoTransformer3DModel`.
 
 `install_dsv(transformer, cfg)` swaps the processor of every video *self*-attention module for a DSV processor and
 registers a `DSVController` as `transformer.dsv_controller`. The processors reuse the module's own
@@ -9,7 +9,8 @@ dispatch, kept fraction) sit in the transformer's `state_dict` under `<attention
 is not touched.
 
 The latent token grid `(T, H, W)` is read at every forward by a forward pre-hook on the transformer: it
-divides the input's frame/height/width sizes by the model's patch size. A grid the query cube (`cfg.cube`)
+divides the input's frame/height/width sizes by the model's patch size (LTX-Video, whose input is packed tokens:
+its forward's `num_frames`, `height` and `width`). A grid the query cube (`cfg.cube`)
 does not tile runs as it is: the whole cubes first, the edge tokens after them in groups of neighbours
 (`dsv.ops.grouping`).
 
@@ -23,8 +24,10 @@ a layer describe the video-to-video attention.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import math
+import numbers
 import re
 import warnings
 from pathlib import Path
@@ -34,10 +37,17 @@ import torch.nn.functional as F
 from torch import nn
 
 try:
-    from diffusers import CogVideoXTransformer3DModel, HunyuanVideoTransformer3DModel, WanTransformer3DModel
+    from diffusers import (
+        CogVideoXTransformer3DModel,
+        HunyuanVideoTransformer3DModel,
+        LTXVideoTransformer3DModel,
+        WanTransformer3DModel,
+    )
     from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0
     from diffusers.models.embeddings import apply_rotary_emb
     from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0
+    from diffusers.models.transformers.transformer_ltx import LTXVideoAttnProcessor
+    from diffusers.models.transformers.transformer_ltx import apply_rotary_emb as ltx_apply_rotary_emb
     from diffusers.models.transformers.transformer_wan import WanAttnProcessor
     from diffusers.utils.constants import (
         SAFE_WEIGHTS_INDEX_NAME,
@@ -67,6 +77,7 @@ from dsv.ops.grouping import cube_permutation_on
 __all__ = [
     "CogVideoXDSVProcessor",
     "HunyuanVideoDSVProcessor",
+    "LTXVideoDSVProcessor",
     "WanDSVProcessor",
     "WanVideoModel",
     "build_wan_for_training",
@@ -88,11 +99,13 @@ class _LatentGrid:
     forward has ended).
 
     `frames_axis` is the axis of the frame count in `hidden_states` (Wan `[B, C, F, H, W]`: 2; CogVideoX
-    `[B, F, C, H, W]`: 1); height and width are the last two axes. The hooks run eagerly around the
-    transformer (a compiled block only reads `grid`, a constant of its graph).
+    `[B, F, C, H, W]`: 1); height and width are the last two axes. None: `hidden_states` are packed tokens
+    `[B, S, C]` in raster order and the forward's `num_frames`, `height` and `width` arguments give their grid
+    (LTX-Video). The hooks run eagerly around the transformer (a compiled block only reads `grid`, a constant of
+    its graph).
     """
 
-    def __init__(self, patch: tuple[int, int, int], frames_axis: int, layout: str, cube: tuple[int, int, int]):
+    def __init__(self, patch: tuple[int, int, int], frames_axis: int | None, layout: str, cube: tuple[int, int, int]):
         self.patch, self.frames_axis, self.layout, self.cube = patch, frames_axis, layout, cube
         self.grid: tuple[int, int, int] | None = None
         self.controller: DSVController | None = None  # set by `install_dsv`: its forward_id marks a new step
@@ -126,6 +139,25 @@ class _LatentGrid:
                     "that install_dsv set, so DSV no longer runs there (fuse_qkv_projections, set_attn_processor "
                     "and set_default_attn_processor replace it). DSV needs the unfused projections: after "
                     "fuse_qkv_projections(), unfuse_qkv_projections() puts the DSV processors back")
+        grid = self._packed_grid(module, args, kwargs) if self.frames_axis is None else \
+            self._latent_grid(module, args, kwargs)
+        self.grid = grid
+        if self.controller is not None:
+            self.controller.refresh_host_state_if_stale()  # a state written in place since (compiled blocks cannot)
+        if getattr(module, "gradient_checkpointing", False):
+            self.keep_grid_in_checkpoints(module)
+        if torch.is_grad_enabled():  # a forward a backward (and its recomputes) may follow
+            forward_id = self.controller.forward_id if self.controller is not None else None
+            if self._pending_step != forward_id:  # a new step: the previous one's backward is done
+                self._pending, self._pending_step = [], forward_id
+            # Once per distinct grid: a backward retires every grid recorded before it began, so repeats add
+            # nothing, and without them the list stays as short as the shapes seen (a loop of grad-enabled
+            # forwards without `begin_step` or a backward would otherwise grow it for good).
+            if grid not in self._pending:
+                self._pending.append(grid)
+
+    def _latent_grid(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[int, int, int]:
+        """The token grid of a video latent `hidden_states` (5-D, `layout`) under the model's patch."""
         x = kwargs["hidden_states"] if "hidden_states" in kwargs else (args[0] if args else None)
         if not isinstance(x, torch.Tensor) or x.dim() != 5:
             found = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -152,20 +184,28 @@ class _LatentGrid:
                 f"{type(module).__name__}: the token grid (T, H, W)={grid} of hidden_states {tuple(x.shape)} has an "
                 f"axis longer than the model's rope_max_seq_len={limit} positions"
             )
-        self.grid = grid
-        if self.controller is not None:
-            self.controller.refresh_host_state_if_stale()  # a state written in place since (compiled blocks cannot)
-        if getattr(module, "gradient_checkpointing", False):
-            self.keep_grid_in_checkpoints(module)
-        if torch.is_grad_enabled():  # a forward a backward (and its recomputes) may follow
-            forward_id = self.controller.forward_id if self.controller is not None else None
-            if self._pending_step != forward_id:  # a new step: the previous one's backward is done
-                self._pending, self._pending_step = [], forward_id
-            # Once per distinct grid: a backward retires every grid recorded before it began, so repeats add
-            # nothing, and without them the list stays as short as the shapes seen (a loop of grad-enabled
-            # forwards without `begin_step` or a backward would otherwise grow it for good).
-            if grid not in self._pending:
-                self._pending.append(grid)
+        return grid
+
+    def _packed_grid(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[int, int, int]:
+        """The token grid `(num_frames, height, width)` of packed tokens `hidden_states [B, S, C]` (LTX-Video)."""
+        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+        x = bound.get("hidden_states")
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            found = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{type(module).__name__}: hidden_states must be packed latent tokens {self.layout}, "
+                             f"got {found}")
+        sizes = tuple(bound.get(name) for name in ("num_frames", "height", "width"))
+        if any(isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1 for size in sizes):
+            raise ValueError(
+                f"{type(module).__name__}: DSV needs the token grid of hidden_states as num_frames, height and width "
+                f"(positive ints), got {sizes}; video_coords alone give no grid to group the tokens by")
+        grid = tuple(int(size) for size in sizes)
+        if math.prod(grid) != x.shape[1]:
+            raise ValueError(
+                f"{type(module).__name__}: num_frames, height, width = {grid} give {math.prod(grid)} tokens, but "
+                f"hidden_states holds {x.shape[1]} (DSV groups the tokens of one latent grid; tokens appended for "
+                "conditioning are not supported)")
+        return grid
 
     def keep_grid_in_checkpoints(self, module: nn.Module) -> None:
         """Wrap diffusers' `_gradient_checkpointing_func` of the transformer (set by `enable_gradient_checkpointing`,
@@ -254,10 +294,22 @@ def _wan_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2).type_as(x)
 
 
-class _OwnAttentionKernels:
-    """DSV processors run their own attention (SDPA when dense, DSV's kernels when sparse): diffusers'
-    `set_attention_backend`, which sets `_attention_backend` on every processor, does not apply to them, and
-    says so instead of being dropped silently (the cross-attention layers keep the backend)."""
+class _DSVProcessor(DSVAttentionCore):
+    """What every DSV processor shares: a `DSVAttentionCore` of the attention module's shape that reads the token
+    grid from the transformer's hooks, called as diffusers calls processors; and its own attention (SDPA when
+    dense, DSV's kernels when sparse), so that diffusers' `set_attention_backend`, which sets
+    `_attention_backend` on every processor, does not apply to it and says so instead of being dropped silently
+    (the cross-attention layers keep the backend)."""
+
+    def __init__(self, attn: nn.Module, cfg: AttentionConfig, grid: _LatentGrid):
+        heads = attn.heads
+        super().__init__(attn.to_q.in_features, heads, attn.to_q.out_features // heads, cfg)
+        self._grid = grid
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        # diffusers' attention modules pass on only the keyword arguments named in the processor's `__call__`
+        # signature; nn.Module.__call__ is `(*args, **kwargs)` and would lose image_rotary_emb.
+        return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
 
     @property
     def _attention_backend(self):
@@ -271,7 +323,7 @@ class _OwnAttentionKernels:
                           "sparse); other attention layers use it", stacklevel=3)
 
 
-class WanDSVProcessor(_OwnAttentionKernels, DSVAttentionCore):
+class WanDSVProcessor(_DSVProcessor):
     """DSV self-attention processor for a `WanAttention` used as self-attention (`attn1`).
 
     Called by `WanAttention.forward(hidden_states [B, S, C], None, None, rotary_emb)` with `S = T*H*W`
@@ -279,11 +331,6 @@ class WanDSVProcessor(_OwnAttentionKernels, DSVAttentionCore):
     Uses the module's `to_q/to_k/to_v/to_out` and its `norm_q/norm_k` (RMSNorm across heads); a fused
     `to_qkv` copy made by `fuse_projections()` is not used.
     """
-
-    def __init__(self, attn: nn.Module, cfg: AttentionConfig, grid: _LatentGrid):
-        heads = attn.heads
-        super().__init__(attn.to_q.in_features, heads, attn.to_q.out_features // heads, cfg)
-        self._grid = grid
 
     def forward(
         self,
@@ -313,6 +360,39 @@ class WanDSVProcessor(_OwnAttentionKernels, DSVAttentionCore):
             )
         cos, sin = (f.index_select(1, perm).flatten(0, 2) for f in rotary_emb)  # [S, D], grouped order
         q, k = _wan_rotary(q, cos, sin), _wan_rotary(k, cos, sin)
+        index = self.prepare_index(hidden, q, k, grid)
+        out = self.attend(q, k, v, index).transpose(1, 2).flatten(2, 3).type_as(q)
+        out = attn.to_out[1](attn.to_out[0](out))
+        return out.index_select(1, inv)
+
+
+class LTXVideoDSVProcessor(_DSVProcessor):
+    """DSV self-attention processor for an `LTXAttention` used as self-attention (`attn1`) of LTX-Video.
+
+    Called by `LTXAttention.forward(hidden_states [B, S, C], None, None, image_rotary_emb)` with `S = T*H*W`
+    tokens in raster order and `image_rotary_emb = (cos, sin)`, each `[B, S, heads * head_dim]`; returns
+    `[B, S, C]`. Uses the module's `to_q/to_k/to_v/to_out` and its `norm_q/norm_k` (RMSNorm across heads) and
+    LTX's rotary embedding (across heads, before the head split), as `LTXVideoAttnProcessor` does.
+    """
+
+    def forward(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb):
+        if encoder_hidden_states is not None or attention_mask is not None:
+            raise ValueError("LTXVideoDSVProcessor is self-attention: encoder_hidden_states and attention_mask must be "
+                             "None (it is installed on attn1 only)")
+        grid, perm, inv = self._grid.of_call(self.layer_index, hidden_states)
+        self.check_input(hidden_states, grid)
+        hidden = hidden_states.index_select(1, perm)  # grouped order: each query cube is contiguous
+        q, k, v = attn.norm_q(attn.to_q(hidden)), attn.norm_k(attn.to_k(hidden)), attn.to_v(hidden)
+        expected = (hidden.shape[0], hidden.shape[1], q.shape[-1])
+        if image_rotary_emb is not None:
+            if any(tuple(f.shape) != expected for f in image_rotary_emb):
+                raise ValueError(
+                    f"LTXVideoDSVProcessor: image_rotary_emb must be (cos, sin), each of shape {list(expected)}, as "
+                    f"LTXVideoTransformer3DModel passes from its rope; got {[tuple(f.shape) for f in image_rotary_emb]}"
+                )
+            freqs = tuple(f.index_select(1, perm) for f in image_rotary_emb)  # grouped order
+            q, k = ltx_apply_rotary_emb(q, freqs), ltx_apply_rotary_emb(k, freqs)
+        q, k, v = (t.unflatten(2, (self.heads, -1)).transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
         index = self.prepare_index(hidden, q, k, grid)
         out = self.attend(q, k, v, index).transpose(1, 2).flatten(2, 3).type_as(q)
         out = attn.to_out[1](attn.to_out[0](out))
@@ -364,22 +444,12 @@ def _append_always_kept(index: SparseIndex, extra_len: int) -> SparseIndex:
     return SparseIndex(torch.cat([indices, extra_rows], 2), counts, group_size, kv_block, total)
 
 
-class _JointVideoTextProcessor(_OwnAttentionKernels, DSVAttentionCore):
+class _JointVideoTextProcessor(_DSVProcessor):
     """What the processors of joint video+text attention (CogVideoX, HunyuanVideo) share: the video tokens'
     rotary embeddings, and attention in which DSV selects the video keys of each video query cube, every
     unpadded text key is kept for every video query, and text queries attend densely."""
 
     name = "joint processor"
-
-    def __init__(self, attn: nn.Module, cfg: AttentionConfig, grid: _LatentGrid):
-        heads = attn.heads
-        super().__init__(attn.to_q.in_features, heads, attn.to_q.out_features // heads, cfg)
-        self._grid = grid
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
-        # diffusers' Attention.forward passes on only the keyword arguments named in the processor's
-        # `__call__` signature; nn.Module.__call__ is `(*args, **kwargs)` and would lose image_rotary_emb.
-        return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
 
     def _heads(self, x: torch.Tensor, projections, norms) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`x [B, N, C]` → `q, k, v [B, H, N, D]` through the projections `(to_q, to_k, to_v)` and the per-head
@@ -562,9 +632,16 @@ def _self_attention_layout(transformer: nn.Module):
         p = int(transformer.config.patch_size)
         patch = (int(transformer.config.patch_size_t), p, p)
         return modules, HunyuanVideoDSVProcessor, HunyuanVideoAttnProcessor2_0, (patch, 2, "[B, C, F, H, W]"), True
+    if isinstance(transformer, LTXVideoTransformer3DModel):
+        blocks = transformer.transformer_blocks
+        modules = [(f"transformer_blocks.{i}.attn1", block.attn1) for i, block in enumerate(blocks)]
+        # Packed tokens: the forward's num_frames, height and width give the grid (the patch is not applied).
+        patch = (int(transformer.config.patch_size_t), int(transformer.config.patch_size),
+                 int(transformer.config.patch_size))
+        return modules, LTXVideoDSVProcessor, LTXVideoAttnProcessor, (patch, None, "[B, S, C]"), True
     raise TypeError(
-        "install_dsv supports diffusers WanTransformer3DModel, CogVideoXTransformer3DModel and "
-        f"HunyuanVideoTransformer3DModel, got {type(transformer).__name__}"
+        "install_dsv supports diffusers WanTransformer3DModel, CogVideoXTransformer3DModel, "
+        f"HunyuanVideoTransformer3DModel and LTXVideoTransformer3DModel, got {type(transformer).__name__}"
     )
 
 
@@ -580,12 +657,13 @@ def install_dsv(transformer: nn.Module, cfg: AttentionConfig) -> DSVController:
         transformer: a `WanTransformer3DModel` (its `attn1` modules), `CogVideoXTransformer3DModel` (its joint
             `attn1` modules; text tokens are always attended, see the module docstring) or
             `HunyuanVideoTransformer3DModel` (the joint `attn` of its dual- and single-stream blocks; unpadded text
-            tokens always attended, padded ones never; its text refiner is left as it is), with the default
-            processors. Cross-attention (Wan `attn2`) is left as it is.
+            tokens always attended, padded ones never; its text refiner is left as it is) or
+            `LTXVideoTransformer3DModel` (its `attn1` modules; the forward must give `num_frames`, `height` and
+            `width`), with the default processors. Cross-attention (Wan's and LTX's `attn2`) is left as it is.
         cfg: the DSV attention config; a `cfg.cube` that does not tile an input's token grid gives partial cubes
             at its edges (window mode needs whole cubes and says so). `cfg.predictor_rotary=None` (the default)
             gives the predictors 6 rotary dims where the model's rotary embeddings position q and k (Wan,
-            HunyuanVideo; CogVideoX with `use_rotary_positional_embeddings`), none otherwise.
+            HunyuanVideo, LTX-Video; CogVideoX with `use_rotary_positional_embeddings`), none otherwise.
 
     Returns:
         The controller, also registered as `transformer.dsv_controller` (its stage buffers are in the
@@ -638,7 +716,7 @@ def install_dsv(transformer: nn.Module, cfg: AttentionConfig) -> DSVController:
 # ----------------------------------------------------------------------------------------------------
 
 _SUPPORTED = {cls.__name__: cls for cls in (WanTransformer3DModel, CogVideoXTransformer3DModel,
-                                            HunyuanVideoTransformer3DModel)}
+                                            HunyuanVideoTransformer3DModel, LTXVideoTransformer3DModel)}
 # state_dict keys that install_dsv adds: the self-attention processors (Wan, CogVideoX: `attn1`; HunyuanVideo's
 # joint blocks: `attn`) and the controller.
 _DSV_KEY_PATTERNS = (r"(^|\.)attn1?\.processor\.", rf"^{CONTROLLER_NAME}\.")
@@ -699,7 +777,8 @@ def from_pretrained_local(
     variant: str | None = None,
     torch_dtype: torch.dtype | None = None,
 ) -> nn.Module:
-    """Load a local `save_pretrained` folder of a Wan, CogVideoX or HunyuanVideo transformer and install DSV on it.
+    """Load a local `save_pretrained` folder of a Wan, CogVideoX, HunyuanVideo or LTX-Video transformer and install
+    DSV on it.
 
     Nothing is downloaded (`local_files_only=True`). A plain pretrained folder gets fresh DSV state
     (stage 1, untrained predictors). A folder saved from a model with DSV installed also holds the DSV

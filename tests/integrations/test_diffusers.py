@@ -1,5 +1,5 @@
-"""DSV installed in diffusers' Wan, CogVideoX and HunyuanVideo transformers, against the unpatched models (same
-weights)."""
+"""DSV installed in diffusers' Wan, CogVideoX, HunyuanVideo and LTX-Video transformers, against the unpatched
+models (same weights)."""
 
 import copy
 import math
@@ -11,7 +11,12 @@ import torch.nn.functional as F
 
 pytest.importorskip("diffusers", reason="the diffusers integration needs `pip install 'dsv[integrations]'`")
 
-from diffusers import CogVideoXTransformer3DModel, HunyuanVideoTransformer3DModel, WanTransformer3DModel  # noqa: E402
+from diffusers import (  # noqa: E402
+    CogVideoXTransformer3DModel,
+    HunyuanVideoTransformer3DModel,
+    LTXVideoTransformer3DModel,
+    WanTransformer3DModel,
+)
 from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0  # noqa: E402
 from diffusers.models.embeddings import get_3d_rotary_pos_embed  # noqa: E402
 from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0  # noqa: E402
@@ -21,6 +26,7 @@ import dsv  # noqa: E402
 from dsv.integrations.diffusers import (  # noqa: E402
     CogVideoXDSVProcessor,
     HunyuanVideoDSVProcessor,
+    LTXVideoDSVProcessor,
     WanDSVProcessor,
     _append_always_kept,
     build_wan_for_training,
@@ -1117,3 +1123,86 @@ def test_dsv_installed_on_a_model_already_on_the_gpu_keeps_its_controller_there(
     with torch.no_grad():
         wan_forward(model, tuple(t.cuda() for t in wan_inputs()))
     assert not controller.host_state_stale
+
+
+# ----- LTX-Video -----
+
+
+def tiny_ltx() -> LTXVideoTransformer3DModel:
+    return LTXVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16,
+                                      cross_attention_dim=32, num_layers=2, caption_channels=16).double()
+
+
+def ltx_inputs(frames: int = 4, size: int = 8):
+    """Packed tokens [2, frames*size*size, 4] of a (frames, size, size) grid; 5 text tokens, the second sample's
+    last 2 padded."""
+    return (torch.randn(2, frames * size * size, 4, dtype=torch.float64), torch.randn(2, 5, 16, dtype=torch.float64),
+            torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]), (frames, size, size))
+
+
+def ltx_forward(model, inputs):
+    x, text, mask, (frames, height, width) = inputs
+    return model(x, text, torch.tensor([10, 600], device=x.device), mask, num_frames=frames, height=height,
+                 width=width, return_dict=False)[0]
+
+
+def test_ltx_dense_mode_equals_unpatched_forward_and_backward():
+    reference = tiny_ltx()
+    patched = copy.deepcopy(reference)
+    controller = install_dsv(patched, cfg("dense"))
+    inputs = ltx_inputs()
+    assert_same_grads(grads(patched, ltx_forward, inputs), grads(reference, ltx_forward, inputs), TOL64)
+    assert [layer.last_path for layer in controller.layers] == ["dense:sdpa"] * 2
+    assert all(isinstance(b.attn1.processor, LTXVideoDSVProcessor) for b in patched.transformer_blocks)
+    assert not any(isinstance(b.attn2.processor, LTXVideoDSVProcessor) for b in patched.transformer_blocks)
+
+
+@pytest.mark.parametrize("frames, size", [(4, 8), (3, 6)], ids=["tiled", "untiled"])
+def test_ltx_oracle_with_all_keys_equals_dense_forward_and_backward(frames, size):
+    reference = tiny_ltx()
+    patched = copy.deepcopy(reference)
+    controller = install_dsv(patched, cfg("oracle", max_stage1_steps=1, keep_floor_blocks=10_000,
+                                          sparse_threshold=0.0))
+    inputs = ltx_inputs(frames, size)
+    train_steps(patched, controller, ltx_forward, inputs, steps=1)
+    controller.begin_step(1)
+    result = grads(patched, ltx_forward, inputs)
+    assert [layer.last_path for layer in controller.layers] == ["sparse:reference"] * 2
+    assert_same_grads(result, grads(reference, ltx_forward, inputs), TOL64)
+
+
+def test_ltx_trains_sparse_with_gradient_checkpointing_as_without():
+    base, inputs = tiny_ltx(), ltx_inputs()
+    assert_same_grads(sparse_grads(base, ltx_forward, inputs, True), sparse_grads(base, ltx_forward, inputs, False),
+                      TOL64)
+
+
+def test_ltx_needs_the_grid_of_its_tokens_and_restores_its_state(tmp_path):
+    """Packed tokens carry no grid: DSV reads it from num_frames, height and width (positional or keyword), and
+    refuses a forward without them (video_coords alone) or whose grid does not hold hidden_states' tokens (tokens
+    appended for conditioning)."""
+    model = tiny_ltx()
+    controller = install_dsv(model, cfg("dsv", max_stage1_steps=2, sparse_threshold=0.0, profile_every_stage1=1))
+    x, text, mask, grid = ltx_inputs()
+    t = torch.tensor([10, 600])
+    with torch.no_grad():
+        positional = model(x, text, t, mask, *grid, return_dict=False)[0]
+        torch.testing.assert_close(positional, ltx_forward(model, (x, text, mask, grid)), **TOL64)
+        with pytest.raises(ValueError, match=r"needs the token grid of hidden_states as num_frames, height and width"):
+            model(x, text, t, mask, video_coords=torch.zeros(2, 3, x.shape[1]))
+        with pytest.raises(ValueError, match=r"num_frames, height, width = \(4, 8, 9\) give 288 tokens, but "
+                                             r"hidden_states holds 256"):
+            model(x, text, t, mask, num_frames=4, height=8, width=9)
+    train_steps(model, controller, ltx_forward, (x, text, mask, grid), steps=3)
+    assert controller.current_stage == 2 and controller.sparse_layers() == [0, 1]
+    model.save_pretrained(tmp_path)
+    loaded = from_pretrained_local(tmp_path, cfg("dsv", max_stage1_steps=2, sparse_threshold=0.0,
+                                                 profile_every_stage1=1), torch_dtype=torch.float64)
+    assert isinstance(loaded, LTXVideoTransformer3DModel) and loaded.dsv_controller.current_stage == 2
+    saved, restored = model.state_dict(), loaded.state_dict()
+    assert saved.keys() == restored.keys()
+    for key in saved:
+        assert torch.equal(saved[key], restored[key]), key
+    model.eval(), loaded.eval()
+    with torch.no_grad():
+        assert torch.equal(ltx_forward(loaded, (x, text, mask, grid)), ltx_forward(model, (x, text, mask, grid)))
