@@ -9,10 +9,10 @@ dispatch, kept fraction) sit in the transformer's `state_dict` under `<attention
 is not touched.
 
 The latent token grid `(T, H, W)` is read at every forward by a forward pre-hook on the transformer: it
-divides the input's frame/height/width sizes by the model's patch size (LTX-Video, whose input is packed tokens:
-its forward's `num_frames`, `height` and `width`). A grid the query cube (`cfg.cube`)
-does not tile runs as it is: the whole cubes first, the edge tokens after them in groups of neighbours
-(`dsv.ops.grouping`).
+divides the input's frame/height/width sizes by the model's patch size; for LTX-Video, whose input is packed
+tokens, it is the forward's `num_frames`, `height` and `width` as given (token counts). A grid the query cube
+(`cfg.cube`) does not tile runs as it is: the whole cubes first, the edge tokens after them in groups of
+neighbours (`dsv.ops.grouping`).
 
 Text tokens of CogVideoX and HunyuanVideo: their attention is joint over video and text tokens. DSV applies to
 the video-to-video part only. Every video query attends to all text keys on top of its selected video keys (text
@@ -90,6 +90,31 @@ __all__ = [
 # ----------------------------------------------------------------------------------------------------
 # Token grid of the current forward
 # ----------------------------------------------------------------------------------------------------
+
+
+def _integer(value) -> int | None:
+    """`value` as an int (a Python or NumPy integer, or a one-element integer tensor), else None."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point() and \
+            value.dtype != torch.bool:
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
+def _raster_coordinates(coords: torch.Tensor, grid: tuple[int, int, int]) -> bool:
+    """Whether `coords [B, 3, S]` (LTX-Video's `video_coords`) give every token of the raster grid `(T, H, W)` a
+    (t, h, w) position that depends on its own grid axis alone and rises along it (LTX's pipelines scale them
+    unevenly, e.g. clamping the first frame's). One device synchronisation."""
+    if coords.dim() != 3 or coords.shape[1] != 3 or coords.shape[2] != math.prod(grid):
+        return False
+    checks = []
+    for axis, values in enumerate(coords.reshape(coords.shape[0], 3, *grid).unbind(1)):
+        along = values.movedim(axis + 1, 1).flatten(2)  # [B, grid[axis], the other two axes]
+        checks.append((along == along[..., :1]).all())  # constant along the other axes
+        line = along[..., 0]  # [B, grid[axis]]
+        checks.append((line[:, 1:] > line[:, :-1]).all())  # rising along its own (empty where the axis has 1)
+    return bool(torch.stack(checks).all())
 
 
 class _LatentGrid:
@@ -194,17 +219,27 @@ class _LatentGrid:
             found = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"{type(module).__name__}: hidden_states must be packed latent tokens {self.layout}, "
                              f"got {found}")
-        sizes = tuple(bound.get(name) for name in ("num_frames", "height", "width"))
-        if any(isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1 for size in sizes):
+        sizes = tuple(_integer(bound.get(name)) for name in ("num_frames", "height", "width"))
+        if any(size is None or size < 1 for size in sizes):
             raise ValueError(
                 f"{type(module).__name__}: DSV needs the token grid of hidden_states as num_frames, height and width "
-                f"(positive ints), got {sizes}; video_coords alone give no grid to group the tokens by")
-        grid = tuple(int(size) for size in sizes)
+                f"(positive ints), got {tuple(bound.get(name) for name in ('num_frames', 'height', 'width'))}; a "
+                "token layout given by video_coords alone is not supported")
+        grid = tuple(sizes)
         if math.prod(grid) != x.shape[1]:
             raise ValueError(
                 f"{type(module).__name__}: num_frames, height, width = {grid} give {math.prod(grid)} tokens, but "
                 f"hidden_states holds {x.shape[1]} (DSV groups the tokens of one latent grid; tokens appended for "
                 "conditioning are not supported)")
+        coords = bound.get("video_coords")
+        if coords is not None and not _raster_coordinates(coords, grid):
+            # LTX then takes the positions from video_coords alone: tokens placed elsewhere than in the raster
+            # order of the grid (a conditioning frame appended and placed at t = 0) would be grouped with the
+            # wrong neighbours.
+            raise ValueError(
+                f"{type(module).__name__}: video_coords [B, 3, S] must place the tokens on the raster grid {grid} "
+                "(each coordinate rising along its own axis of num_frames, height, width and constant along the "
+                "others), as DSV groups them by that grid; tokens appended for conditioning are not supported")
         return grid
 
     def keep_grid_in_checkpoints(self, module: nn.Module) -> None:
@@ -370,7 +405,7 @@ class LTXVideoDSVProcessor(_DSVProcessor):
     """DSV self-attention processor for an `LTXAttention` used as self-attention (`attn1`) of LTX-Video.
 
     Called by `LTXAttention.forward(hidden_states [B, S, C], None, None, image_rotary_emb)` with `S = T*H*W`
-    tokens in raster order and `image_rotary_emb = (cos, sin)`, each `[B, S, heads * head_dim]`; returns
+    tokens in raster order and `image_rotary_emb = (cos, sin)`, each `[B or 1, S, heads * head_dim]`; returns
     `[B, S, C]`. Uses the module's `to_q/to_k/to_v/to_out` and its `norm_q/norm_k` (RMSNorm across heads) and
     LTX's rotary embedding (across heads, before the head split), as `LTXVideoAttnProcessor` does.
     """
@@ -383,12 +418,15 @@ class LTXVideoDSVProcessor(_DSVProcessor):
         self.check_input(hidden_states, grid)
         hidden = hidden_states.index_select(1, perm)  # grouped order: each query cube is contiguous
         q, k, v = attn.norm_q(attn.to_q(hidden)), attn.norm_k(attn.to_k(hidden)), attn.to_v(hidden)
-        expected = (hidden.shape[0], hidden.shape[1], q.shape[-1])
         if image_rotary_emb is not None:
-            if any(tuple(f.shape) != expected for f in image_rotary_emb):
+            # One table for the whole batch (video_coords of batch 1) broadcasts, as in LTX's own processor.
+            if any(f.dim() != 3 or f.shape[0] not in (1, hidden.shape[0]) or tuple(f.shape[1:]) != (hidden.shape[1],
+                                                                                                 q.shape[-1])
+                   for f in image_rotary_emb):
                 raise ValueError(
-                    f"LTXVideoDSVProcessor: image_rotary_emb must be (cos, sin), each of shape {list(expected)}, as "
-                    f"LTXVideoTransformer3DModel passes from its rope; got {[tuple(f.shape) for f in image_rotary_emb]}"
+                    f"LTXVideoDSVProcessor: image_rotary_emb must be (cos, sin), each of shape [B or 1, "
+                    f"{hidden.shape[1]}, {q.shape[-1]}], as LTXVideoTransformer3DModel passes from its rope; got "
+                    f"{[tuple(f.shape) for f in image_rotary_emb]}"
                 )
             freqs = tuple(f.index_select(1, perm) for f in image_rotary_emb)  # grouped order
             q, k = ltx_apply_rotary_emb(q, freqs), ltx_apply_rotary_emb(k, freqs)

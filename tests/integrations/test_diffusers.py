@@ -1208,6 +1208,44 @@ def test_ltx_needs_the_grid_of_its_tokens_and_restores_its_state(tmp_path):
         assert torch.equal(ltx_forward(loaded, (x, text, mask, grid)), ltx_forward(model, (x, text, mask, grid)))
 
 
+def _raster_coords(batch: int, grid, first_frame_clamped: bool = False) -> torch.Tensor:
+    """`video_coords [batch, 3, S]` of a raster grid, frames scaled as LTX's condition pipeline does (x8, the
+    first frame's clamped to 0) when `first_frame_clamped`."""
+    t, h, w = torch.meshgrid(*(torch.arange(n, dtype=torch.float64) for n in grid), indexing="ij")
+    if first_frame_clamped:
+        t = (t * 8 + 1 - 8).clamp(min=0)
+    return torch.stack([t, h, w]).flatten(1).expand(batch, 3, -1).clone()
+
+
+def test_ltx_with_video_coords_on_its_grid_equals_stock_and_refuses_others():
+    """video_coords (LTX's condition pipelines pass them, sometimes one row for the whole batch): positions that
+    place the tokens on the raster grid of num_frames, height, width run as the stock model does; positions of
+    appended conditioning tokens (a last frame placed at t = 0) are refused, where DSV would group the tokens with
+    the wrong neighbours."""
+    reference = tiny_ltx()
+    patched = copy.deepcopy(reference)
+    install_dsv(patched, cfg("oracle", max_stage1_steps=1, keep_floor_blocks=10_000, sparse_threshold=0.0))
+    _sparse_quarter(patched)
+    for layer in patched.dsv_controller.layers:  # every key: oracle with the whole budget
+        layer.keep_fraction.fill_(1.0)
+    patched.dsv_controller.refresh_host_state()
+    x, text, mask, grid = ltx_inputs()
+    t = torch.tensor([10, 600])
+    with torch.no_grad():
+        for coords in (_raster_coords(2, grid, first_frame_clamped=True), _raster_coords(1, grid)):
+            got = patched(x, text, t, mask, *grid, video_coords=coords, return_dict=False)[0]
+            want = reference(x, text, t, mask, *grid, video_coords=coords, return_dict=False)[0]
+            torch.testing.assert_close(got, want, **TOL64)
+        assert [layer.last_path for layer in patched.dsv_controller.layers] == ["sparse:reference"] * 2
+        appended = _raster_coords(2, grid)
+        appended[:, 0, -grid[1] * grid[2]:] = 0  # the last frame's tokens placed at t = 0
+        with pytest.raises(ValueError, match=r"video_coords \[B, 3, S\] must place the tokens on the raster grid"):
+            patched(x, text, t, mask, *grid, video_coords=appended)
+        sizes = tuple(torch.tensor(n) for n in grid)  # one-element tensors, which the stock model takes too
+        torch.testing.assert_close(patched(x, text, t, mask, *sizes, return_dict=False)[0],
+                                   reference(x, text, t, mask, *sizes, return_dict=False)[0], **TOL64)
+
+
 def _ltx_bf16_errors(device: str) -> tuple[float, float, list[str]]:
     """Relative errors (output and input gradient together) against float32 of a bf16 LTX-Video with DSV keeping
     every key on its sparse path and of the stock bf16 model (same weights); head dim 64, 2x4x4 cubes, a 4x8x8
