@@ -318,7 +318,7 @@ class _CheckpointWithGrid:
 
 
 def _wan_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Wan's rotary embedding on `x [B, H, S, D]` with `cos, sin [S, D]`.
+    """Wan's rotary embedding on `x [..., D]` with `cos, sin` broadcastable to it (`[1, S, 1, D]` on `[B, S, H, D]`).
 
     Wan rotates interleaved channel pairs `(x[2i], x[2i+1])` and stores each pair's cos/sin twice. diffusers
     keeps this function inside `WanAttnProcessor.__call__`, so it is restated here with the same arithmetic
@@ -358,7 +358,32 @@ class _DSVProcessor(DSVAttentionCore):
                           "sparse); other attention layers use it", stacklevel=3)
 
 
-class WanDSVProcessor(_DSVProcessor):
+class _SelfAttentionProcessor(_DSVProcessor):
+    """A DSV processor for a video self-attention module (`attn1`) with q/k norms across heads (RMSNorm over
+    all heads, before the head split) and a rotary embedding that `_rotate` applies."""
+
+    def forward(self, attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb):
+        if encoder_hidden_states is not None or attention_mask is not None:
+            raise ValueError(f"{type(self).__name__} is self-attention: encoder_hidden_states and attention_mask "
+                             "must be None (it is installed on attn1 only)")
+        grid, perm, inv = self._grid.of_call(self.layer_index, hidden_states)
+        self.check_input(hidden_states, grid)
+        hidden = hidden_states.index_select(1, perm)  # grouped order: each query cube is contiguous
+        q, k, v = attn.norm_q(attn.to_q(hidden)), attn.norm_k(attn.to_k(hidden)), attn.to_v(hidden)
+        q, k = self._rotate(q, k, rotary_emb, perm)
+        q, k, v = (t.unflatten(2, (self.heads, -1)).transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
+        index = self.prepare_index(hidden, q, k, grid)
+        out = self.attend(q, k, v, index).transpose(1, 2).flatten(2, 3).type_as(q)
+        out = attn.to_out[1](attn.to_out[0](out))
+        return out.index_select(1, inv)
+
+    def _rotate(self, q: torch.Tensor, k: torch.Tensor, rotary_emb, perm: torch.Tensor):
+        """The model's rotary embedding on `q, k [B, S, heads * head_dim]` in grouped order (`perm`: raster to
+        grouped)."""
+        raise NotImplementedError
+
+
+class WanDSVProcessor(_SelfAttentionProcessor):
     """DSV self-attention processor for a `WanAttention` used as self-attention (`attn1`).
 
     Called by `WanAttention.forward(hidden_states [B, S, C], None, None, rotary_emb)` with `S = T*H*W`
@@ -367,41 +392,19 @@ class WanDSVProcessor(_DSVProcessor):
     `to_qkv` copy made by `fuse_projections()` is not used.
     """
 
-    def forward(
-        self,
-        attn: nn.Module,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None,
-        attention_mask: torch.Tensor | None,
-        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> torch.Tensor:
-        if encoder_hidden_states is not None or attention_mask is not None:
-            raise ValueError(
-                "WanDSVProcessor is self-attention: encoder_hidden_states and attention_mask must be None "
-                "(it is installed on attn1 only)"
-            )
-        grid, perm, inv = self._grid.of_call(self.layer_index, hidden_states)
-        self.check_input(hidden_states, grid)
-        hidden = hidden_states.index_select(1, perm)  # grouped order: each query cube is contiguous
-        # Wan normalises q and k across all heads, before the head split.
-        q, k, v = attn.norm_q(attn.to_q(hidden)), attn.norm_k(attn.to_k(hidden)), attn.to_v(hidden)
-        q, k, v = (t.unflatten(2, (self.heads, -1)).transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
-        expected = (1, hidden.shape[1], 1, self.head_dim)
+    def _rotate(self, q, k, rotary_emb, perm):
+        expected = (1, q.shape[1], 1, self.head_dim)
         if rotary_emb is None or any(tuple(f.shape) != expected for f in rotary_emb):
             found = None if rotary_emb is None else [tuple(f.shape) for f in rotary_emb]
             raise ValueError(
                 f"WanDSVProcessor: rotary_emb must be (cos, sin), each of shape {list(expected)}, as "
                 f"WanTransformer3DModel passes from its WanRotaryPosEmbed; got {found}"
             )
-        cos, sin = (f.index_select(1, perm).flatten(0, 2) for f in rotary_emb)  # [S, D], grouped order
-        q, k = _wan_rotary(q, cos, sin), _wan_rotary(k, cos, sin)
-        index = self.prepare_index(hidden, q, k, grid)
-        out = self.attend(q, k, v, index).transpose(1, 2).flatten(2, 3).type_as(q)
-        out = attn.to_out[1](attn.to_out[0](out))
-        return out.index_select(1, inv)
+        cos, sin = (f.index_select(1, perm) for f in rotary_emb)  # [1, S, 1, D], grouped order
+        return tuple(_wan_rotary(t.unflatten(2, (self.heads, -1)), cos, sin).flatten(2) for t in (q, k))
 
 
-class LTXVideoDSVProcessor(_DSVProcessor):
+class LTXVideoDSVProcessor(_SelfAttentionProcessor):
     """DSV self-attention processor for an `LTXAttention` used as self-attention (`attn1`) of LTX-Video.
 
     Called by `LTXAttention.forward(hidden_states [B, S, C], None, None, image_rotary_emb)` with `S = T*H*W`
@@ -410,31 +413,19 @@ class LTXVideoDSVProcessor(_DSVProcessor):
     LTX's rotary embedding (across heads, before the head split), as `LTXVideoAttnProcessor` does.
     """
 
-    def forward(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb):
-        if encoder_hidden_states is not None or attention_mask is not None:
-            raise ValueError("LTXVideoDSVProcessor is self-attention: encoder_hidden_states and attention_mask must be "
-                             "None (it is installed on attn1 only)")
-        grid, perm, inv = self._grid.of_call(self.layer_index, hidden_states)
-        self.check_input(hidden_states, grid)
-        hidden = hidden_states.index_select(1, perm)  # grouped order: each query cube is contiguous
-        q, k, v = attn.norm_q(attn.to_q(hidden)), attn.norm_k(attn.to_k(hidden)), attn.to_v(hidden)
-        if image_rotary_emb is not None:
-            # One table for the whole batch (video_coords of batch 1) broadcasts, as in LTX's own processor.
-            if any(f.dim() != 3 or f.shape[0] not in (1, hidden.shape[0]) or tuple(f.shape[1:]) != (hidden.shape[1],
-                                                                                                 q.shape[-1])
-                   for f in image_rotary_emb):
-                raise ValueError(
-                    f"LTXVideoDSVProcessor: image_rotary_emb must be (cos, sin), each of shape [B or 1, "
-                    f"{hidden.shape[1]}, {q.shape[-1]}], as LTXVideoTransformer3DModel passes from its rope; got "
-                    f"{[tuple(f.shape) for f in image_rotary_emb]}"
-                )
-            freqs = tuple(f.index_select(1, perm) for f in image_rotary_emb)  # grouped order
-            q, k = ltx_apply_rotary_emb(q, freqs), ltx_apply_rotary_emb(k, freqs)
-        q, k, v = (t.unflatten(2, (self.heads, -1)).transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
-        index = self.prepare_index(hidden, q, k, grid)
-        out = self.attend(q, k, v, index).transpose(1, 2).flatten(2, 3).type_as(q)
-        out = attn.to_out[1](attn.to_out[0](out))
-        return out.index_select(1, inv)
+    def _rotate(self, q, k, rotary_emb, perm):
+        if rotary_emb is None:
+            return q, k
+        # One table for the whole batch (video_coords of batch 1) broadcasts, as in LTX's own processor.
+        if any(f.dim() != 3 or f.shape[0] not in (1, q.shape[0]) or tuple(f.shape[1:]) != q.shape[1:]
+               for f in rotary_emb):
+            raise ValueError(
+                f"LTXVideoDSVProcessor: image_rotary_emb must be (cos, sin), each of shape [B or 1, {q.shape[1]}, "
+                f"{q.shape[2]}], as LTXVideoTransformer3DModel passes from its rope; got "
+                f"{[tuple(f.shape) for f in rotary_emb]}"
+            )
+        freqs = tuple(f.index_select(1, perm) for f in rotary_emb)  # grouped order
+        return ltx_apply_rotary_emb(q, freqs), ltx_apply_rotary_emb(k, freqs)
 
 
 def _append_always_kept(index: SparseIndex, extra_len: int) -> SparseIndex:
