@@ -121,6 +121,30 @@ def train_steps(model, controller, forward, inputs, steps: int) -> None:
         controller.end_step()
     model.zero_grad()
 
+def dense_mode_matches(reference, forward, inputs, tol):
+    """DSV in `dense` mode on a copy of `reference`: output, input and parameter gradients equal the unpatched
+    model's within `tol`, every layer on SDPA. Returns the patched model."""
+    patched = copy.deepcopy(reference)
+    controller = install_dsv(patched, cfg("dense"))
+    assert_same_grads(grads(patched, forward, inputs), grads(reference, forward, inputs), tol)
+    assert [layer.last_path for layer in controller.layers] == ["dense:sdpa"] * len(controller.layers)
+    return patched
+
+
+def all_keys_sparse_matches(reference, forward, inputs, tol):
+    """DSV in `oracle` mode keeping every key on a copy of `reference`, after one step of the schedule (stage 2,
+    every layer sparse): output, input and parameter gradients equal the unpatched model's within `tol`."""
+    patched = copy.deepcopy(reference)
+    controller = install_dsv(patched, cfg("oracle", max_stage1_steps=1, keep_floor_blocks=10_000,
+                                          sparse_threshold=0.0))
+    train_steps(patched, controller, forward, inputs, steps=1)
+    assert controller.current_stage == 2 and controller.sparse_layers() == list(range(len(controller.layers)))
+    controller.begin_step(1)
+    result = grads(patched, forward, inputs)
+    assert [layer.last_path for layer in controller.layers] == ["sparse:reference"] * len(controller.layers)
+    assert_same_grads(result, grads(reference, forward, inputs), tol)
+
+
 
 # ----- Wan -----
 
@@ -139,12 +163,7 @@ def test_wan_dense_layer_equals_diffusers_processor_in_float64():
 
 
 def test_wan_dense_mode_equals_unpatched_forward_and_backward():
-    reference = tiny_wan()
-    patched = copy.deepcopy(reference)
-    controller = install_dsv(patched, cfg("dense"))
-    inputs = wan_inputs()
-    assert_same_grads(grads(patched, wan_forward, inputs), grads(reference, wan_forward, inputs), TOL32)
-    assert [layer.last_path for layer in controller.layers] == ["dense:sdpa"] * 2
+    dense_mode_matches(tiny_wan(), wan_forward, wan_inputs(), TOL32)
 
 
 # Latent sizes whose token grid the 2x2x2 cube tiles, and three it does not (3 frames; a 5x5 grid; one frame,
@@ -156,17 +175,7 @@ GRIDS = pytest.mark.parametrize("frames, size", [(4, 8), (3, 8), (4, 10), (1, 8)
 
 @GRIDS
 def test_wan_oracle_with_all_keys_equals_dense_forward_and_backward(frames, size):
-    reference = tiny_wan()
-    patched = copy.deepcopy(reference)
-    controller = install_dsv(patched, cfg("oracle", max_stage1_steps=1, keep_floor_blocks=10_000,
-                                          sparse_threshold=0.0))
-    inputs = wan_inputs(frames=frames, size=size)
-    train_steps(patched, controller, wan_forward, inputs, steps=1)
-    assert controller.current_stage == 2 and controller.sparse_layers() == [0, 1]
-    controller.begin_step(1)
-    result = grads(patched, wan_forward, inputs)
-    assert [layer.last_path for layer in controller.layers] == ["sparse:reference"] * 2
-    assert_same_grads(result, grads(reference, wan_forward, inputs), TOL32)
+    all_keys_sparse_matches(tiny_wan(), wan_forward, wan_inputs(frames=frames, size=size), TOL32)
 
 
 def test_wan_cross_attention_and_pretrained_weights_untouched():
@@ -669,12 +678,8 @@ def test_build_wan_for_training_trains_on_real_video():
 
 @pytest.mark.parametrize("rotary, patch_size_t", [(True, None), (False, None), (True, 2)])
 def test_cogvideox_dense_mode_equals_unpatched_forward_and_backward(rotary, patch_size_t):
-    reference = tiny_cogvideox(rotary, patch_size_t)
-    patched = copy.deepcopy(reference)
-    controller = install_dsv(patched, cfg("dense"))
-    inputs = cog_inputs(rotary, patch_size_t)
-    assert_same_grads(grads(patched, cog_forward, inputs), grads(reference, cog_forward, inputs), TOL64)
-    assert [layer.last_path for layer in controller.layers] == ["dense:sdpa"] * 2
+    patched = dense_mode_matches(tiny_cogvideox(rotary, patch_size_t), cog_forward,
+                                 cog_inputs(rotary, patch_size_t), TOL64)
     assert all(isinstance(b.attn1.processor, CogVideoXDSVProcessor) for b in patched.transformer_blocks)
 
 
@@ -682,16 +687,7 @@ def test_cogvideox_dense_mode_equals_unpatched_forward_and_backward(rotary, patc
 def test_cogvideox_oracle_with_all_keys_equals_dense_forward_and_backward(size):
     """With a 3x3 token grid per frame the video (36 tokens) ends inside a group and a key block of 8: the
     block shared with the text keys is kept once."""
-    reference = tiny_cogvideox()
-    patched = copy.deepcopy(reference)
-    controller = install_dsv(patched, cfg("oracle", max_stage1_steps=1, keep_floor_blocks=10_000,
-                                          sparse_threshold=0.0))
-    inputs = cog_inputs(size=size)
-    train_steps(patched, controller, cog_forward, inputs, steps=1)
-    controller.begin_step(1)
-    result = grads(patched, cog_forward, inputs)
-    assert [layer.last_path for layer in controller.layers] == ["sparse:reference"] * 2
-    assert_same_grads(result, grads(reference, cog_forward, inputs), TOL64)
+    all_keys_sparse_matches(tiny_cogvideox(), cog_forward, cog_inputs(size=size), TOL64)
 
 
 def test_cogvideox_text_tokens_stay_dense_under_a_partial_budget():
@@ -932,12 +928,7 @@ def hunyuan_forward(model, inputs):
 
 
 def test_hunyuan_dense_mode_equals_unpatched_forward_and_backward():
-    reference = tiny_hunyuan()
-    patched = copy.deepcopy(reference)
-    controller = install_dsv(patched, cfg("dense"))
-    inputs = hunyuan_inputs()
-    assert_same_grads(grads(patched, hunyuan_forward, inputs), grads(reference, hunyuan_forward, inputs), TOL64)
-    assert [layer.last_path for layer in controller.layers] == ["dense:sdpa"] * 2
+    patched = dense_mode_matches(tiny_hunyuan(), hunyuan_forward, hunyuan_inputs(), TOL64)
     assert isinstance(patched.transformer_blocks[0].attn.processor, HunyuanVideoDSVProcessor)
     assert isinstance(patched.single_transformer_blocks[0].attn.processor, HunyuanVideoDSVProcessor)
     # The text refiner's self-attention over text tokens is not DSV's.
@@ -951,16 +942,7 @@ def test_hunyuan_oracle_with_all_keys_equals_dense_forward_and_backward(size, te
     """With every video key kept, DSV's joint attention is the stock processor's: each sample's unpadded text
     keys attended, its padded ones not (also where the video ends inside a key block shared with the text). A
     sample with no unpadded text at all is NaN in the stock model already (its text refiner attends to no key)."""
-    reference = tiny_hunyuan()
-    patched = copy.deepcopy(reference)
-    controller = install_dsv(patched, cfg("oracle", max_stage1_steps=1, keep_floor_blocks=10_000,
-                                          sparse_threshold=0.0))
-    inputs = hunyuan_inputs(size, text_lengths)
-    train_steps(patched, controller, hunyuan_forward, inputs, steps=1)
-    controller.begin_step(1)
-    result = grads(patched, hunyuan_forward, inputs)
-    assert [layer.last_path for layer in controller.layers] == ["sparse:reference"] * 2
-    assert_same_grads(result, grads(reference, hunyuan_forward, inputs), TOL64)
+    all_keys_sparse_matches(tiny_hunyuan(), hunyuan_forward, hunyuan_inputs(size, text_lengths), TOL64)
 
 
 def _calls_inside_the_forward(model, attn, inputs, calls):
@@ -1040,6 +1022,40 @@ def test_hunyuan_trains_sparse_with_gradient_checkpointing_as_without():
     assert_same_grads(sparse_grads(base, hunyuan_forward, inputs, True, compiled=True), plain, TOL64)
 
 
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).norm() / want.norm()).item()
+
+
+def _as(dtype, inputs):
+    """`inputs` with their floating tensors in `dtype`."""
+    return tuple(t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t for t in inputs)
+
+
+def bf16_model_errors(reference, forward, inputs):
+    """`(patched, [DSV error, stock error])`: relative errors (output and input gradient together) against the
+    float32 `reference` on `inputs` (float32, on its device) of a bf16 copy with DSV in `oracle` mode keeping every
+    key on its sparse path (2x4x4 cubes), and of the stock bf16 copy (same weights)."""
+    stock = copy.deepcopy(reference).to(torch.bfloat16)
+    patched = copy.deepcopy(reference).to(torch.bfloat16)
+    install_dsv(patched, dsv.AttentionConfig(mode="oracle", cube=(2, 4, 4), keep_floor_blocks=10_000,
+                                             sparse_threshold=0.0, speed_dispatch=False))
+    state = patched.state_dict()
+    state["dsv_controller.stage"] = torch.tensor(2)
+    for key in [key for key in state if key.endswith("processor.use_sparse")]:
+        state[key] = torch.tensor(True)
+    patched.load_state_dict(state)
+
+    def result(model, dtype):
+        model.zero_grad()
+        x = inputs[0].detach().to(dtype).requires_grad_(True)
+        out = forward(model, (x, *_as(dtype, inputs[1:])))
+        (out.float() * torch.linspace(-1, 1, out.numel(), device=x.device).view_as(out)).sum().backward()
+        return torch.cat([out.float().flatten(), x.grad.float().flatten()])
+
+    want = result(reference, torch.float32)
+    return patched, [_relative_error(result(model, torch.bfloat16), want) for model in (patched, stock)]
+
+
 def _hunyuan_bf16_errors(device: str) -> dict:
     """Relative errors against float32 of a bf16 HunyuanVideo with DSV keeping every key on its sparse path, and
     of the stock bf16 model (same weights): `model`, output and input gradient together; `layer`, the first joint
@@ -1052,47 +1068,23 @@ def _hunyuan_bf16_errors(device: str) -> dict:
         num_single_layers=1, num_refiner_layers=1, patch_size=2, patch_size_t=1, text_embed_dim=32,
         pooled_projection_dim=8, rope_axes_dim=(16, 24, 24),
     ).to(device)
-    stock = copy.deepcopy(reference).to(torch.bfloat16)
-    patched = copy.deepcopy(reference).to(torch.bfloat16)
-    install_dsv(patched, dsv.AttentionConfig(mode="oracle", cube=(2, 4, 4), keep_floor_blocks=10_000,
-                                             sparse_threshold=0.0, speed_dispatch=False))
-    state = patched.state_dict()
-    state["dsv_controller.stage"] = torch.tensor(2)
-    for key in [key for key in state if key.endswith("processor.use_sparse")]:
-        state[key] = torch.tensor(True)
-    patched.load_state_dict(state)
-    x, text, mask, pooled = hunyuan_inputs(size=16)
-    inputs = (x.float().to(device), text.float().to(device), mask.to(device), pooled.float().to(device))
-
-    def result(model, dtype):
-        model.zero_grad()
-        x = inputs[0].detach().to(dtype).requires_grad_(True)
-        out = hunyuan_forward(model, (x, inputs[1].to(dtype), inputs[2], inputs[3].to(dtype)))
-        weight = torch.linspace(-1, 1, out.numel(), device=device).view_as(out)
-        (out.float() * weight).sum().backward()
-        return torch.cat([out.float().flatten(), x.grad.float().flatten()])
-
-    def error(got, want):
-        return ((got - want).norm() / want.norm()).item()
-
-    want = result(reference, torch.float32)
-    errors = {"model": [error(result(model, torch.bfloat16), want) for model in (patched, stock)]}
+    inputs = tuple(t.to(device) for t in _as(torch.float32, hunyuan_inputs(size=16)))
+    patched, model_errors = bf16_model_errors(reference, hunyuan_forward, inputs)
+    errors = {"model": model_errors}
     attn = patched.transformer_blocks[0].attn
     reference_attn = copy.deepcopy(reference.transformer_blocks[0].attn)
 
     def layer_calls(kwargs, out):
         kwargs = dict(kwargs, encoder_hidden_states=kwargs["encoder_hidden_states"].clone())
         kwargs["encoder_hidden_states"][1, 4:] *= 100
-        as_float = {name: (value.float() if torch.is_tensor(value) and value.is_floating_point() else value)
-                    for name, value in kwargs.items()}
+        as_float = dict(zip(kwargs, _as(torch.float32, kwargs.values())))
         want = torch.cat([t.float() for t in HunyuanVideoAttnProcessor2_0()(reference_attn, **as_float)], 1)
         got = [torch.cat([t.float() for t in processor(attn, **kwargs)], 1)
                for processor in (attn.processor, HunyuanVideoAttnProcessor2_0())]
-        return {"layer": [error(g, want) for g in got], "path": attn.processor.last_path}
+        return {"layer": [_relative_error(g, want) for g in got], "path": attn.processor.last_path}
 
     with torch.no_grad():
-        found = _calls_inside_the_forward(patched, attn, tuple(t.to(torch.bfloat16) if t.is_floating_point() else t
-                                                               for t in inputs), layer_calls)
+        found = _calls_inside_the_forward(patched, attn, _as(torch.bfloat16, inputs), layer_calls)
     assert found["path"] == [layer.last_path for layer in patched.dsv_controller.layers][0]
     return {**errors, "layer": found["layer"], "paths": [layer.last_path for layer in patched.dsv_controller.layers]}
 
@@ -1147,28 +1139,14 @@ def ltx_forward(model, inputs):
 
 
 def test_ltx_dense_mode_equals_unpatched_forward_and_backward():
-    reference = tiny_ltx()
-    patched = copy.deepcopy(reference)
-    controller = install_dsv(patched, cfg("dense"))
-    inputs = ltx_inputs()
-    assert_same_grads(grads(patched, ltx_forward, inputs), grads(reference, ltx_forward, inputs), TOL64)
-    assert [layer.last_path for layer in controller.layers] == ["dense:sdpa"] * 2
+    patched = dense_mode_matches(tiny_ltx(), ltx_forward, ltx_inputs(), TOL64)
     assert all(isinstance(b.attn1.processor, LTXVideoDSVProcessor) for b in patched.transformer_blocks)
     assert not any(isinstance(b.attn2.processor, LTXVideoDSVProcessor) for b in patched.transformer_blocks)
 
 
 @pytest.mark.parametrize("frames, size", [(4, 8), (3, 6)], ids=["tiled", "untiled"])
 def test_ltx_oracle_with_all_keys_equals_dense_forward_and_backward(frames, size):
-    reference = tiny_ltx()
-    patched = copy.deepcopy(reference)
-    controller = install_dsv(patched, cfg("oracle", max_stage1_steps=1, keep_floor_blocks=10_000,
-                                          sparse_threshold=0.0))
-    inputs = ltx_inputs(frames, size)
-    train_steps(patched, controller, ltx_forward, inputs, steps=1)
-    controller.begin_step(1)
-    result = grads(patched, ltx_forward, inputs)
-    assert [layer.last_path for layer in controller.layers] == ["sparse:reference"] * 2
-    assert_same_grads(result, grads(reference, ltx_forward, inputs), TOL64)
+    all_keys_sparse_matches(tiny_ltx(), ltx_forward, ltx_inputs(frames, size), TOL64)
 
 
 def test_ltx_trains_sparse_with_gradient_checkpointing_as_without():
@@ -1253,28 +1231,9 @@ def _ltx_bf16_errors(device: str) -> tuple[float, float, list[str]]:
     torch.manual_seed(0)
     reference = LTXVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=64,
                                            cross_attention_dim=128, num_layers=2, caption_channels=16).to(device)
-    stock = copy.deepcopy(reference).to(torch.bfloat16)
-    patched = copy.deepcopy(reference).to(torch.bfloat16)
-    install_dsv(patched, dsv.AttentionConfig(mode="oracle", cube=(2, 4, 4), keep_floor_blocks=10_000,
-                                             sparse_threshold=0.0, speed_dispatch=False))
-    state = patched.state_dict()
-    state["dsv_controller.stage"] = torch.tensor(2)
-    for key in [key for key in state if key.endswith("processor.use_sparse")]:
-        state[key] = torch.tensor(True)
-    patched.load_state_dict(state)
     x, text, mask, grid = ltx_inputs()
-    x, text, mask = x.float().to(device), text.float().to(device), mask.to(device)
-
-    def result(model, dtype):
-        model.zero_grad()
-        leaf = x.detach().to(dtype).requires_grad_(True)
-        out = ltx_forward(model, (leaf, text.to(dtype), mask, grid))
-        (out.float() * torch.linspace(-1, 1, out.numel(), device=device).view_as(out)).sum().backward()
-        return torch.cat([out.float().flatten(), leaf.grad.float().flatten()])
-
-    want = result(reference, torch.float32)
-    dsv_error, stock_error = (((result(model, torch.bfloat16) - want).norm() / want.norm()).item()
-                              for model in (patched, stock))
+    patched, (dsv_error, stock_error) = bf16_model_errors(
+        reference, ltx_forward, (x.float().to(device), text.float().to(device), mask.to(device), grid))
     return dsv_error, stock_error, [layer.last_path for layer in patched.dsv_controller.layers]
 
 
