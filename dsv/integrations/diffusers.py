@@ -478,8 +478,6 @@ class _JointVideoTextProcessor(_DSVProcessor):
     rotary embeddings, and attention in which DSV selects the video keys of each video query cube, every
     unpadded text key is kept for every video query, and text queries attend densely."""
 
-    name = "joint processor"
-
     def _heads(self, x: torch.Tensor, projections, norms) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`x [B, N, C]` → `q, k, v [B, H, N, D]` through the projections `(to_q, to_k, to_v)` and the per-head
         query/key `norms` (either may be None)."""
@@ -497,7 +495,7 @@ class _JointVideoTextProcessor(_DSVProcessor):
         if any(tuple(f.shape) != expected for f in image_rotary_emb):
             # Tables of another grid would be read row by row as this grid's positions, without an error.
             raise ValueError(
-                f"{self.name}: image_rotary_emb must be (cos, sin), each of shape {list(expected)} for this "
+                f"{type(self).__name__}: image_rotary_emb must be (cos, sin), each of shape {list(expected)} for this "
                 f"latent's {seq_len} video tokens; got {[tuple(f.shape) for f in image_rotary_emb]}"
             )
         freqs = tuple(f.index_select(0, perm) for f in image_rotary_emb)  # [S, D] in grouped order
@@ -542,8 +540,6 @@ class CogVideoXDSVProcessor(_JointVideoTextProcessor):
     `[S, D]`; returns `(video [B, S, C], text [B, L, C])` like `CogVideoXAttnProcessor2_0`. DSV selects
     the video keys of each video query cube; text keys are always kept and text queries attend densely.
     """
-
-    name = "CogVideoXDSVProcessor"
 
     def forward(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb):
         if encoder_hidden_states is None:
@@ -604,8 +600,6 @@ class HunyuanVideoDSVProcessor(_JointVideoTextProcessor):
     call; a compiled block breaks its graph there, so `fullgraph=True` holds for dense layers only); where
     samples' text is padded unequally, their sparse attention runs one sample at a time.
     """
-
-    name = "HunyuanVideoDSVProcessor"
 
     def forward(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb):
         if encoder_hidden_states is None:
