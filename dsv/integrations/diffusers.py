@@ -1,5 +1,5 @@
 """DSV self-attention in diffusers video transformers: `WanTransformer3DModel`, `CogVideoXTransformer3DModel`,
-`HunyuanVideoTransformer3DModel`, `LTXVideoTransformer3DModel`.
+`HunyuanVideoTransformer3DModel`, `LTXVideoTransformer3DModel`, `MochiTransformer3DModel`.
 
 `install_dsv(transformer, cfg)` swaps the processor of every video *self*-attention module for a DSV processor and
 registers a `DSVController` as `transformer.dsv_controller`. The processors reuse the module's own
@@ -9,16 +9,16 @@ dispatch, kept fraction) sit in the transformer's `state_dict` under `<attention
 is not touched.
 
 The latent token grid `(T, H, W)` is read at every forward by a forward pre-hook on the transformer: it
-divides the input's frame/height/width sizes by the model's patch size; for LTX-Video, whose input is packed
-tokens, it is the forward's `num_frames`, `height` and `width` as given (token counts). A grid the query cube
-(`cfg.cube`) does not tile runs as it is: the whole cubes first, the edge tokens after them in groups of
-neighbours (`dsv.ops.grouping`).
+divides the input's frame/height/width sizes by the model's patch size (Mochi's patches are spatial only: one
+frame of tokens per latent frame); for LTX-Video, whose input is packed tokens, it is the forward's
+`num_frames`, `height` and `width` as given (token counts). A grid the query cube (`cfg.cube`) does not tile
+runs as it is: the whole cubes first, the edge tokens after them in groups of neighbours (`dsv.ops.grouping`).
 
-Text tokens of CogVideoX and HunyuanVideo: their attention is joint over video and text tokens. DSV applies to
-the video-to-video part only. Every video query attends to all text keys on top of its selected video keys (text
-keys are never pruned, whatever the budget; HunyuanVideo's padded text keys, which its mask hides, never count),
-and every text query attends densely to all tokens. The predictor, the profiled sparsity and the recall of such
-a layer describe the video-to-video attention.
+Text tokens of CogVideoX, HunyuanVideo and Mochi: their attention is joint over video and text tokens. DSV
+applies to the video-to-video part only. Every video query attends to all text keys on top of its selected video
+keys (text keys are never pruned, whatever the budget; the padded text keys that HunyuanVideo's and Mochi's masks
+hide never count), and every text query attends densely to all tokens. The predictor, the profiled sparsity and
+the recall of such a layer describe the video-to-video attention.
 """
 
 from __future__ import annotations
@@ -41,9 +41,10 @@ try:
         CogVideoXTransformer3DModel,
         HunyuanVideoTransformer3DModel,
         LTXVideoTransformer3DModel,
+        MochiTransformer3DModel,
         WanTransformer3DModel,
     )
-    from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0
+    from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0, MochiAttnProcessor2_0
     from diffusers.models.embeddings import apply_rotary_emb
     from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0
     from diffusers.models.transformers.transformer_ltx import LTXVideoAttnProcessor
@@ -78,6 +79,7 @@ __all__ = [
     "CogVideoXDSVProcessor",
     "HunyuanVideoDSVProcessor",
     "LTXVideoDSVProcessor",
+    "MochiDSVProcessor",
     "WanDSVProcessor",
     "WanVideoModel",
     "build_wan_for_training",
@@ -317,6 +319,14 @@ class _CheckpointWithGrid:
 # ----------------------------------------------------------------------------------------------------
 
 
+def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the interleaved channel pairs `(x[2i], x[2i+1])` of `x [..., D]` by the angles whose `cos, sin`
+    (one per pair, broadcastable to `[..., D/2]`) are given; computed in the promoted dtype of `x` and the tables,
+    not rounded."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
 def _wan_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Wan's rotary embedding on `x [..., D]` with `cos, sin` broadcastable to it (`[1, S, 1, D]` on `[B, S, H, D]`).
 
@@ -324,9 +334,17 @@ def _wan_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     keeps this function inside `WanAttnProcessor.__call__`, so it is restated here with the same arithmetic
     (products in the frequency dtype, one rounding to `x`'s dtype), which keeps the dense path bit-compatible.
     """
-    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    c, s = cos[..., 0::2], sin[..., 1::2]
-    return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2).type_as(x)
+    return _rotate_pairs(x, cos[..., 0::2], sin[..., 1::2]).type_as(x)
+
+
+def _mochi_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Mochi's rotary embedding on `x [..., D]` with `cos, sin` broadcastable to `[..., D/2]` (one angle per
+    interleaved channel pair; Mochi's tables are per head, `[S, H, D/2]`).
+
+    diffusers keeps this function inside `MochiAttnProcessor2_0.__call__`, so it is restated here with the same
+    arithmetic: `x` taken to float32 whatever its dtype (float64 included), one rounding back to it.
+    """
+    return _rotate_pairs(x.float(), cos, sin).to(x.dtype)
 
 
 class _DSVProcessor(DSVAttentionCore):
@@ -474,7 +492,7 @@ def _append_always_kept(index: SparseIndex, extra_len: int) -> SparseIndex:
 
 
 class _JointVideoTextProcessor(_DSVProcessor):
-    """What the processors of joint video+text attention (CogVideoX, HunyuanVideo) share: the video tokens'
+    """What the processors of joint video+text attention (CogVideoX, HunyuanVideo, Mochi) share: the video tokens'
     rotary embeddings, and attention in which DSV selects the video keys of each video query cube, every
     unpadded text key is kept for every video query, and text queries attend densely."""
 
@@ -486,46 +504,58 @@ class _JointVideoTextProcessor(_DSVProcessor):
         return (q if norm_q is None else norm_q(q)), (k if norm_k is None else norm_k(k)), v
 
     def _rotate_video(self, q: torch.Tensor, k: torch.Tensor, image_rotary_emb, perm: torch.Tensor):
-        """The model's rotary embedding `(cos, sin)`, each `[S, D]` in raster order, on the video `q, k [B, H, S,
-        D]` in grouped order."""
+        """The model's rotary embedding `(cos, sin)`, tables of `_rotary_table_shape` with one row per video token
+        in raster order, on the video `q, k [B, H, S, D]` in grouped order."""
         if image_rotary_emb is None:
             return q, k
         seq_len = q.shape[2]
-        expected = (seq_len, self.head_dim)
+        expected = self._rotary_table_shape(seq_len)
         if any(tuple(f.shape) != expected for f in image_rotary_emb):
             # Tables of another grid would be read row by row as this grid's positions, without an error.
             raise ValueError(
                 f"{type(self).__name__}: image_rotary_emb must be (cos, sin), each of shape {list(expected)} for this "
                 f"latent's {seq_len} video tokens; got {[tuple(f.shape) for f in image_rotary_emb]}"
             )
-        freqs = tuple(f.index_select(0, perm) for f in image_rotary_emb)  # [S, D] in grouped order
-        return apply_rotary_emb(q, freqs), apply_rotary_emb(k, freqs)
+        freqs = tuple(f.index_select(0, perm) for f in image_rotary_emb)  # grouped order
+        return self._apply_rotary(q, freqs), self._apply_rotary(k, freqs)
+
+    def _rotary_table_shape(self, seq_len: int) -> tuple[int, ...]:
+        """The shape of each rotary table for `seq_len` video tokens: `[S, D]` (CogVideoX, HunyuanVideo)."""
+        return seq_len, self.head_dim
+
+    @staticmethod
+    def _apply_rotary(x: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The rotary embedding of `freqs` (tables of `_rotary_table_shape`, grouped order) on `x [B, H, S, D]`."""
+        return apply_rotary_emb(x, freqs)
 
     def _joint_attention(self, video: tuple, text: tuple, index: SparseIndex | None, text_lengths: list[int] | None,
                          key_mask: torch.Tensor | None) -> torch.Tensor:
         """`video = (q, k, v)` each `[B, H, S, D]` (grouped order), `text = (q, k, v)` each `[B, H, L, D]` →
-        `[B, H, S + L, D]`, video rows first. Dense under `key_mask` where `index` is None; else each video query
-        group attends to its selected video key blocks and to its sample's first `text_lengths[b]` text keys
-        (None: all `L`), and text queries attend densely under `key_mask`."""
+        `[B, H, S + L, D]`, video rows first.
+
+        Dense where `index` is None: under `key_mask` without `text_lengths`; with them, each sample over its
+        video and its first `text_lengths[b]` text tokens, unmasked (its padded text rows zero). Sparse otherwise:
+        each video query group attends to its selected video key blocks and to its sample's first
+        `text_lengths[b]` text keys (None: all `L`), and text queries attend densely under `key_mask`."""
         seq_len, text_len = video[0].shape[2], text[0].shape[2]
         # Video first, text after: the video groups and key blocks keep their ids, text keys get the last ids.
         q, k, v = (torch.cat(pair, 2) for pair in zip(video, text))
-        if index is None:
+        if index is None and text_lengths is None:
             return self.attend(q, k, v, None, key_mask)
-        if text_lengths is None or len(set(text_lengths)) == 1:
-            kept = text_len if text_lengths is None else text_lengths[0]
-            end = seq_len + kept
-            video_out = self.attend(q[:, :, :end], k[:, :, :end], v[:, :, :end],
-                                    _append_always_kept(index, kept))[:, :, :seq_len]
-        else:
-            # The index keeps whole key blocks: the padded text keys are left out by giving each sample the
-            # sequence of its own unpadded text, one sample at a time where they differ (video training runs
-            # small batches).
-            video_out = torch.cat([self.attend(
-                *(t[b:b + 1, :, :seq_len + n] for t in (q, k, v)),
-                _append_always_kept(SparseIndex(index.indices[b:b + 1], index.counts[b:b + 1], index.group_size,
-                                                index.kv_block, seq_len), n))[:, :, :seq_len]
-                for b, n in enumerate(text_lengths)])
+        # The padded text keys are left out by giving each sample the sequence of its own unpadded text (an index
+        # keeps whole key blocks; SDPA's fast kernels take no mask): the whole batch at once where the lengths
+        # agree, else one sample at a time (video training runs small batches).
+        lengths = [text_len] * q.shape[0] if text_lengths is None else text_lengths
+        runs = [(0, len(lengths), lengths[0])] if len(set(lengths)) == 1 else \
+            [(b, b + 1, n) for b, n in enumerate(lengths)]
+        if index is None:
+            return torch.cat([F.pad(self.attend(*(t[start:stop, :, :seq_len + n] for t in (q, k, v)), None),
+                                    (0, 0, 0, text_len - n)) for start, stop, n in runs])
+        video_out = torch.cat([self.attend(
+            *(t[start:stop, :, :seq_len + n] for t in (q, k, v)),
+            _append_always_kept(SparseIndex(index.indices[start:stop], index.counts[start:stop], index.group_size,
+                                            index.kv_block, seq_len), n))[:, :, :seq_len]
+            for start, stop, n in runs])
         # Text queries attend densely to every attended key (their rows in the sparse call saw text keys only).
         text_out = (F.scaled_dot_product_attention(text[0], k, v, attn_mask=key_mask, scale=self.scale)
                     if text_len else text[0])
@@ -564,8 +594,9 @@ class CogVideoXDSVProcessor(_JointVideoTextProcessor):
 @torch.compiler.disable  # values read on the host: a compiled block breaks its graph here (fullgraph refuses)
 def _text_key_lengths_on_host(attention_mask: torch.Tensor | None, seq_len: int, text_len: int) -> list[int] | None:
     """Each sample's number of attended text keys under HunyuanVideo's key mask `attention_mask [B, 1, 1, S + L]`
-    (bool; every video key and the first `L_b` text keys True, the padding after them False), or None where every
-    key is attended (no mask, or one without padding). One device synchronisation."""
+    (bool; every video key and the first `L_b` text keys True, the padding after them False; Mochi's processor
+    builds one of this form from its prompt mask), or None where every key is attended (no mask, or one without
+    padding). One device synchronisation."""
     if attention_mask is None:
         return None
     if attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or attention_mask.shape[1:3] != (1, 1) or \
@@ -586,7 +617,58 @@ def _text_key_lengths_on_host(attention_mask: torch.Tensor | None, seq_len: int,
     return None if min(lengths) == text_len else lengths
 
 
-class HunyuanVideoDSVProcessor(_JointVideoTextProcessor):
+class _TwoStreamProcessor(_JointVideoTextProcessor):
+    """The joint attention of HunyuanVideo and Mochi: text projected by the module's `add_q_proj/add_k_proj/
+    add_v_proj` and per-head norms `norm_added_q/norm_added_k` where it has them (else like video), outputs through
+    `to_out` (video) and `to_add_out` (text) where it has them, and a key mask that hides each sample's padded text
+    keys."""
+
+    # Whether a dense layer runs each sample over its own unpadded sequence without a mask (Mochi's processor does,
+    # and SDPA's fast kernels take no mask; one host read of the lengths per call) instead of under the key mask
+    # (HunyuanVideo's processor does).
+    _dense_over_unpadded_text = False
+
+    def _attend_streams(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                        key_mask: torch.Tensor | None, image_rotary_emb,
+                        text_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`hidden_states [B, S, C]` (video, raster order), `encoder_hidden_states [B, L, C_text]` → `(video [B, S,
+        C_out], text [B, L, C_text_out])`.
+
+        `key_mask [B, 1, 1, S + L]` (bool, True where a key is attended: every video key and a leading run of each
+        sample's text keys; None: all) is taken as it is by dense attention (unless `_dense_over_unpadded_text`);
+        a sparse layer reads its text lengths on the host. `text_rows [B, L]` (bool), where given, zeroes the text
+        attention outputs where it is False, before `to_add_out`."""
+        grid, perm, inv = self._grid.of_call(self.layer_index, hidden_states)
+        self.check_input(hidden_states, grid)
+        seq_len = hidden_states.shape[1]
+        text_len = encoder_hidden_states.shape[1]
+        hidden = hidden_states.index_select(1, perm)  # grouped order: each query cube is contiguous
+        projections, norms = (attn.to_q, attn.to_k, attn.to_v), (attn.norm_q, attn.norm_k)
+        q_video, k_video, v_video = self._heads(hidden, projections, norms)
+        if attn.add_q_proj is not None:  # dual-stream block: text has projections and norms of its own
+            projections = (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+            norms = (attn.norm_added_q, attn.norm_added_k)
+        text = self._heads(encoder_hidden_states, projections, norms)
+        q_video, k_video = self._rotate_video(q_video, k_video, image_rotary_emb, perm)
+        index = self.prepare_index(hidden, q_video, k_video, grid)
+        if index is not None or self._dense_over_unpadded_text:
+            lengths = _text_key_lengths_on_host(key_mask, seq_len, text_len)
+            key_mask = key_mask if lengths is not None else None  # None: no padding, every key attended
+        else:  # dense attention under the mask as it is
+            lengths = None
+        out = self._joint_attention((q_video, k_video, v_video), text, index, lengths, key_mask)
+        out = out.transpose(1, 2).flatten(2, 3).type_as(q_video)
+        video, text_out = out[:, :seq_len], out[:, seq_len:]
+        if text_rows is not None:
+            text_out = text_out.masked_fill(~text_rows.unsqueeze(-1), 0)
+        if getattr(attn, "to_out", None) is not None:
+            video = attn.to_out[1](attn.to_out[0](video))
+        if getattr(attn, "to_add_out", None) is not None:
+            text_out = attn.to_add_out(text_out)
+        return video.index_select(1, inv), text_out
+
+
+class HunyuanVideoDSVProcessor(_TwoStreamProcessor):
     """DSV processor for the joint video+text attention (`attn`) of HunyuanVideo's dual-stream blocks (text
     projected by the module's `add_q_proj/add_k_proj/add_v_proj`, output through `to_out` and `to_add_out`) and
     single-stream blocks (text projected like video, no output projection).
@@ -604,30 +686,64 @@ class HunyuanVideoDSVProcessor(_JointVideoTextProcessor):
     def forward(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb):
         if encoder_hidden_states is None:
             raise ValueError("HunyuanVideoDSVProcessor: encoder_hidden_states (the text tokens [B, L, C]) is required")
-        grid, perm, inv = self._grid.of_call(self.layer_index, hidden_states)
-        self.check_input(hidden_states, grid)
-        seq_len = hidden_states.shape[1]
-        text_len = encoder_hidden_states.shape[1]
-        hidden = hidden_states.index_select(1, perm)  # grouped order: each query cube is contiguous
-        projections, norms = (attn.to_q, attn.to_k, attn.to_v), (attn.norm_q, attn.norm_k)
-        q_video, k_video, v_video = self._heads(hidden, projections, norms)
-        if attn.add_q_proj is not None:  # dual-stream block: text has projections and norms of its own
-            projections = (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
-            norms = (attn.norm_added_q, attn.norm_added_k)
-        text = self._heads(encoder_hidden_states, projections, norms)
-        q_video, k_video = self._rotate_video(q_video, k_video, image_rotary_emb, perm)
-        index = self.prepare_index(hidden, q_video, k_video, grid)
-        # Dense attention takes the mask as it is; the sparse path reads its text lengths.
-        lengths = None if index is None else _text_key_lengths_on_host(attention_mask, seq_len, text_len)
-        out = self._joint_attention((q_video, k_video, v_video), text, index, lengths,
-                                    attention_mask if index is None or lengths is not None else None)
-        out = out.transpose(1, 2).flatten(2, 3).type_as(q_video)
-        video, text_out = out[:, :seq_len], out[:, seq_len:]
-        if getattr(attn, "to_out", None) is not None:
-            video = attn.to_out[1](attn.to_out[0](video))
-        if getattr(attn, "to_add_out", None) is not None:
-            text_out = attn.to_add_out(text_out)
-        return video.index_select(1, inv), text_out
+        return self._attend_streams(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+
+
+def _valid_prompt_tokens(attention_mask, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+    """Mochi's prompt mask `attention_mask [B, L]` as bool, True where a text token is valid (nonzero, as
+    `MochiAttnProcessor2_0` reads it), after checking its shape against `encoder_hidden_states [B, L, C]`."""
+    expected = tuple(encoder_hidden_states.shape[:2])
+    if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != expected:
+        found = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask
+        raise ValueError(
+            f"MochiDSVProcessor: attention_mask must be the prompt mask of encoder_hidden_states, shape [B, L] = "
+            f"{list(expected)}, nonzero where a text token is valid (as MochiTransformer3DModel passes its "
+            f"encoder_attention_mask); got {found}")
+    return attention_mask != 0
+
+
+class MochiDSVProcessor(_TwoStreamProcessor):
+    """DSV processor for the joint video+text attention (`attn1`) of a `MochiTransformerBlock`.
+
+    Called with `hidden_states [B, S, C]` (video tokens, raster order, `S = T*H*W`), `encoder_hidden_states
+    [B, L, C_text]` (text tokens, of their own width), `attention_mask [B, L]` (the prompt mask, nonzero where a
+    text token is valid) and `image_rotary_emb = (cos, sin)`, each `[S, heads, D/2]` (per head, one angle per
+    interleaved channel pair, applied in float32); returns `(video [B, S, C], text [B, L, C_text])` like
+    `MochiAttnProcessor2_0` (text `[B, L, heads * D]` in the last block, which is `context_pre_only` and has no
+    `to_add_out`). Uses the module's `to_q/to_k/to_v/to_out`, `add_q_proj/add_k_proj/add_v_proj/to_add_out` and
+    its per-head RMS norms.
+
+    As the stock processor, each sample attends to its valid text tokens only, and its text outputs are those of
+    its valid tokens, in order, then zeros (before `to_add_out`) for as many as it has padded ones; a mask that
+    is not a leading run of valid tokens is honoured the same way. DSV selects the video keys of each video query
+    cube; each sample's valid text keys are always kept, its padded ones never; text queries attend densely. A
+    sparse layer reads the prompt lengths on the host, as `HunyuanVideoDSVProcessor` does.
+    """
+
+    _dense_over_unpadded_text = True
+
+    def _rotary_table_shape(self, seq_len: int) -> tuple[int, ...]:
+        return seq_len, self.heads, self.head_dim // 2
+
+    @staticmethod
+    def _apply_rotary(x: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        cos, sin = (f.transpose(0, 1) for f in freqs)  # [H, S, D/2], against x [B, H, S, D]
+        return _mochi_rotary(x, cos, sin)
+
+    def forward(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb):
+        if encoder_hidden_states is None:
+            raise ValueError("MochiDSVProcessor: encoder_hidden_states (the text tokens [B, L, C_text]) is required")
+        valid = _valid_prompt_tokens(attention_mask, encoder_hidden_states)
+        # The stock processor gathers each sample's valid tokens (in order) behind its video and writes their
+        # outputs first, zeros after. Moving the valid tokens to the front (a stable sort) gives that order, and a
+        # key mask of a leading run of text keys, which the shared joint attention takes.
+        order = torch.sort((~valid).int(), dim=1, stable=True).indices  # [B, L]
+        text = encoder_hidden_states.gather(1, order.unsqueeze(-1).expand_as(encoder_hidden_states))
+        text_len = text.shape[1]
+        text_rows = torch.arange(text_len, device=valid.device) < valid.sum(1, keepdim=True)  # [B, L]
+        video_keys = text_rows.new_ones(text_rows.shape[0], hidden_states.shape[1])
+        key_mask = torch.cat([video_keys, text_rows], 1)[:, None, None]  # [B, 1, 1, S + L]
+        return self._attend_streams(attn, hidden_states, text, key_mask, image_rotary_emb, text_rows)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -655,6 +771,11 @@ def _self_attention_layout(transformer: nn.Module):
         p = int(transformer.config.patch_size)
         patch = (int(transformer.config.patch_size_t), p, p)
         return modules, HunyuanVideoDSVProcessor, HunyuanVideoAttnProcessor2_0, (patch, 2, "[B, C, F, H, W]"), True
+    if isinstance(transformer, MochiTransformer3DModel):
+        blocks = transformer.transformer_blocks
+        modules = [(f"transformer_blocks.{i}.attn1", block.attn1) for i, block in enumerate(blocks)]
+        p = int(transformer.config.patch_size)  # spatial only: every latent frame is a frame of tokens
+        return modules, MochiDSVProcessor, MochiAttnProcessor2_0, ((1, p, p), 2, "[B, C, F, H, W]"), True
     if isinstance(transformer, LTXVideoTransformer3DModel):
         blocks = transformer.transformer_blocks
         modules = [(f"transformer_blocks.{i}.attn1", block.attn1) for i, block in enumerate(blocks)]
@@ -664,7 +785,8 @@ def _self_attention_layout(transformer: nn.Module):
         return modules, LTXVideoDSVProcessor, LTXVideoAttnProcessor, (patch, None, "[B, S, C]"), True
     raise TypeError(
         "install_dsv supports diffusers WanTransformer3DModel, CogVideoXTransformer3DModel, "
-        f"HunyuanVideoTransformer3DModel and LTXVideoTransformer3DModel, got {type(transformer).__name__}"
+        "HunyuanVideoTransformer3DModel, LTXVideoTransformer3DModel and MochiTransformer3DModel, got "
+        f"{type(transformer).__name__}"
     )
 
 
@@ -682,11 +804,13 @@ def install_dsv(transformer: nn.Module, cfg: AttentionConfig) -> DSVController:
             `HunyuanVideoTransformer3DModel` (the joint `attn` of its dual- and single-stream blocks; unpadded text
             tokens always attended, padded ones never; its text refiner is left as it is) or
             `LTXVideoTransformer3DModel` (its `attn1` modules; the forward must give `num_frames`, `height` and
-            `width`), with the default processors. Cross-attention (Wan's and LTX's `attn2`) is left as it is.
+            `width`) or `MochiTransformer3DModel` (the joint `attn1` of its blocks; valid prompt tokens always
+            attended, padded ones never, text outputs as its processor gives them), with the default processors.
+            Cross-attention (Wan's and LTX's `attn2`) is left as it is.
         cfg: the DSV attention config; a `cfg.cube` that does not tile an input's token grid gives partial cubes
             at its edges (window mode needs whole cubes and says so). `cfg.predictor_rotary=None` (the default)
             gives the predictors 6 rotary dims where the model's rotary embeddings position q and k (Wan,
-            HunyuanVideo, LTX-Video; CogVideoX with `use_rotary_positional_embeddings`), none otherwise.
+            HunyuanVideo, LTX-Video, Mochi; CogVideoX with `use_rotary_positional_embeddings`), none otherwise.
 
     Returns:
         The controller, also registered as `transformer.dsv_controller` (its stage buffers are in the
@@ -713,7 +837,10 @@ def install_dsv(transformer: nn.Module, cfg: AttentionConfig) -> DSVController:
     grid = _LatentGrid(*grid_args, cube=tuple(cfg.cube))
     for name, attn in modules:
         processor = processor_cls(attn, cfg, grid).to(attn.to_q.weight.device)
-        attn.set_processor(processor)
+        if hasattr(attn, "set_processor"):
+            attn.set_processor(processor)
+        else:  # MochiAttention: diffusers' set_processor of an nn.Module processor is this assignment
+            attn.processor = processor
         grid.installed.append((name, attn, processor))
     controller = DSVController(cfg)
     # What the saved DSV state is measured with, so that `from_pretrained_local` can refuse another layout
@@ -739,9 +866,10 @@ def install_dsv(transformer: nn.Module, cfg: AttentionConfig) -> DSVController:
 # ----------------------------------------------------------------------------------------------------
 
 _SUPPORTED = {cls.__name__: cls for cls in (WanTransformer3DModel, CogVideoXTransformer3DModel,
-                                            HunyuanVideoTransformer3DModel, LTXVideoTransformer3DModel)}
-# state_dict keys that install_dsv adds: the self-attention processors (Wan, CogVideoX: `attn1`; HunyuanVideo's
-# joint blocks: `attn`) and the controller.
+                                            HunyuanVideoTransformer3DModel, LTXVideoTransformer3DModel,
+                                            MochiTransformer3DModel)}
+# state_dict keys that install_dsv adds: the self-attention processors (Wan, CogVideoX, LTX-Video, Mochi: `attn1`;
+# HunyuanVideo's joint blocks: `attn`) and the controller.
 _DSV_KEY_PATTERNS = (r"(^|\.)attn1?\.processor\.", rf"^{CONTROLLER_NAME}\.")
 
 
@@ -800,8 +928,8 @@ def from_pretrained_local(
     variant: str | None = None,
     torch_dtype: torch.dtype | None = None,
 ) -> nn.Module:
-    """Load a local `save_pretrained` folder of a Wan, CogVideoX, HunyuanVideo or LTX-Video transformer and install
-    DSV on it.
+    """Load a local `save_pretrained` folder of a Wan, CogVideoX, HunyuanVideo, LTX-Video or Mochi transformer and
+    install DSV on it.
 
     Nothing is downloaded (`local_files_only=True`). A plain pretrained folder gets fresh DSV state
     (stage 1, untrained predictors). A folder saved from a model with DSV installed also holds the DSV
