@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from dsv.bench.train import _Run
+from dsv.bench.train import _Run, square_grid
 from dsv.parallel.planner import paper_profile
 from dsv.train.config import apply_overrides
 from dsv.train.recipes import get_recipe
@@ -41,7 +41,7 @@ def main() -> None:
     tag, out = sys.argv[1], Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
     cfg = apply_overrides(get_recipe("dit_2p7b"), ["model.compile=inductor"])
-    run = _Run(cfg, "dsv", int(os.environ.get("TOKENS", "32768")), 64, torch.device("cuda"))
+    run = _Run(cfg, "dsv", square_grid(int(os.environ.get("TOKENS", "32768")), 64), torch.device("cuda"))
     run.step()
     run.enter_stage2(paper_profile(cfg.model.depth, cfg.model.heads))
     for _ in range(3):

@@ -1,8 +1,9 @@
-"""``dsv bench train``: training-step time of one DiT with dense, window (WA-L) and DSV stage-2 attention.
+"""``dsv bench train``: training-step time of one model with dense, window (WA-L) and DSV stage-2 attention.
 
-One process, one device. For each token count and mode the same model shape (a recipe's, default the
-paper's 2.7B: 32 blocks, 16 heads × 128) is built on the device, and full training steps (bf16 autocast,
-activation checkpointing, AdamW) are timed on random latents: throughput only, no quality. DSV runs in
+One process, one device. For each token grid and mode the same model (a recipe's: its `model.arch`, DSV's DiT or
+a diffusers Wan transformer with DSV installed, and its shape, default the paper's 2.7B DiT: 32 blocks, 16 heads
+× 128) is built on the device, and full training steps (bf16 autocast, activation checkpointing, AdamW) are timed
+on random latents: throughput only, no quality. DSV runs in
 stage 2 with a per-layer/per-head sparsity profile (the paper's measured 2.7B profile by default, or a
 `dsv profile` JSON), dispatched by the same controller code as training. With a predictor update every
 `learn_every_stage2` = k > 1 steps, DSV is timed over whole update periods (k steps from an update step, their
@@ -40,13 +41,14 @@ from dsv.bench.profiling import write_op_profile
 from dsv.bench.report_file import check_report_path, write_report
 from dsv.cli import device_name, non_negative_int, positive_int
 from dsv.modules.attention import model_parameters
-from dsv.modules.dit import VideoDiT, flow_matching_loss
+from dsv.modules.dit import flow_matching_loss
 from dsv.modules.predictor import LowRankPredictor
 from dsv.ops import sparse_attention, sparse_attention_reference
 from dsv.ops.grouping import check_cube_tiles
 from dsv.parallel.planner import load_profile, paper_profile
 from dsv.train.config import apply_overrides
 from dsv.train.recipes import get_recipe
+from dsv.train.trainer import build_model
 
 MODES = ("dense", "window", "dsv")
 # Heads of the first sparse layer that the correctness gate compares with the float32 reference: the kernels
@@ -55,7 +57,6 @@ GATE_HEADS = 2
 
 # `--set` fields that the bench fixes itself, with the one value it runs: any other value is refused.
 _FIXED = {
-    "model.arch": ("dit", "the bench builds DSV's VideoDiT"),
     "model.activation_checkpointing": (True, "the bench always checkpoints the blocks"),
     "attention.check_finite": (False, "the bench turns the per-step finite check (a device sync) off; its "
                                "correctness gate checks one untimed step instead"),
@@ -100,6 +101,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=positive_int, nargs="+", default=[32768, 65536], help="tokens per sample")
     parser.add_argument("--spatial", type=positive_int, default=64,
                         help="latent H = W in tokens; T = tokens / spatial²")
+    parser.add_argument("--grids", type=grid_spec, nargs="+", default=None, metavar="TxHxW",
+                        help="token grids (frames x height x width, in tokens after the patch), e.g. 21x30x52 for "
+                             "480x832 pixels and 81 frames through Wan's VAE and patch; replaces --tokens and "
+                             "--spatial")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--profile", default="paper", help="'paper' or a JSON of per-layer per-head sparsity")
     parser.add_argument("--warmup", type=non_negative_int, default=1, help="untimed steps before the timed ones")
@@ -114,6 +119,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="after timing, record the CUDA allocator's history over one more step of each "
                              "run (DSV: one update period; untimed, since recording every allocation's stack "
                              "slows it) and dump it to FOLDER/<tokens>-<mode>.pickle (pytorch.org/memory_viz)")
+
+
+def grid_spec(text: str) -> tuple[int, int, int]:
+    """`--grids` item: "TxHxW" of positive ints → (T, H, W)."""
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(part.isdigit() and int(part) > 0 for part in parts):
+        raise argparse.ArgumentTypeError(f"expected a token grid TxHxW of three positive ints (e.g. 21x30x52), "
+                                         f"got {text!r}")
+    return tuple(int(part) for part in parts)
+
+
+def square_grid(tokens: int, spatial: int) -> tuple[int, int, int]:
+    """The grid of `tokens` tokens with H = W = `spatial`: (tokens / spatial², spatial, spatial)."""
+    if tokens % (spatial * spatial):
+        raise ValueError(f"--tokens {tokens} is not a multiple of --spatial² = {spatial * spatial}")
+    return tokens // (spatial * spatial), spatial, spatial
 
 
 def _timed(fn, device: torch.device) -> float:
@@ -326,20 +347,17 @@ def _peaks_against_dense(rows: list[dict]) -> list[str]:
 
 
 class _Run:
-    """One model and optimizer at one token count, stepping on fixed random latents."""
+    """One model and optimizer at one token grid `(T, H, W)`, stepping on fixed random latents."""
 
-    def __init__(self, cfg, mode: str, tokens: int, spatial: int, device: torch.device):
-        if tokens % (spatial * spatial):
-            raise ValueError(f"--tokens {tokens} is not a multiple of --spatial² = {spatial * spatial}")
+    def __init__(self, cfg, mode: str, grid: tuple[int, int, int], device: torch.device):
         # No profiling while timing, in either stage (dense and window stay in stage 1).
         attention = dataclasses.replace(cfg.attention, mode=mode, check_finite=False, profile_every_stage1=10**9,
                                         profile_every_stage2=10**9, min_stage1_steps=0)
         model_cfg = dataclasses.replace(cfg.model, activation_checkpointing=True)
-        grid = (tokens // (spatial * spatial), spatial, spatial)
         shape = (1, model_cfg.in_channels, *(g * p for g, p in zip(grid, model_cfg.patch)))
-        torch.manual_seed(0)
-        with torch.device(device):
-            self.model = VideoDiT(model_cfg, attention)
+        with torch.device(device):  # built on the device: a 2.7B model is not first made in host memory
+            self.model = build_model(dataclasses.replace(cfg, model=model_cfg, attention=attention,
+                                                         train=dataclasses.replace(cfg.train, seed=0)), device)
         self.optimizer = torch.optim.AdamW(model_parameters(self.model), lr=1e-4, fused=device.type == "cuda")
         gen = torch.Generator(device).manual_seed(1)
         self.x0 = torch.randn(shape, device=device, generator=gen)
@@ -503,6 +521,19 @@ def category_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def describe_model(model: nn.Module, cfg) -> str:
+    """The report's words for the model that the bench built from `cfg`."""
+    m = cfg.model
+    shape = f"{m.depth} blocks, {m.heads} heads × {m.attention_head_dim}, hidden {m.hidden}"
+    if m.arch == "wan":
+        # The trainer's Wan has no text encoder: its cross-attention reads a few learned null-text tokens.
+        text_tokens, text_dim = model.null_text.shape[1:]
+        return (f"a diffusers WanTransformer3DModel with DSV installed ({shape}, FFN "
+                f"{model.transformer.config.ffn_dim}; its cross-attention reads {text_tokens} null-text tokens of "
+                f"width {text_dim})")
+    return f"DSV's VideoDiT ({shape})"
+
+
 def _gates(run_: _Run, tokens: int, mode: str) -> list[str]:
     """Both correctness gates of one run, in the state that the bench times next; prints and returns their
     lines (`GateFailure` when one does not hold)."""
@@ -523,13 +554,21 @@ def run(args) -> int:
     device = torch.device(args.device)
     cfg = bench_config(get_recipe(args.recipe), args.set)
     # Checked before anything runs: found at the second token count, a bad value would cost the first one's runs.
-    area = args.spatial * args.spatial
-    if any(tokens % area for tokens in args.tokens):
-        raise ValueError(f"--tokens {' '.join(map(str, args.tokens))}: each must be a multiple of --spatial² = {area}")
+    if args.grids is None:
+        area = args.spatial * args.spatial
+        if any(tokens % area for tokens in args.tokens):
+            raise ValueError(f"--tokens {' '.join(map(str, args.tokens))}: each must be a multiple of --spatial² = "
+                             f"{area}")
+        grids = [square_grid(tokens, args.spatial) for tokens in args.tokens]
+    else:
+        grids = args.grids
+        counts = [math.prod(grid) for grid in grids]
+        if len(set(counts)) < len(counts):  # the rows and their speedups are told apart by token count
+            raise ValueError(f"--grids {' '.join('x'.join(map(str, g)) for g in grids)}: expected one grid per "
+                             "token count, two have the same")
     if "window" in args.modes:  # the window's boxes need whole cubes
-        for tokens in args.tokens:
-            check_cube_tiles((tokens // area, args.spatial, args.spatial), cfg.attention.cube,
-                             f"--modes window at --tokens {tokens}")
+        for grid in grids:
+            check_cube_tiles(grid, cfg.attention.cube, f"--modes window at the grid {'x'.join(map(str, grid))}")
     profile = None
     if "dsv" in args.modes:
         profile = paper_profile(cfg.model.depth, cfg.model.heads) if args.profile == "paper" \
@@ -539,13 +578,15 @@ def run(args) -> int:
                              f"heads, the model has {cfg.model.depth} layers × {cfg.model.heads} heads")
     learn_every = cfg.attention.learn_every_stage2
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    rows, gates = [], []
-    for tokens in args.tokens:
+    rows, gates, described = [], [], ""
+    for grid in grids:
+        tokens = math.prod(grid)
         measured = []  # this token count's rows: their speedups need dense's time, whatever the order of --modes
         for mode in args.modes:
             if cfg.model.compile:
                 torch._dynamo.reset()  # each run is a new model: no guards or graphs carried over from the last
-            run_ = _Run(cfg, mode, tokens, args.spatial, device)
+            run_ = _Run(cfg, mode, grid, device)
+            described = described or describe_model(run_.model, cfg)
             row = {"tokens": tokens, "mode": mode, "notes": ""}
             if mode == "dsv":
                 # Stage-1 steps: the layers see their shapes and backends before dispatch. The peak is the
@@ -629,7 +670,8 @@ def run(args) -> int:
              f"Overrides of the recipe: {', '.join(f'`{item}`' for item in args.set) or 'none'}.", "",
              f"torch {torch.__version__}; batch 1, {'bf16 autocast' if device.type == 'cuda' else 'fp32'}, "
              "activation checkpointing, "
-             f"AdamW{', blocks compiled (' + cfg.model.compile + ')' if cfg.model.compile else ''}; random "
+             f"AdamW{', blocks compiled (' + cfg.model.compile + ')' if cfg.model.compile else ''}; "
+             f"{described}; token grids (T×H×W) {', '.join('×'.join(map(str, g)) for g in grids)}; random "
              f"latents of {cfg.model.in_channels} channels, patch {cfg.model.patch}; DSV in stage 2 with the "
              f"{'paper 2.7B' if args.profile == 'paper' else args.profile} sparsity profile; median of "
              f"{args.steps} steps{periods} after {args.warmup} warm-up. Before any timing, each run passed a "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 from dsv.modules.config import AttentionConfig
@@ -146,3 +147,15 @@ def dit_0p8b() -> Config:
 def dit_2p7b() -> Config:
     """The paper's 2.7B shape: 32 blocks, 16 heads × 128, hidden 2048."""
     return _paper_shape(depth=32, heads=16, head_dim=128)
+
+
+@recipe
+def wan_1p3b() -> Config:
+    """Wan 2.1 1.3B's transformer shape as a diffusers `WanTransformer3DModel` with DSV installed: 30 blocks, 12
+    heads × 128, hidden 1536, FFN 8960, trained from scratch with the paper shapes' schedule. Like them it trains on
+    pixels with 1×8×8 patches (no video VAE is bundled); `dsv bench train --recipe wan_1p3b --grids 21x30x52` times
+    its step at the token grid of Wan's 480×832, 81-frame videos. Needs `pip install -e '.[integrations]'`."""
+    cfg = _paper_shape(depth=30, heads=12, head_dim=128)
+    cfg.model = dataclasses.replace(cfg.model, arch="wan", mlp_ratio=8960 / 1536)
+    cfg.train.out_dir = "runs/wan_1p3b"
+    return cfg

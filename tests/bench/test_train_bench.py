@@ -10,7 +10,15 @@ import pytest
 import torch
 
 import dsv.bench.train as bench_train
-from dsv.bench.train import GateFailure, _finite_gate, _peaks_against_dense, _Run, gate_tolerance, paper_profile
+from dsv.bench.train import (
+    GateFailure,
+    _finite_gate,
+    _peaks_against_dense,
+    _Run,
+    gate_tolerance,
+    paper_profile,
+    square_grid,
+)
 from dsv.cli import main
 from dsv.modules.predictor import LowRankPredictor
 from dsv.train.config import apply_overrides
@@ -109,7 +117,7 @@ def test_profiling_steps_keep_the_profile_under_test():
     profile under test back after each, so the steps timed after it run the same sparse work."""
     cfg = apply_overrides(get_recipe("debug_cpu"), ["model.depth=5", "model.hidden=32", "model.heads=2",
                                                     "attention.cube=2,2,2"])
-    run = _Run(cfg, "dsv", 128, 8, torch.device("cpu"))
+    run = _Run(cfg, "dsv", square_grid(128, 8), torch.device("cpu"))
     run.step()
     run.enter_stage2(paper_profile(5, 2))
     state = run.dsv_state()
@@ -142,7 +150,7 @@ def test_step_flops_count_the_linear_layers_and_each_layers_attention_pairs():
     dense_pairs = heads * tokens * tokens
     counts = {}
     for mode in ("dense", "window", "dsv"):
-        run = _Run(cfg, mode, tokens, 8, torch.device("cpu"))
+        run = _Run(cfg, mode, square_grid(tokens, 8), torch.device("cpu"))
         if mode == "dsv":
             run.step()
             run.enter_stage2(paper_profile(depth, heads))
@@ -220,7 +228,6 @@ def test_dsv_step_time_carries_the_periodic_predictor_update(tmp_path, capsys, m
     ("train.batch_size=8", "model.* and attention.* overrides only"),
     ("optim.lr=5", "model.* and attention.* overrides only"),
     ("train.bf16=false", "model.* and attention.* overrides only"),
-    ("model.arch=wan", "runs only model.arch=dit"),
     ("model.activation_checkpointing=false", "runs only model.activation_checkpointing=true"),
     ("attention.mode=window", "--modes"),
     ("attention.check_finite=true", "runs only attention.check_finite=false"),
@@ -261,7 +268,7 @@ def test_stage2_training_step_has_no_host_sync_on_gpu(host_offload):
                                                     "attention.cube=4,4,4", "attention.speed_dispatch=false",
                                                     "attention.predictor_keys=256",  # its draw too
                                                     f"attention.host_offload={host_offload}"])
-    run = _Run(cfg, "dsv", 512, 8, torch.device("cuda"))
+    run = _Run(cfg, "dsv", square_grid(512, 8), torch.device("cuda"))
     run.step()  # stage 1
     run.enter_stage2([[0.9, 0.9]] * 3)
     run.step()  # the first sparse step compiles its kernels
@@ -390,7 +397,7 @@ def test_finite_gate_names_a_non_finite_or_missing_gradient():
                                                     "attention.cube=2,2,2"])
 
     def dsv_run():
-        return _Run(cfg, "dsv", 128, 8, torch.device("cpu"))
+        return _Run(cfg, "dsv", square_grid(128, 8), torch.device("cpu"))
 
     run = dsv_run()
     stepped = len(bench_train.model_parameters(run.model))
@@ -415,6 +422,8 @@ def test_finite_gate_names_a_non_finite_or_missing_gradient():
     ("--spatial", "0", "expected an integer >= 1, got 0"),
     ("--warmup", "-1", "expected an integer >= 0, got -1"),
     ("--device", "cpux", "must be auto, cpu, cuda or cuda:N, got 'cpux'"),  # a torch traceback before
+    ("--grids", "21x30", "expected a token grid TxHxW of three positive ints (e.g. 21x30x52), got '21x30'"),
+    ("--grids", "0x4x4", "expected a token grid TxHxW of three positive ints (e.g. 21x30x52), got '0x4x4'"),
 ])
 def test_bench_train_rejects_bad_counts_when_parsing(capsys, flag, value, expected):
     """Checked before any model is built (--steps 0 used to fail after the warm-up: no median of no steps)."""
@@ -458,7 +467,33 @@ def test_bench_train_checks_every_token_count_and_the_profile_before_running(tmp
     # 320 tokens of 8×8: T=5, which the window's 2×2×2 cubes do not tile (found after dense had been timed).
     code = main(["bench", "train", *TINY[:at], "320", *TINY[at + 1:], "--modes", "dense", "window"])
     assert code == 2 and not built
-    assert "--modes window at --tokens 320 needs whole cubes: grid T=5 is not divisible" in capsys.readouterr().err
+    assert "--modes window at the grid 5x8x8 needs whole cubes: grid T=5 is not divisible" in capsys.readouterr().err
+    # Two grids of one token count: their rows and speedups could not be told apart.
+    code = main(["bench", "train", *TINY, "--grids", "2x8x8", "8x4x4", "--modes", "dense"])
+    assert code == 2 and not built
+    assert "--grids 2x8x8 8x4x4: expected one grid per token count, two have the same" in capsys.readouterr().err
+
+
+def test_bench_train_times_a_diffusers_wan_at_a_grid_the_cube_does_not_tile(tmp_path, capsys):
+    """`--recipe` of `model.arch=wan` times the trainer's diffusers Wan with DSV installed, and `--grids` takes a
+    grid that is not square and that the query cube does not tile (edge tokens in partial groups), as Wan's
+    480×832, 81-frame grid (21×30×52) is not; the gates hold and its sparse layers run."""
+    out = tmp_path / "report.md"
+    code = main(["bench", "train", "--recipe", "wan_debug_cpu", "--device", "cpu", "--grids", "3x6x10",
+                 "--set", "model.depth=5", "--set", "model.hidden=32", "--set", "model.heads=2",
+                 "--set", "attention.cube=2,2,2", "--modes", "dense", "dsv", "--warmup", "0", "--steps", "1",
+                 "--out", str(out)])
+    assert code == 0
+    report = out.read_text()
+    assert ("a diffusers WanTransformer3DModel with DSV installed (5 blocks, 2 heads × 16, hidden 32, FFN 128; its "
+            "cross-attention reads 4 null-text tokens of width 64); token grids (T×H×W) 3×6×10;") in report
+    rows = [line.split("|") for line in report.splitlines() if line.startswith("| 180 |")]
+    assert [row[2].strip() for row in rows] == ["dense", "dsv"]
+    assert int(rows[1][9]) >= 1  # the paper profile's sparse blocks run sparse
+    sparse = re.search(r"- dsv at 180 tokens: layer (\d+)'s sparse attention \(reference, float32, 2 of 2 heads, its "
+                       r"own index\) against the float32 reference: relative L2 error (\S+) <= (\S+)", report)
+    assert sparse and float(sparse.group(2)) <= float(sparse.group(3))
+    assert "180    dsv gate: one step's loss" in capsys.readouterr().out
 
 
 def test_the_stage1_peak_is_of_a_step_with_the_optimizer_state(monkeypatch, capsys):

@@ -9,7 +9,7 @@ import weakref
 import pytest
 import torch
 
-from dsv.bench.train import _Run
+from dsv.bench.train import _Run, square_grid
 from dsv.modules.attention import RepeatableSelection
 from dsv.modules.dit import flow_matching_loss
 from dsv.modules.predictor import _HELD, LowRankPredictor, _copy_stream, _hold_until, release_parked
@@ -28,9 +28,9 @@ STALL_CYCLES = 1_000_000
 def _runs(device: str, *extra: str) -> tuple[_Run, _Run]:
     """The same model, data and schedule with the offload off and on."""
     cfg = apply_overrides(get_recipe("debug_cpu"), SHAPE + list(extra))
-    plain = _Run(cfg, "dsv", 512, 8, torch.device(device))
+    plain = _Run(cfg, "dsv", square_grid(512, 8), torch.device(device))
     offloaded = _Run(dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, host_offload=True)),
-                     "dsv", 512, 8, torch.device(device))
+                     "dsv", square_grid(512, 8), torch.device(device))
     for run in (plain, offloaded):
         run.set_attention(profile_every_stage2=2)
     return plain, offloaded
@@ -138,7 +138,7 @@ def test_a_layer_knows_whether_its_next_forward_uses_the_predictor():
     that forward only the sparse blocks (they select in every forward); none of the dense ones on a stage-2
     step that neither learns nor profiles."""
     cfg = apply_overrides(get_recipe("debug_cpu"), SHAPE + ["attention.learn_every_stage2=2"])
-    run = _Run(cfg, "dsv", 512, 8, torch.device("cpu"))
+    run = _Run(cfg, "dsv", square_grid(512, 8), torch.device("cpu"))
     layers = run.model.controller.layers
     run.model.controller.begin_step(0)
     assert all(layer.will_use_predictor() for layer in layers)  # stage 1 learns every step
@@ -177,7 +177,7 @@ def test_copies_of_a_predictor_bring_their_own_state_back_before_it_is_read(monk
 def test_a_copy_of_a_layer_leaves_the_pending_recompute_behind():
     """What a training forward keeps for its checkpointing recompute belongs to that forward's backward: a
     copy made in between starts without it."""
-    run = _Run(apply_overrides(get_recipe("debug_cpu"), SHAPE), "dsv", 512, 8, torch.device("cpu"))
+    run = _Run(apply_overrides(get_recipe("debug_cpu"), SHAPE), "dsv", square_grid(512, 8), torch.device("cpu"))
     run.step()
     run.enter_stage2([[0.9, 0.9]] * 3)
     run.model.controller.begin_step(1)
