@@ -1,5 +1,6 @@
 """DSV self-attention in diffusers video transformers: `WanTransformer3DModel`, `CogVideoXTransformer3DModel`,
-`HunyuanVideoTransformer3DModel`, `LTXVideoTransformer3DModel`, `MochiTransformer3DModel`.
+`HunyuanVideoTransformer3DModel`, `HunyuanVideo15Transformer3DModel`, `LTXVideoTransformer3DModel`,
+`MochiTransformer3DModel`.
 
 `install_dsv(transformer, cfg)` swaps the processor of every video *self*-attention module for a DSV processor and
 registers a `DSVController` as `transformer.dsv_controller`. The processors reuse the module's own
@@ -14,11 +15,12 @@ frame of tokens per latent frame); for LTX-Video, whose input is packed tokens, 
 `num_frames`, `height` and `width` as given (token counts). A grid the query cube (`cfg.cube`) does not tile
 runs as it is: the whole cubes first, the edge tokens after them in groups of neighbours (`dsv.ops.grouping`).
 
-Text tokens of CogVideoX, HunyuanVideo and Mochi: their attention is joint over video and text tokens. DSV
-applies to the video-to-video part only. Every video query attends to all text keys on top of its selected video
-keys (text keys are never pruned, whatever the budget; the padded text keys that HunyuanVideo's and Mochi's masks
-hide never count), and every text query attends densely to all tokens. The predictor, the profiled sparsity and
-the recall of such a layer describe the video-to-video attention.
+Text tokens of CogVideoX, HunyuanVideo, HunyuanVideo 1.5 and Mochi: their attention is joint over video and text
+tokens. DSV applies to the video-to-video part only. Every video query attends to all text keys on top of its
+selected video keys (text keys are never pruned, whatever the budget; the padded text keys that HunyuanVideo's,
+HunyuanVideo 1.5's and Mochi's masks hide never count), and every text query attends densely to all tokens (a
+padded one of HunyuanVideo 1.5 to none, as its processor masks it). The predictor, the profiled sparsity and the
+recall of such a layer describe the video-to-video attention.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from torch import nn
 try:
     from diffusers import (
         CogVideoXTransformer3DModel,
+        HunyuanVideo15Transformer3DModel,
         HunyuanVideoTransformer3DModel,
         LTXVideoTransformer3DModel,
         MochiTransformer3DModel,
@@ -47,6 +50,7 @@ try:
     from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0, MochiAttnProcessor2_0
     from diffusers.models.embeddings import apply_rotary_emb
     from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0
+    from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
     from diffusers.models.transformers.transformer_ltx import LTXVideoAttnProcessor
     from diffusers.models.transformers.transformer_ltx import apply_rotary_emb as ltx_apply_rotary_emb
     from diffusers.models.transformers.transformer_wan import WanAttnProcessor
@@ -77,6 +81,7 @@ from dsv.ops.grouping import cube_permutation_on
 
 __all__ = [
     "CogVideoXDSVProcessor",
+    "HunyuanVideo15DSVProcessor",
     "HunyuanVideoDSVProcessor",
     "LTXVideoDSVProcessor",
     "MochiDSVProcessor",
@@ -492,8 +497,8 @@ def _append_always_kept(index: SparseIndex, extra_len: int) -> SparseIndex:
 
 
 class _JointVideoTextProcessor(_DSVProcessor):
-    """What the processors of joint video+text attention (CogVideoX, HunyuanVideo, Mochi) share: the video tokens'
-    rotary embeddings, and attention in which DSV selects the video keys of each video query cube, every
+    """What the processors of joint video+text attention (CogVideoX, HunyuanVideo, HunyuanVideo 1.5, Mochi) share: the
+    video tokens' rotary embeddings, and attention in which DSV selects the video keys of each video query cube, every
     unpadded text key is kept for every video query, and text queries attend densely."""
 
     def _heads(self, x: torch.Tensor, projections, norms) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -594,9 +599,9 @@ class CogVideoXDSVProcessor(_JointVideoTextProcessor):
 @torch.compiler.disable  # values read on the host: a compiled block breaks its graph here (fullgraph refuses)
 def _text_key_lengths_on_host(attention_mask: torch.Tensor | None, seq_len: int, text_len: int) -> list[int] | None:
     """Each sample's number of attended text keys under HunyuanVideo's key mask `attention_mask [B, 1, 1, S + L]`
-    (bool; every video key and the first `L_b` text keys True, the padding after them False; Mochi's processor
-    builds one of this form from its prompt mask), or None where every key is attended (no mask, or one without
-    padding). One device synchronisation."""
+    (bool; every video key and the first `L_b` text keys True, the padding after them False; Mochi's and
+    HunyuanVideo 1.5's processors build one of this form from their prompt masks), or None where every key is
+    attended (no mask, or one without padding). One device synchronisation."""
     if attention_mask is None:
         return None
     if attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or attention_mask.shape[1:3] != (1, 1) or \
@@ -618,14 +623,14 @@ def _text_key_lengths_on_host(attention_mask: torch.Tensor | None, seq_len: int,
 
 
 class _TwoStreamProcessor(_JointVideoTextProcessor):
-    """The joint attention of HunyuanVideo and Mochi: text projected by the module's `add_q_proj/add_k_proj/
-    add_v_proj` and per-head norms `norm_added_q/norm_added_k` where it has them (else like video), outputs through
-    `to_out` (video) and `to_add_out` (text) where it has them, and a key mask that hides each sample's padded text
-    keys."""
+    """The joint attention of HunyuanVideo, HunyuanVideo 1.5 and Mochi: text projected by the module's
+    `add_q_proj/add_k_proj/add_v_proj` and per-head norms `norm_added_q/norm_added_k` where it has them (else like
+    video), outputs through `to_out` (video) and `to_add_out` (text) where it has them, and a key mask that hides each
+    sample's padded text keys."""
 
-    # Whether a dense layer runs each sample over its own unpadded sequence without a mask (Mochi's processor does,
-    # and SDPA's fast kernels take no mask; one host read of the lengths per call) instead of under the key mask
-    # (HunyuanVideo's processor does).
+    # Whether a dense layer runs each sample over its own unpadded sequence without a mask (Mochi's processor does;
+    # HunyuanVideo 1.5's attends no padded key either; SDPA's fast kernels take no mask; one host read of the lengths
+    # per call) instead of under the key mask (HunyuanVideo's processor does).
     _dense_over_unpadded_text = False
 
     def _attend_streams(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
@@ -689,20 +694,47 @@ class HunyuanVideoDSVProcessor(_TwoStreamProcessor):
         return self._attend_streams(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
 
 
-def _valid_prompt_tokens(attention_mask, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
-    """Mochi's prompt mask `attention_mask [B, L]` as bool, True where a text token is valid (nonzero, as
-    `MochiAttnProcessor2_0` reads it), after checking its shape against `encoder_hidden_states [B, L, C]`."""
-    expected = tuple(encoder_hidden_states.shape[:2])
-    if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != expected:
-        found = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask
-        raise ValueError(
-            f"MochiDSVProcessor: attention_mask must be the prompt mask of encoder_hidden_states, shape [B, L] = "
-            f"{list(expected)}, nonzero where a text token is valid (as MochiTransformer3DModel passes its "
-            f"encoder_attention_mask); got {found}")
-    return attention_mask != 0
+class _PromptMaskProcessor(_TwoStreamProcessor):
+    """The joint attention of Mochi and HunyuanVideo 1.5, whose models pass the prompt mask `attention_mask [B, L]`
+    (nonzero where a text token is valid) and whose stock processors attend each sample's valid text tokens only,
+    wherever the mask puts them. The valid tokens are moved to the front (a stable sort: the identity where the
+    mask is a leading run, as the models build it), which gives the shared joint attention a key mask of a leading
+    run of text keys; every layer runs each sample over its own valid text, dense layers without a mask (both stock
+    processors attend no padded key, and SDPA's fast kernels take no mask)."""
+
+    _dense_over_unpadded_text = True
+    # How the model passes the prompt mask, for the error that refuses another.
+    _prompt_mask_origin = ""
+    # Whether each text output goes back to its token's position (HunyuanVideo 1.5's processor keeps the order) or
+    # stays in the sorted order, the valid tokens' outputs first (Mochi's processor writes them so).
+    _text_outputs_in_place = False
+
+    def forward(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb):
+        name = type(self).__name__
+        if encoder_hidden_states is None:
+            raise ValueError(f"{name}: encoder_hidden_states (the text tokens [B, L, C_text]) is required")
+        expected = tuple(encoder_hidden_states.shape[:2])
+        if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != expected:
+            found = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask
+            raise ValueError(
+                f"{name}: attention_mask must be the prompt mask of encoder_hidden_states, shape [B, L] = "
+                f"{list(expected)}, nonzero where a text token is valid ({self._prompt_mask_origin}); got {found}")
+        valid = attention_mask != 0  # [B, L]
+        order = torch.sort((~valid).int(), dim=1, stable=True).indices  # [B, L]: the valid tokens first, in order
+        text = encoder_hidden_states.gather(1, order.unsqueeze(-1).expand_as(encoder_hidden_states))
+        text_len = text.shape[1]
+        positions = torch.arange(text_len, device=valid.device)
+        text_rows = positions < valid.sum(1, keepdim=True)  # [B, L]: True on the valid tokens, now first
+        video_keys = text_rows.new_ones(text_rows.shape[0], hidden_states.shape[1])
+        key_mask = torch.cat([video_keys, text_rows], 1)[:, None, None]  # [B, 1, 1, S + L]
+        video, text_out = self._attend_streams(attn, hidden_states, text, key_mask, image_rotary_emb, text_rows)
+        if self._text_outputs_in_place:
+            unsort = torch.empty_like(order).scatter_(1, order, positions.expand_as(order))  # [B, L]
+            text_out = text_out.gather(1, unsort.unsqueeze(-1).expand_as(text_out))
+        return video, text_out
 
 
-class MochiDSVProcessor(_TwoStreamProcessor):
+class MochiDSVProcessor(_PromptMaskProcessor):
     """DSV processor for the joint video+text attention (`attn1`) of a `MochiTransformerBlock`.
 
     Called with `hidden_states [B, S, C]` (video tokens, raster order, `S = T*H*W`), `encoder_hidden_states
@@ -720,7 +752,7 @@ class MochiDSVProcessor(_TwoStreamProcessor):
     sparse layer reads the prompt lengths on the host, as `HunyuanVideoDSVProcessor` does.
     """
 
-    _dense_over_unpadded_text = True
+    _prompt_mask_origin = "as MochiTransformer3DModel passes its encoder_attention_mask"
 
     def _rotary_table_shape(self, seq_len: int) -> tuple[int, ...]:
         return seq_len, self.heads, self.head_dim // 2
@@ -730,20 +762,30 @@ class MochiDSVProcessor(_TwoStreamProcessor):
         cos, sin = (f.transpose(0, 1) for f in freqs)  # [H, S, D/2], against x [B, H, S, D]
         return _mochi_rotary(x, cos, sin)
 
-    def forward(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb):
-        if encoder_hidden_states is None:
-            raise ValueError("MochiDSVProcessor: encoder_hidden_states (the text tokens [B, L, C_text]) is required")
-        valid = _valid_prompt_tokens(attention_mask, encoder_hidden_states)
-        # The stock processor gathers each sample's valid tokens (in order) behind its video and writes their
-        # outputs first, zeros after. Moving the valid tokens to the front (a stable sort) gives that order, and a
-        # key mask of a leading run of text keys, which the shared joint attention takes.
-        order = torch.sort((~valid).int(), dim=1, stable=True).indices  # [B, L]
-        text = encoder_hidden_states.gather(1, order.unsqueeze(-1).expand_as(encoder_hidden_states))
-        text_len = text.shape[1]
-        text_rows = torch.arange(text_len, device=valid.device) < valid.sum(1, keepdim=True)  # [B, L]
-        video_keys = text_rows.new_ones(text_rows.shape[0], hidden_states.shape[1])
-        key_mask = torch.cat([video_keys, text_rows], 1)[:, None, None]  # [B, 1, 1, S + L]
-        return self._attend_streams(attn, hidden_states, text, key_mask, image_rotary_emb, text_rows)
+
+class HunyuanVideo15DSVProcessor(_PromptMaskProcessor):
+    """DSV processor for the joint video+text attention (`attn`) of a `HunyuanVideo15TransformerBlock` (dual-stream:
+    text projected by the module's `add_q_proj/add_k_proj/add_v_proj`, per-head RMS norms, output through `to_out`
+    and `to_add_out`).
+
+    Called with `hidden_states [B, S, C]` (video tokens, raster order, `S = T*H*W`), `encoder_hidden_states
+    [B, L, C]` (the image, ByT5 and prompt tokens, each sample's valid ones first as the model orders them),
+    `attention_mask [B, L]` (nonzero where a text token is valid) and `image_rotary_emb = (cos, sin)`, each `[S, D]`;
+    returns `(video [B, S, C], text [B, L, C])` like `HunyuanVideo15AttnProcessor2_0`.
+
+    The stock processor masks pairs: a query attends to a key where both are valid. So every query attends to all
+    video keys and its sample's valid text keys, and a padded text token's query attends to nothing: its output is
+    zero before `to_add_out` (its bias after), as SDPA gives for a row with every key masked. A mask that is not a
+    leading run of valid tokens is honoured the same way, each text output at its token's position. DSV selects
+    the video keys of each video query cube; each sample's valid text keys are always kept, its padded ones never;
+    text queries attend densely. Every layer reads the valid-token counts on the host (one synchronisation per
+    call; the model's forward already has one, when it reorders the text) and runs each sample over its own valid
+    text, the whole batch at once where the counts agree.
+    """
+
+    _prompt_mask_origin = ("as HunyuanVideo15Transformer3DModel passes the mask of its image, ByT5 and prompt "
+                           "tokens")
+    _text_outputs_in_place = True
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -771,6 +813,13 @@ def _self_attention_layout(transformer: nn.Module):
         p = int(transformer.config.patch_size)
         patch = (int(transformer.config.patch_size_t), p, p)
         return modules, HunyuanVideoDSVProcessor, HunyuanVideoAttnProcessor2_0, (patch, 2, "[B, C, F, H, W]"), True
+    if isinstance(transformer, HunyuanVideo15Transformer3DModel):
+        blocks = transformer.transformer_blocks  # dual-stream only; the text refiner's attention is not DSV's
+        modules = [(f"transformer_blocks.{i}.attn", block.attn) for i, block in enumerate(blocks)]
+        p = int(transformer.config.patch_size)
+        patch = (int(transformer.config.patch_size_t), p, p)
+        return (modules, HunyuanVideo15DSVProcessor, HunyuanVideo15AttnProcessor2_0, (patch, 2, "[B, C, F, H, W]"),
+                True)
     if isinstance(transformer, MochiTransformer3DModel):
         blocks = transformer.transformer_blocks
         modules = [(f"transformer_blocks.{i}.attn1", block.attn1) for i, block in enumerate(blocks)]
@@ -785,7 +834,8 @@ def _self_attention_layout(transformer: nn.Module):
         return modules, LTXVideoDSVProcessor, LTXVideoAttnProcessor, (patch, None, "[B, S, C]"), True
     raise TypeError(
         "install_dsv supports diffusers WanTransformer3DModel, CogVideoXTransformer3DModel, "
-        "HunyuanVideoTransformer3DModel, LTXVideoTransformer3DModel and MochiTransformer3DModel, got "
+        "HunyuanVideoTransformer3DModel, HunyuanVideo15Transformer3DModel, LTXVideoTransformer3DModel and "
+        "MochiTransformer3DModel, got "
         f"{type(transformer).__name__}"
     )
 
@@ -803,6 +853,9 @@ def install_dsv(transformer: nn.Module, cfg: AttentionConfig) -> DSVController:
             `attn1` modules; text tokens are always attended, see the module docstring) or
             `HunyuanVideoTransformer3DModel` (the joint `attn` of its dual- and single-stream blocks; unpadded text
             tokens always attended, padded ones never; its text refiner is left as it is) or
+            `HunyuanVideo15Transformer3DModel` (the joint `attn` of its dual-stream blocks; valid image, ByT5 and
+            prompt tokens always attended, padded ones never, text outputs as its processor gives them; its text
+            refiner is left as it is) or
             `LTXVideoTransformer3DModel` (its `attn1` modules; the forward must give `num_frames`, `height` and
             `width`) or `MochiTransformer3DModel` (the joint `attn1` of its blocks; valid prompt tokens always
             attended, padded ones never, text outputs as its processor gives them), with the default processors.
@@ -810,7 +863,8 @@ def install_dsv(transformer: nn.Module, cfg: AttentionConfig) -> DSVController:
         cfg: the DSV attention config; a `cfg.cube` that does not tile an input's token grid gives partial cubes
             at its edges (window mode needs whole cubes and says so). `cfg.predictor_rotary=None` (the default)
             gives the predictors 6 rotary dims where the model's rotary embeddings position q and k (Wan,
-            HunyuanVideo, LTX-Video, Mochi; CogVideoX with `use_rotary_positional_embeddings`), none otherwise.
+            HunyuanVideo, HunyuanVideo 1.5, LTX-Video, Mochi; CogVideoX with `use_rotary_positional_embeddings`),
+            none otherwise.
 
     Returns:
         The controller, also registered as `transformer.dsv_controller` (its stage buffers are in the
@@ -866,10 +920,10 @@ def install_dsv(transformer: nn.Module, cfg: AttentionConfig) -> DSVController:
 # ----------------------------------------------------------------------------------------------------
 
 _SUPPORTED = {cls.__name__: cls for cls in (WanTransformer3DModel, CogVideoXTransformer3DModel,
-                                            HunyuanVideoTransformer3DModel, LTXVideoTransformer3DModel,
-                                            MochiTransformer3DModel)}
+                                            HunyuanVideoTransformer3DModel, HunyuanVideo15Transformer3DModel,
+                                            LTXVideoTransformer3DModel, MochiTransformer3DModel)}
 # state_dict keys that install_dsv adds: the self-attention processors (Wan, CogVideoX, LTX-Video, Mochi: `attn1`;
-# HunyuanVideo's joint blocks: `attn`) and the controller.
+# HunyuanVideo's and HunyuanVideo 1.5's joint blocks: `attn`) and the controller.
 _DSV_KEY_PATTERNS = (r"(^|\.)attn1?\.processor\.", rf"^{CONTROLLER_NAME}\.")
 
 
@@ -928,8 +982,8 @@ def from_pretrained_local(
     variant: str | None = None,
     torch_dtype: torch.dtype | None = None,
 ) -> nn.Module:
-    """Load a local `save_pretrained` folder of a Wan, CogVideoX, HunyuanVideo, LTX-Video or Mochi transformer and
-    install DSV on it.
+    """Load a local `save_pretrained` folder of a Wan, CogVideoX, HunyuanVideo, HunyuanVideo 1.5, LTX-Video or Mochi
+    transformer and install DSV on it.
 
     Nothing is downloaded (`local_files_only=True`). A plain pretrained folder gets fresh DSV state
     (stage 1, untrained predictors). A folder saved from a model with DSV installed also holds the DSV

@@ -945,15 +945,18 @@ def test_hunyuan_oracle_with_all_keys_equals_dense_forward_and_backward(size, te
     all_keys_sparse_matches(tiny_hunyuan(), hunyuan_forward, hunyuan_inputs(size, text_lengths), TOL64)
 
 
-def _calls_inside_the_forward(model, attn, inputs, calls):
-    """`calls(kwargs, out)` run from a forward hook on `attn` during a forward of `model` (the DSV processors read
-    the token grid that the transformer's forward sets), with the module's keyword arguments and output."""
+def calls_inside_the_forward(model, forward, attn, inputs, calls) -> dict:
+    """What `calls(kwargs, out)` returns, run from a forward hook on the attention module `attn` with its keyword
+    arguments and output, within a no-grad `forward(model, inputs)` (a DSV processor reads the token grid of the
+    transformer's forward running now)."""
     results = {}
-    handle = attn.register_forward_hook(lambda m, args, kwargs, out: results.update(calls(kwargs, out)),
+    handle = attn.register_forward_hook(lambda module, args, kwargs, out: results.update(calls(kwargs, out)),
                                         with_kwargs=True)
-    with torch.no_grad():
-        hunyuan_forward(model, inputs)
-    handle.remove()
+    try:
+        with torch.no_grad():
+            forward(model, inputs)
+    finally:
+        handle.remove()
     return results
 
 
@@ -972,7 +975,7 @@ def test_hunyuan_padded_text_keys_never_count_and_text_queries_stay_dense(block)
         return {"out": out, "dense": HunyuanVideoAttnProcessor2_0()(attn, **kwargs),
                 "changed": attn.processor(attn, **changed)}
 
-    results = _calls_inside_the_forward(model, attn, hunyuan_inputs(), calls)
+    results = calls_inside_the_forward(model, hunyuan_forward, attn, hunyuan_inputs(), calls)
     (video, text), (dense_video, dense_text) = results["out"], results["dense"]
     video_changed, text_changed = results["changed"]
     assert attn.processor.last_path == "sparse:reference"
@@ -999,7 +1002,7 @@ def test_hunyuan_refuses_masks_it_cannot_honour_and_restores_its_state(tmp_path)
             errors.append(str(error.value))
         return {"errors": errors}
 
-    errors = _calls_inside_the_forward(model, attn, hunyuan_inputs(), calls)["errors"]
+    errors = calls_inside_the_forward(model, hunyuan_forward, attn, hunyuan_inputs(), calls)["errors"]
     assert "must attend every video key and, per sample, a leading run of its text keys" in errors[0]
     assert "attention_mask must be a bool key mask of shape [B, 1, 1, 71]" in errors[1]
     model.save_pretrained(tmp_path)
@@ -1056,12 +1059,90 @@ def bf16_model_errors(reference, forward, inputs):
     return patched, [_relative_error(result(model, torch.bfloat16), want) for model in (patched, stock)]
 
 
+def processor_errors(model, forward, attn, inputs, bad) -> dict[str, str]:
+    """The ValueError message of `attn`'s processor called, inside `forward(model, inputs)`, with the module's own
+    keyword arguments changed by each of `bad(kwargs)`'s `{name: changed keyword arguments}` (each must raise)."""
+    def calls(kwargs, out):
+        errors = {}
+        for name, change in bad(kwargs).items():
+            with pytest.raises(ValueError) as error:
+                attn.processor(attn, **dict(kwargs, **change))
+            errors[name] = str(error.value)
+        return errors
+
+    return calls_inside_the_forward(model, forward, attn, inputs, calls)
+
+
+def dsv_state_round_trips(model, forward, inputs, tmp_path, predictor_key: str) -> None:
+    """`model` (float64, two DSV layers) trained into stage 2 with both layers sparse, saved by `save_pretrained`
+    and loaded by `from_pretrained_local`: every state_dict entry (`predictor_key` among them) read back bit for bit,
+    the same output on `inputs`, both layers sparse; a cfg of another mode is refused."""
+    settings = dict(max_stage1_steps=2, sparse_threshold=0.0, profile_every_stage1=1)
+    controller = install_dsv(model, cfg("dsv", **settings))
+    train_steps(model, controller, forward, inputs, steps=3)
+    assert controller.current_stage == 2 and controller.sparse_layers() == [0, 1]
+    model.save_pretrained(tmp_path)
+    loaded = from_pretrained_local(tmp_path, cfg("dsv", **settings), torch_dtype=torch.float64)
+    assert type(loaded) is type(model) and loaded.dsv_controller.current_stage == 2
+    saved, restored = model.state_dict(), loaded.state_dict()
+    assert saved.keys() == restored.keys()
+    assert any(key.startswith(predictor_key) for key in saved), predictor_key
+    for key in saved:  # stored and read back bit for bit (the never-measured EMAs are NaN in both)
+        torch.testing.assert_close(restored[key], saved[key], rtol=0, atol=0, equal_nan=True, msg=key)
+    model.eval(), loaded.eval()
+    with torch.no_grad():
+        assert torch.equal(forward(loaded, inputs), forward(model, inputs))
+    assert [layer.last_path for layer in loaded.dsv_controller.layers] == ["sparse:reference"] * 2
+    with pytest.raises(ValueError, match=r"does not match cfg \(mode='dense'.*unexpected: \['transformer_blocks\.0"):
+        from_pretrained_local(tmp_path, cfg("dense"))
+
+
+def bf16_joint_errors(reference, forward, inputs, attn_name: str, stock_processor, scale_padded_text) -> dict:
+    """Relative errors against the float32 `reference` of a bf16 copy with DSV keeping every key on its sparse path,
+    and of the stock bf16 copy (same weights): `model` (`bf16_model_errors`: output and input gradient together)
+    and `layer`: the joint attention module `attn_name`'s video and text outputs on the model's own inputs to it,
+    with the padded text tokens scaled 100x by `scale_padded_text(kwargs)` (in place; attending them would show),
+    against the `stock_processor` class on the float32 module. Also `paths`, the DSV layers' attention paths."""
+    patched, model_errors = bf16_model_errors(reference, forward, inputs)
+    attn = patched.get_submodule(attn_name)
+    reference_attn = copy.deepcopy(reference.get_submodule(attn_name))
+
+    def layer_calls(kwargs, out):
+        kwargs = dict(kwargs, encoder_hidden_states=kwargs["encoder_hidden_states"].clone())
+        scale_padded_text(kwargs)
+        as_float = dict(zip(kwargs, _as(torch.float32, kwargs.values())))  # rotary tables in float32 stay so
+
+        def joined(outputs):  # video [B, S, C] and text [B, L, C_text] (widths may differ)
+            return torch.cat([t.float().flatten() for t in outputs])
+
+        want = joined(stock_processor()(reference_attn, **as_float))
+        got = [joined(processor(attn, **kwargs)) for processor in (attn.processor, stock_processor())]
+        return {"layer": [_relative_error(g, want) for g in got], "path": attn.processor.last_path}
+
+    found = calls_inside_the_forward(patched, forward, attn, _as(torch.bfloat16, inputs), layer_calls)
+    paths = [layer.last_path for layer in patched.dsv_controller.layers]
+    assert found["path"] == paths[0]
+    return {"model": model_errors, "layer": found["layer"], "paths": paths}
+
+
+def assert_as_close_as_stock_bf16(errors: dict, layers: int) -> None:
+    """`bf16_joint_errors`' result: every one of the `layers` DSV layers ran the Triton kernels, and DSV's model and
+    layer errors are within what stock bf16 gets."""
+    assert errors["paths"] == ["sparse:triton"] * layers
+    for what in ("model", "layer"):
+        dsv_error, stock_error = errors[what]
+        # Both run in bf16 against float32; DSV sums in another order with its own kernels: within twice the
+        # stock error, plus one bf16 eps (2^-8) for a stock error near zero.
+        assert dsv_error <= 2 * stock_error + 2**-8, (what, dsv_error, stock_error)
+
+
+def _scale_second_sample_padding(kwargs) -> None:
+    kwargs["encoder_hidden_states"][1, 4:] *= 100  # hunyuan_inputs' second prompt: 4 valid tokens of 7
+
+
 def _hunyuan_bf16_errors(device: str) -> dict:
-    """Relative errors against float32 of a bf16 HunyuanVideo with DSV keeping every key on its sparse path, and
-    of the stock bf16 model (same weights): `model`, output and input gradient together; `layer`, the first joint
-    attention's output on the model's inputs with the second sample's padded text tokens scaled 100x (attending
-    them would show). Head dim 64, 2x4x4 cubes (32-token groups and key blocks), a 4x8x8 grid. Also `paths`,
-    the DSV layers' attention paths."""
+    """`bf16_joint_errors` of HunyuanVideo's first dual-stream attention, head dim 64, 2x4x4 cubes (32-token groups
+    and key blocks), a 4x8x8 grid."""
     torch.manual_seed(0)
     reference = HunyuanVideoTransformer3DModel(
         in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=64, num_layers=1,
@@ -1069,24 +1150,8 @@ def _hunyuan_bf16_errors(device: str) -> dict:
         pooled_projection_dim=8, rope_axes_dim=(16, 24, 24),
     ).to(device)
     inputs = tuple(t.to(device) for t in _as(torch.float32, hunyuan_inputs(size=16)))
-    patched, model_errors = bf16_model_errors(reference, hunyuan_forward, inputs)
-    errors = {"model": model_errors}
-    attn = patched.transformer_blocks[0].attn
-    reference_attn = copy.deepcopy(reference.transformer_blocks[0].attn)
-
-    def layer_calls(kwargs, out):
-        kwargs = dict(kwargs, encoder_hidden_states=kwargs["encoder_hidden_states"].clone())
-        kwargs["encoder_hidden_states"][1, 4:] *= 100
-        as_float = dict(zip(kwargs, _as(torch.float32, kwargs.values())))
-        want = torch.cat([t.float() for t in HunyuanVideoAttnProcessor2_0()(reference_attn, **as_float)], 1)
-        got = [torch.cat([t.float() for t in processor(attn, **kwargs)], 1)
-               for processor in (attn.processor, HunyuanVideoAttnProcessor2_0())]
-        return {"layer": [_relative_error(g, want) for g in got], "path": attn.processor.last_path}
-
-    with torch.no_grad():
-        found = _calls_inside_the_forward(patched, attn, _as(torch.bfloat16, inputs), layer_calls)
-    assert found["path"] == [layer.last_path for layer in patched.dsv_controller.layers][0]
-    return {**errors, "layer": found["layer"], "paths": [layer.last_path for layer in patched.dsv_controller.layers]}
+    return bf16_joint_errors(reference, hunyuan_forward, inputs, "transformer_blocks.0.attn",
+                             HunyuanVideoAttnProcessor2_0, _scale_second_sample_padding)
 
 
 @pytest.mark.gpu
@@ -1094,13 +1159,7 @@ def _hunyuan_bf16_errors(device: str) -> dict:
 def test_hunyuan_runs_its_joint_sparse_attention_on_the_triton_kernels():
     """The text key blocks appended to each group's row, one sample at a time where the text is padded, through
     the Triton kernels: keeping every key, the bf16 model and layer are as close to float32 as stock bf16 ones."""
-    errors = _hunyuan_bf16_errors("cuda")
-    assert errors["paths"] == ["sparse:triton"] * 2
-    for what in ("model", "layer"):
-        dsv_error, stock_error = errors[what]
-        # Both run in bf16 against float32; DSV sums in another order with its own kernels: within twice the
-        # stock error, plus one bf16 eps (2^-8) for a stock error near zero.
-        assert dsv_error <= 2 * stock_error + 2**-8, (what, dsv_error, stock_error)
+    assert_as_close_as_stock_bf16(_hunyuan_bf16_errors("cuda"), layers=2)
 
 
 @pytest.mark.gpu

@@ -1,6 +1,5 @@
 """DSV installed in diffusers' Mochi transformer, against the unpatched model (same weights)."""
 
-import copy
 
 import pytest
 import torch
@@ -10,20 +9,23 @@ pytest.importorskip("diffusers", reason="the diffusers integration needs `pip in
 from diffusers import MochiTransformer3DModel  # noqa: E402
 from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0, MochiAttnProcessor2_0  # noqa: E402
 
-from dsv.integrations.diffusers import MochiDSVProcessor, from_pretrained_local, install_dsv  # noqa: E402
+from dsv.integrations.diffusers import MochiDSVProcessor, install_dsv  # noqa: E402
 from tests.integrations.test_diffusers import (  # noqa: E402
     TOL64,
     _as,
-    _relative_error,
+    _scale_second_sample_padding,
     _sparse_quarter,
     all_keys_sparse_matches,
+    assert_as_close_as_stock_bf16,
     assert_same_grads,
-    bf16_model_errors,
+    bf16_joint_errors,
+    calls_inside_the_forward,
     cfg,
     dense_mode_matches,
+    dsv_state_round_trips,
     grads,
+    processor_errors,
     sparse_grads,
-    train_steps,
 )
 
 # TOL64 (float64; DSV only sums the keys in another order) holds for Mochi too: its float32 norms and rotary round
@@ -71,21 +73,6 @@ def mochi_forward(model, inputs):
     return model(x, text, torch.tensor([10, 600], device=x.device), mask, return_dict=False)[0]
 
 
-def _attention_calls(model, attn, inputs, calls) -> dict:
-    """What `calls(kwargs, out)` returns, run from a forward hook on the attention module `attn` with its keyword
-    arguments and output, within a no-grad forward of `model` (a DSV processor reads the token grid of the forward
-    running now)."""
-    results = {}
-    handle = attn.register_forward_hook(lambda module, args, kwargs, out: results.update(calls(kwargs, out)),
-                                        with_kwargs=True)
-    try:
-        with torch.no_grad():
-            mochi_forward(model, inputs)
-    finally:
-        handle.remove()
-    return results
-
-
 def test_mochi_dense_mode_equals_unpatched_forward_and_backward():
     reference, inputs = tiny_mochi(), mochi_inputs()
     patched = dense_mode_matches(reference, mochi_forward, inputs, TOL64)
@@ -111,7 +98,7 @@ def test_mochi_dense_layers_equal_the_stock_processor_in_float64(masks):
     valid_counts = inputs[2].sum(1).tolist()
     for block in model.transformer_blocks:
         attn = block.attn1
-        found = _attention_calls(model, attn, inputs, lambda kwargs, out, attn=attn: {
+        found = calls_inside_the_forward(model, mochi_forward, attn, inputs, lambda kwargs, out, attn=attn: {
             "out": out, "stock": MochiAttnProcessor2_0()(attn, **kwargs)})
         assert attn.processor.last_path == "dense:sdpa"
         for got, want in zip(found["out"], found["stock"]):
@@ -168,7 +155,7 @@ def test_mochi_padded_text_keys_never_count_and_text_queries_stay_as_stock(masks
         return {"out": out, "stock": MochiAttnProcessor2_0()(attn, **kwargs),
                 "changed": attn.processor(attn, **changed)}
 
-    results = _attention_calls(model, attn, mochi_inputs(masks=masks), calls)
+    results = calls_inside_the_forward(model, mochi_forward, attn, mochi_inputs(masks=masks), calls)
     (video, text), (stock_video, stock_text) = results["out"], results["stock"]
     assert attn.processor.last_path == "sparse:reference"
     torch.testing.assert_close(text, stock_text, **TOL64)
@@ -202,21 +189,15 @@ def test_mochi_bad_inputs_raise_clear_errors():
         mochi_forward(model, (torch.randn(1, 4, 2, 7, 8, dtype=torch.float64),
                               torch.randn(1, 7, 32, dtype=torch.float64), torch.ones(1, 7, dtype=torch.bool)))
 
-    def calls(kwargs, out):
+    def bad(kwargs):
         seq_len = kwargs["hidden_states"].shape[1]
         key_mask = torch.ones(2, 1, 1, seq_len + 7, dtype=torch.bool)  # HunyuanVideo's form, not Mochi's
         cos, sin = kwargs["image_rotary_emb"]
-        bad = {"key mask": dict(attention_mask=key_mask), "no mask": dict(attention_mask=None),
-               "rotary [S, D]": dict(image_rotary_emb=(cos.flatten(1), sin.flatten(1))),
-               "no text": dict(encoder_hidden_states=None)}
-        errors = {}
-        for name, change in bad.items():
-            with pytest.raises(ValueError) as error:
-                attn.processor(attn, **dict(kwargs, **change))
-            errors[name] = str(error.value)
-        return errors
+        return {"key mask": dict(attention_mask=key_mask), "no mask": dict(attention_mask=None),
+                "rotary [S, D]": dict(image_rotary_emb=(cos.flatten(1), sin.flatten(1))),
+                "no text": dict(encoder_hidden_states=None)}
 
-    errors = _attention_calls(model, attn, mochi_inputs(), calls)
+    errors = processor_errors(model, mochi_forward, attn, mochi_inputs(), bad)
     prompt_mask = ("MochiDSVProcessor: attention_mask must be the prompt mask of encoder_hidden_states, shape "
                    "[B, L] = [2, 7]")
     assert errors["key mask"].startswith(prompt_mask) and errors["key mask"].endswith("got (2, 1, 1, 71)")
@@ -226,25 +207,8 @@ def test_mochi_bad_inputs_raise_clear_errors():
 
 
 def test_mochi_dsv_state_round_trips_through_save_pretrained(tmp_path):
-    settings = dict(max_stage1_steps=2, sparse_threshold=0.0, profile_every_stage1=1)
-    model, inputs = tiny_mochi(), mochi_inputs()
-    controller = install_dsv(model, cfg("dsv", **settings))
-    train_steps(model, controller, mochi_forward, inputs, steps=3)
-    assert controller.current_stage == 2 and controller.sparse_layers() == [0, 1]
-    model.save_pretrained(tmp_path)
-    loaded = from_pretrained_local(tmp_path, cfg("dsv", **settings), torch_dtype=torch.float64)
-    assert isinstance(loaded, MochiTransformer3DModel) and loaded.dsv_controller.current_stage == 2
-    saved, restored = model.state_dict(), loaded.state_dict()
-    assert saved.keys() == restored.keys()
-    assert any(".attn1.processor.predictor." in key for key in saved)
-    for key in saved:
-        torch.testing.assert_close(restored[key], saved[key], rtol=0, atol=0, equal_nan=True, msg=key)
-    model.eval(), loaded.eval()
-    with torch.no_grad():
-        assert torch.equal(mochi_forward(loaded, inputs), mochi_forward(model, inputs))
-    assert [layer.last_path for layer in loaded.dsv_controller.layers] == ["sparse:reference"] * 2
-    with pytest.raises(ValueError, match=r"does not match cfg \(mode='dense'.*unexpected: \['transformer_blocks\.0"):
-        from_pretrained_local(tmp_path, cfg("dense"))
+    dsv_state_round_trips(tiny_mochi(), mochi_forward, mochi_inputs(), tmp_path,
+                          "transformer_blocks.0.attn1.processor.predictor.")
 
 
 def _mochi_bf16_errors(device: str) -> dict:
@@ -263,25 +227,8 @@ def _mochi_bf16_errors(device: str) -> dict:
         reference.pos_frequencies.copy_(torch.randn_like(reference.pos_frequencies).bfloat16())
     reference.to(device)
     inputs = tuple(t.to(device) for t in _as(torch.float32, mochi_inputs(size=16)))
-    patched, model_errors = bf16_model_errors(reference, mochi_forward, inputs)
-    attn = patched.transformer_blocks[0].attn1
-    reference_attn = copy.deepcopy(reference.transformer_blocks[0].attn1)
-
-    def layer_calls(kwargs, out):
-        kwargs = dict(kwargs, encoder_hidden_states=kwargs["encoder_hidden_states"].clone())
-        kwargs["encoder_hidden_states"][1, 4:] *= 100
-        as_float = dict(zip(kwargs, _as(torch.float32, kwargs.values())))  # the rotary tables are float32 already
-        def joined(outputs):  # video [B, S, C] and text [B, L, C_text], of other widths
-            return torch.cat([t.float().flatten() for t in outputs])
-
-        want = joined(MochiAttnProcessor2_0()(reference_attn, **as_float))
-        got = [joined(processor(attn, **kwargs)) for processor in (attn.processor, MochiAttnProcessor2_0())]
-        return {"layer": [_relative_error(g, want) for g in got], "path": attn.processor.last_path}
-
-    found = _attention_calls(patched, attn, _as(torch.bfloat16, inputs), layer_calls)
-    paths = [layer.last_path for layer in patched.dsv_controller.layers]
-    assert found["path"] == paths[0]
-    return {"model": model_errors, "layer": found["layer"], "paths": paths}
+    return bf16_joint_errors(reference, mochi_forward, inputs, "transformer_blocks.0.attn1", MochiAttnProcessor2_0,
+                             _scale_second_sample_padding)
 
 
 @pytest.mark.gpu
@@ -290,10 +237,4 @@ def test_mochi_runs_its_joint_sparse_attention_on_the_triton_kernels():
     """The valid text key blocks appended to each group's row, one sample at a time where the prompts are padded
     unequally, through the Triton kernels: keeping every key, the bf16 model and layer are as close to float32 as
     stock bf16 ones."""
-    errors = _mochi_bf16_errors("cuda")
-    assert errors["paths"] == ["sparse:triton"] * 2
-    for what in ("model", "layer"):
-        dsv_error, stock_error = errors[what]
-        # Both run in bf16 against float32; DSV sums in another order with its own kernels: within twice the
-        # stock error, plus one bf16 eps (2^-8) for a stock error near zero.
-        assert dsv_error <= 2 * stock_error + 2**-8, (what, dsv_error, stock_error)
+    assert_as_close_as_stock_bf16(_mochi_bf16_errors("cuda"), layers=2)
