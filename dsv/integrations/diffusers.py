@@ -1,6 +1,6 @@
-"""DSV self-attention in diffusers video transformers: `WanTransformer3DModel`, `CogVideoXTransformer3DModel`,
-`HunyuanVideoTransformer3DModel`, `HunyuanVideo15Transformer3DModel`, `LTXVideoTransformer3DModel`,
-`MochiTransformer3DModel`.
+"""DSV self-attention in diffusers video transformers: `WanTransformer3DModel`, `WanVACETransformer3DModel`,
+`CogVideoXTransformer3DModel`, `HunyuanVideoTransformer3DModel`, `HunyuanVideo15Transformer3DModel`,
+`LTXVideoTransformer3DModel`, `MochiTransformer3DModel`.
 
 `install_dsv(transformer, cfg)` swaps the processor of every video *self*-attention module for a DSV processor and
 registers a `DSVController` as `transformer.dsv_controller`. The processors reuse the module's own
@@ -46,6 +46,7 @@ try:
         LTXVideoTransformer3DModel,
         MochiTransformer3DModel,
         WanTransformer3DModel,
+        WanVACETransformer3DModel,
     )
     from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0, MochiAttnProcessor2_0
     from diffusers.models.embeddings import apply_rotary_emb
@@ -796,8 +797,11 @@ class HunyuanVideo15DSVProcessor(_PromptMaskProcessor):
 def _self_attention_layout(transformer: nn.Module):
     """`(named self-attention modules, processor class, expected original processor class, _LatentGrid args,
     whether rotary embeddings give q and k their positions)` for a supported transformer, or TypeError."""
-    if isinstance(transformer, WanTransformer3DModel):
-        modules = [(f"blocks.{i}.attn1", block.attn1) for i, block in enumerate(transformer.blocks)]
+    if isinstance(transformer, (WanTransformer3DModel, WanVACETransformer3DModel)):
+        # Wan VACE's control blocks attend over the control tokens, which its forward pads to the video's grid.
+        stacks = ("blocks", "vace_blocks") if isinstance(transformer, WanVACETransformer3DModel) else ("blocks",)
+        modules = [(f"{stack}.{i}.attn1", block.attn1) for stack in stacks
+                   for i, block in enumerate(getattr(transformer, stack))]
         patch = tuple(int(p) for p in transformer.config.patch_size)
         return modules, WanDSVProcessor, WanAttnProcessor, (patch, 2, "[B, C, F, H, W]"), True
     if isinstance(transformer, CogVideoXTransformer3DModel):
@@ -833,10 +837,9 @@ def _self_attention_layout(transformer: nn.Module):
                  int(transformer.config.patch_size))
         return modules, LTXVideoDSVProcessor, LTXVideoAttnProcessor, (patch, None, "[B, S, C]"), True
     raise TypeError(
-        "install_dsv supports diffusers WanTransformer3DModel, CogVideoXTransformer3DModel, "
-        "HunyuanVideoTransformer3DModel, HunyuanVideo15Transformer3DModel, LTXVideoTransformer3DModel and "
-        "MochiTransformer3DModel, got "
-        f"{type(transformer).__name__}"
+        "install_dsv supports diffusers WanTransformer3DModel, WanVACETransformer3DModel, "
+        "CogVideoXTransformer3DModel, HunyuanVideoTransformer3DModel, HunyuanVideo15Transformer3DModel, "
+        f"LTXVideoTransformer3DModel and MochiTransformer3DModel, got {type(transformer).__name__}"
     )
 
 
@@ -849,7 +852,9 @@ def install_dsv(transformer: nn.Module, cfg: AttentionConfig) -> DSVController:
     """Install DSV on every self-attention layer of a diffusers video transformer.
 
     Args:
-        transformer: a `WanTransformer3DModel` (its `attn1` modules), `CogVideoXTransformer3DModel` (its joint
+        transformer: a `WanTransformer3DModel` (its `attn1` modules), `WanVACETransformer3DModel` (the `attn1` of
+            its blocks and of its control blocks, over the control tokens on the video's grid),
+            `CogVideoXTransformer3DModel` (its joint
             `attn1` modules; text tokens are always attended, see the module docstring) or
             `HunyuanVideoTransformer3DModel` (the joint `attn` of its dual- and single-stream blocks; unpadded text
             tokens always attended, padded ones never; its text refiner is left as it is) or
@@ -919,9 +924,10 @@ def install_dsv(transformer: nn.Module, cfg: AttentionConfig) -> DSVController:
 # Loading a local from_pretrained folder
 # ----------------------------------------------------------------------------------------------------
 
-_SUPPORTED = {cls.__name__: cls for cls in (WanTransformer3DModel, CogVideoXTransformer3DModel,
-                                            HunyuanVideoTransformer3DModel, HunyuanVideo15Transformer3DModel,
-                                            LTXVideoTransformer3DModel, MochiTransformer3DModel)}
+_SUPPORTED = {cls.__name__: cls for cls in (WanTransformer3DModel, WanVACETransformer3DModel,
+                                            CogVideoXTransformer3DModel, HunyuanVideoTransformer3DModel,
+                                            HunyuanVideo15Transformer3DModel, LTXVideoTransformer3DModel,
+                                            MochiTransformer3DModel)}
 # state_dict keys that install_dsv adds: the self-attention processors (Wan, CogVideoX, LTX-Video, Mochi: `attn1`;
 # HunyuanVideo's and HunyuanVideo 1.5's joint blocks: `attn`) and the controller.
 _DSV_KEY_PATTERNS = (r"(^|\.)attn1?\.processor\.", rf"^{CONTROLLER_NAME}\.")
@@ -982,8 +988,8 @@ def from_pretrained_local(
     variant: str | None = None,
     torch_dtype: torch.dtype | None = None,
 ) -> nn.Module:
-    """Load a local `save_pretrained` folder of a Wan, CogVideoX, HunyuanVideo, HunyuanVideo 1.5, LTX-Video or Mochi
-    transformer and install DSV on it.
+    """Load a local `save_pretrained` folder of a Wan (or Wan VACE), CogVideoX, HunyuanVideo, HunyuanVideo 1.5,
+    LTX-Video or Mochi transformer and install DSV on it.
 
     Nothing is downloaded (`local_files_only=True`). A plain pretrained folder gets fresh DSV state
     (stage 1, untrained predictors). A folder saved from a model with DSV installed also holds the DSV
