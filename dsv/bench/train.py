@@ -51,6 +51,8 @@ from dsv.train.recipes import get_recipe
 from dsv.train.trainer import build_model
 
 MODES = ("dense", "window", "dsv")
+DEFAULT_TOKENS = (32768, 65536)
+DEFAULT_SPATIAL = 64
 # Heads of the first sparse layer that the correctness gate compares with the float32 reference: the kernels
 # treat every head alike, and the reference's cost grows with the heads compared.
 GATE_HEADS = 2
@@ -98,12 +100,13 @@ def bench_config(recipe, overrides: list[str]):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", default="dit_2p7b", help="model shape (its model/attention sections)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
-    parser.add_argument("--tokens", type=positive_int, nargs="+", default=[32768, 65536], help="tokens per sample")
-    parser.add_argument("--spatial", type=positive_int, default=64,
-                        help="latent H = W in tokens; T = tokens / spatial²")
+    parser.add_argument("--tokens", type=positive_int, nargs="+", default=None,
+                        help=f"tokens per sample (default {' '.join(map(str, DEFAULT_TOKENS))})")
+    parser.add_argument("--spatial", type=positive_int, default=None,
+                        help=f"latent H = W in tokens; T = tokens / spatial² (default {DEFAULT_SPATIAL})")
     parser.add_argument("--grids", type=grid_spec, nargs="+", default=None, metavar="TxHxW",
                         help="token grids (frames x height x width, in tokens after the patch), e.g. 21x30x52 for "
-                             "480x832 pixels and 81 frames through Wan's VAE and patch; replaces --tokens and "
+                             "480x832 pixels and 81 frames through Wan's VAE and patch; instead of --tokens and "
                              "--spatial")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--profile", default="paper", help="'paper' or a JSON of per-layer per-head sparsity")
@@ -555,11 +558,14 @@ def run(args) -> int:
     cfg = bench_config(get_recipe(args.recipe), args.set)
     # Checked before anything runs: found at the second token count, a bad value would cost the first one's runs.
     if args.grids is None:
-        area = args.spatial * args.spatial
-        if any(tokens % area for tokens in args.tokens):
-            raise ValueError(f"--tokens {' '.join(map(str, args.tokens))}: each must be a multiple of --spatial² = "
+        token_counts, spatial = args.tokens or DEFAULT_TOKENS, args.spatial or DEFAULT_SPATIAL
+        area = spatial * spatial
+        if any(tokens % area for tokens in token_counts):
+            raise ValueError(f"--tokens {' '.join(map(str, token_counts))}: each must be a multiple of --spatial² = "
                              f"{area}")
-        grids = [square_grid(tokens, args.spatial) for tokens in args.tokens]
+        grids = [square_grid(tokens, spatial) for tokens in token_counts]
+    elif args.tokens is not None or args.spatial is not None:
+        raise ValueError("--grids gives the token grids: leave out --tokens and --spatial")
     else:
         grids = args.grids
         counts = [math.prod(grid) for grid in grids]

@@ -129,7 +129,7 @@ def build_model(cfg: Config, device: torch.device) -> torch.nn.Module:
 
         model = build_wan_for_training(
             cfg.attention, in_channels=m.in_channels, patch=m.patch, num_layers=m.depth, num_heads=m.heads,
-            head_dim=m.attention_head_dim, ffn_dim=int(m.hidden * m.mlp_ratio))
+            head_dim=m.attention_head_dim, ffn_dim=round(m.hidden * m.mlp_ratio))  # 8960 / 1536 may round below
         if m.activation_checkpointing:
             model.transformer.enable_gradient_checkpointing()
         return model.to(device)

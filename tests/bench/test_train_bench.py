@@ -469,9 +469,14 @@ def test_bench_train_checks_every_token_count_and_the_profile_before_running(tmp
     assert code == 2 and not built
     assert "--modes window at the grid 5x8x8 needs whole cubes: grid T=5 is not divisible" in capsys.readouterr().err
     # Two grids of one token count: their rows and speedups could not be told apart.
-    code = main(["bench", "train", *TINY, "--grids", "2x8x8", "8x4x4", "--modes", "dense"])
+    no_tokens = [arg for i, arg in enumerate(TINY) if arg not in ("--tokens", "--spatial")
+                 and TINY[i - 1] not in ("--tokens", "--spatial")]
+    code = main(["bench", "train", *no_tokens, "--grids", "2x8x8", "8x4x4", "--modes", "dense"])
     assert code == 2 and not built
     assert "--grids 2x8x8 8x4x4: expected one grid per token count, two have the same" in capsys.readouterr().err
+    code = main(["bench", "train", *TINY, "--grids", "2x8x8", "--modes", "dense"])  # TINY gives --tokens too
+    assert code == 2 and not built
+    assert "--grids gives the token grids: leave out --tokens and --spatial" in capsys.readouterr().err
 
 
 def test_bench_train_times_a_diffusers_wan_at_a_grid_the_cube_does_not_tile(tmp_path, capsys):
