@@ -1,6 +1,6 @@
 """DSV self-attention in diffusers video transformers: `WanTransformer3DModel`, `WanVACETransformer3DModel`,
-`CogVideoXTransformer3DModel`, `HunyuanVideoTransformer3DModel`, `HunyuanVideo15Transformer3DModel`,
-`LTXVideoTransformer3DModel`, `MochiTransformer3DModel`.
+`CogVideoXTransformer3DModel`, `CosmosTransformer3DModel`, `HunyuanVideoTransformer3DModel`,
+`HunyuanVideo15Transformer3DModel`, `LTXVideoTransformer3DModel`, `MochiTransformer3DModel`.
 
 `install_dsv(transformer, cfg)` swaps the processor of every video *self*-attention module for a DSV processor and
 registers a `DSVController` as `transformer.dsv_controller`. The processors reuse the module's own
@@ -41,6 +41,7 @@ from torch import nn
 try:
     from diffusers import (
         CogVideoXTransformer3DModel,
+        CosmosTransformer3DModel,
         HunyuanVideo15Transformer3DModel,
         HunyuanVideoTransformer3DModel,
         LTXVideoTransformer3DModel,
@@ -50,6 +51,7 @@ try:
     )
     from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0, MochiAttnProcessor2_0
     from diffusers.models.embeddings import apply_rotary_emb
+    from diffusers.models.transformers.transformer_cosmos import CosmosAttnProcessor2_0
     from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0
     from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
     from diffusers.models.transformers.transformer_ltx import LTXVideoAttnProcessor
@@ -82,6 +84,7 @@ from dsv.ops.grouping import cube_permutation_on
 
 __all__ = [
     "CogVideoXDSVProcessor",
+    "CosmosDSVProcessor",
     "HunyuanVideo15DSVProcessor",
     "HunyuanVideoDSVProcessor",
     "LTXVideoDSVProcessor",
@@ -362,13 +365,48 @@ class _DSVProcessor(DSVAttentionCore):
 
     def __init__(self, attn: nn.Module, cfg: AttentionConfig, grid: _LatentGrid):
         heads = attn.heads
+        # DSV selects and attends key blocks per query head: keys and values need a head of their own for each query
+        # head (a module built with fewer key/value heads, which stock processors repeat for grouped-query
+        # attention, is not supported).
+        widths = {name: getattr(attn, name).out_features for name in ("to_q", "to_k", "to_v")}
+        if len(set(widths.values())) != 1:
+            raise ValueError(
+                f"{type(self).__name__}: to_k and to_v must be as wide as to_q (one key/value head per query head; "
+                f"DSV has no grouped-query attention), got out_features {widths}")
         super().__init__(attn.to_q.in_features, heads, attn.to_q.out_features // heads, cfg)
         self._grid = grid
+
+    @staticmethod
+    def _in_attention_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`tensors` (the layer's q, k and v, video and text) in the one dtype attention computes in: autocast's where
+        it is on (SDPA casts them so under it), else the last tensor's (v). A model's own q/k norms can return float32
+        under bf16 autocast with float32 weights while v is bf16: diffusers' RMSNorm multiplies by its float32
+        weight, and CUDA autocast runs `rms_norm` (torch >= 2.12) and `layer_norm` in float32; DSV's selection and
+        sparse kernels take one dtype."""
+        device = tensors[0].device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tensors[-1].dtype
+        return tuple(t.to(dtype) for t in tensors)
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         # diffusers' attention modules pass on only the keyword arguments named in the processor's `__call__`
         # signature; nn.Module.__call__ is `(*args, **kwargs)` and would lose image_rotary_emb.
         return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+
+    def _rotary_table_shape(self, seq_len: int) -> tuple[int, ...]:
+        """The shape of each rotary table for `seq_len` video tokens: `[S, D]` (CogVideoX, Cosmos, HunyuanVideo)."""
+        return seq_len, self.head_dim
+
+    def _grouped_rotary_tables(self, image_rotary_emb, seq_len: int, perm: torch.Tensor):
+        """The model's rotary tables `(cos, sin)`, each of `_rotary_table_shape(seq_len)` with one row per video token
+        in raster order, checked and taken to grouped order (`perm`: raster to grouped)."""
+        expected = self._rotary_table_shape(seq_len)
+        if any(tuple(f.shape) != expected for f in image_rotary_emb):
+            # Tables of another grid would be read row by row as this grid's positions, without an error.
+            raise ValueError(
+                f"{type(self).__name__}: image_rotary_emb must be (cos, sin), each of shape {list(expected)} for this "
+                f"latent's {seq_len} video tokens; got {[tuple(f.shape) for f in image_rotary_emb]}"
+            )
+        return tuple(f.index_select(0, perm) for f in image_rotary_emb)
 
     @property
     def _attention_backend(self):
@@ -383,8 +421,9 @@ class _DSVProcessor(DSVAttentionCore):
 
 
 class _SelfAttentionProcessor(_DSVProcessor):
-    """A DSV processor for a video self-attention module (`attn1`) with q/k norms across heads (RMSNorm over
-    all heads, before the head split) and a rotary embedding that `_rotate` applies."""
+    """A DSV processor for a video self-attention module (`attn1`) with q/k norms that `_normalize` applies (by
+    default across heads: RMSNorm over all heads, before the head split) and a rotary embedding that `_rotate`
+    applies."""
 
     def forward(self, attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb):
         if encoder_hidden_states is not None or attention_mask is not None:
@@ -393,13 +432,19 @@ class _SelfAttentionProcessor(_DSVProcessor):
         grid, perm, inv = self._grid.of_call(self.layer_index, hidden_states)
         self.check_input(hidden_states, grid)
         hidden = hidden_states.index_select(1, perm)  # grouped order: each query cube is contiguous
-        q, k, v = attn.norm_q(attn.to_q(hidden)), attn.norm_k(attn.to_k(hidden)), attn.to_v(hidden)
+        q, k, v = attn.to_q(hidden), attn.to_k(hidden), attn.to_v(hidden)
+        q, k = self._normalize(attn, q, k)
         q, k = self._rotate(q, k, rotary_emb, perm)
+        q, k, v = self._in_attention_dtype(q, k, v)
         q, k, v = (t.unflatten(2, (self.heads, -1)).transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
         index = self.prepare_index(hidden, q, k, grid)
         out = self.attend(q, k, v, index).transpose(1, 2).flatten(2, 3).type_as(q)
         out = attn.to_out[1](attn.to_out[0](out))
         return out.index_select(1, inv)
+
+    def _normalize(self, attn, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The module's query/key norms on `q, k [B, S, heads * head_dim]`: across heads (Wan, LTX-Video)."""
+        return attn.norm_q(q), attn.norm_k(k)
 
     def _rotate(self, q: torch.Tensor, k: torch.Tensor, rotary_emb, perm: torch.Tensor):
         """The model's rotary embedding on `q, k [B, S, heads * head_dim]` in grouped order (`perm`: raster to
@@ -450,6 +495,32 @@ class LTXVideoDSVProcessor(_SelfAttentionProcessor):
             )
         freqs = tuple(f.index_select(1, perm) for f in rotary_emb)  # grouped order
         return ltx_apply_rotary_emb(q, freqs), ltx_apply_rotary_emb(k, freqs)
+
+
+class CosmosDSVProcessor(_SelfAttentionProcessor):
+    """DSV self-attention processor for the `Attention` used as self-attention (`attn1`) of a `CosmosTransformerBlock`.
+
+    Called by `Attention.forward(hidden_states [B, S, C], image_rotary_emb=(cos, sin))` with `S = T*H*W` tokens in
+    raster order and each table `[S, D]` (float32, as `CosmosRotaryPosEmbed` builds it); returns `[B, S, C]`. Uses
+    the module's `to_q/to_k/to_v/to_out`, its per-head `norm_q/norm_k` (RMSNorm over each head's channels, after the
+    head split) and Cosmos's rotary embedding (the two halves of each head rotated, `use_real_unbind_dim=-2`), as
+    `CosmosAttnProcessor2_0` does. The model's learnable positional embedding (`extra_pos_embed_type="learnable"`)
+    is already in `hidden_states`: the block adds it before its norm.
+    """
+
+    def _normalize(self, attn, q, k):
+        # Cosmos's norms are RMSNorm(head_dim): each head normalised on its own channels.
+        return tuple(norm(t.unflatten(2, (self.heads, -1))).flatten(2)
+                     for norm, t in ((attn.norm_q, q), (attn.norm_k, k)))
+
+    def _rotate(self, q, k, rotary_emb, perm):
+        if rotary_emb is None:  # as the stock processor: no rotation without tables
+            return q, k
+        freqs = self._grouped_rotary_tables(rotary_emb, q.shape[1], perm)
+        # On [B, S, H, D] (`sequence_dim=1`), the arithmetic of the stock processor on [B, H, S, D]: q and k taken
+        # to float32 whatever their dtype, one rounding back.
+        return tuple(apply_rotary_emb(t.unflatten(2, (self.heads, -1)), freqs, use_real=True, use_real_unbind_dim=-2,
+                                      sequence_dim=1).flatten(2) for t in (q, k))
 
 
 def _append_always_kept(index: SparseIndex, extra_len: int) -> SparseIndex:
@@ -514,20 +585,8 @@ class _JointVideoTextProcessor(_DSVProcessor):
         in raster order, on the video `q, k [B, H, S, D]` in grouped order."""
         if image_rotary_emb is None:
             return q, k
-        seq_len = q.shape[2]
-        expected = self._rotary_table_shape(seq_len)
-        if any(tuple(f.shape) != expected for f in image_rotary_emb):
-            # Tables of another grid would be read row by row as this grid's positions, without an error.
-            raise ValueError(
-                f"{type(self).__name__}: image_rotary_emb must be (cos, sin), each of shape {list(expected)} for this "
-                f"latent's {seq_len} video tokens; got {[tuple(f.shape) for f in image_rotary_emb]}"
-            )
-        freqs = tuple(f.index_select(0, perm) for f in image_rotary_emb)  # grouped order
+        freqs = self._grouped_rotary_tables(image_rotary_emb, q.shape[2], perm)
         return self._apply_rotary(q, freqs), self._apply_rotary(k, freqs)
-
-    def _rotary_table_shape(self, seq_len: int) -> tuple[int, ...]:
-        """The shape of each rotary table for `seq_len` video tokens: `[S, D]` (CogVideoX, HunyuanVideo)."""
-        return seq_len, self.head_dim
 
     @staticmethod
     def _apply_rotary(x: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -590,6 +649,7 @@ class CogVideoXDSVProcessor(_JointVideoTextProcessor):
         q_video, k_video, v_video = self._heads(hidden, projections, norms)
         text = self._heads(encoder_hidden_states, projections, norms)
         q_video, k_video = self._rotate_video(q_video, k_video, image_rotary_emb, perm)
+        *text, q_video, k_video, v_video = self._in_attention_dtype(*text, q_video, k_video, v_video)
         index = self.prepare_index(hidden, q_video, k_video, grid)
         out = self._joint_attention((q_video, k_video, v_video), text, index, None, None)
         out = out.transpose(1, 2).flatten(2, 3).type_as(q_video)
@@ -656,6 +716,7 @@ class _TwoStreamProcessor(_JointVideoTextProcessor):
             norms = (attn.norm_added_q, attn.norm_added_k)
         text = self._heads(encoder_hidden_states, projections, norms)
         q_video, k_video = self._rotate_video(q_video, k_video, image_rotary_emb, perm)
+        *text, q_video, k_video, v_video = self._in_attention_dtype(*text, q_video, k_video, v_video)
         index = self.prepare_index(hidden, q_video, k_video, grid)
         if index is not None or self._dense_over_unpadded_text:
             lengths = _text_key_lengths_on_host(key_mask, seq_len, text_len)
@@ -829,6 +890,13 @@ def _self_attention_layout(transformer: nn.Module):
         modules = [(f"transformer_blocks.{i}.attn1", block.attn1) for i, block in enumerate(blocks)]
         p = int(transformer.config.patch_size)  # spatial only: every latent frame is a frame of tokens
         return modules, MochiDSVProcessor, MochiAttnProcessor2_0, ((1, p, p), 2, "[B, C, F, H, W]"), True
+    if isinstance(transformer, CosmosTransformer3DModel):
+        blocks = transformer.transformer_blocks  # attn2, text (or text and image) cross-attention, is not DSV's
+        modules = [(f"transformer_blocks.{i}.attn1", block.attn1) for i, block in enumerate(blocks)]
+        # Its patch embedding flattens the (T, H, W) patches in raster order; the condition- and padding-mask
+        # channels that its forward concatenates to hidden_states add channels, not tokens.
+        patch = tuple(int(p) for p in transformer.config.patch_size)
+        return modules, CosmosDSVProcessor, CosmosAttnProcessor2_0, (patch, 2, "[B, C, F, H, W]"), True
     if isinstance(transformer, LTXVideoTransformer3DModel):
         blocks = transformer.transformer_blocks
         modules = [(f"transformer_blocks.{i}.attn1", block.attn1) for i, block in enumerate(blocks)]
@@ -838,8 +906,9 @@ def _self_attention_layout(transformer: nn.Module):
         return modules, LTXVideoDSVProcessor, LTXVideoAttnProcessor, (patch, None, "[B, S, C]"), True
     raise TypeError(
         "install_dsv supports diffusers WanTransformer3DModel, WanVACETransformer3DModel, "
-        "CogVideoXTransformer3DModel, HunyuanVideoTransformer3DModel, HunyuanVideo15Transformer3DModel, "
-        f"LTXVideoTransformer3DModel and MochiTransformer3DModel, got {type(transformer).__name__}"
+        "CogVideoXTransformer3DModel, CosmosTransformer3DModel, HunyuanVideoTransformer3DModel, "
+        "HunyuanVideo15Transformer3DModel, LTXVideoTransformer3DModel and MochiTransformer3DModel, got "
+        f"{type(transformer).__name__}"
     )
 
 
@@ -856,6 +925,8 @@ def install_dsv(transformer: nn.Module, cfg: AttentionConfig) -> DSVController:
             its blocks and of its control blocks, over the control tokens on the video's grid),
             `CogVideoXTransformer3DModel` (its joint
             `attn1` modules; text tokens are always attended, see the module docstring) or
+            `CosmosTransformer3DModel` (the `attn1` of its blocks, with per-head q/k norms; its `attn2`, text or
+            text and image cross-attention, is left as it is, whichever processor it has) or
             `HunyuanVideoTransformer3DModel` (the joint `attn` of its dual- and single-stream blocks; unpadded text
             tokens always attended, padded ones never; its text refiner is left as it is) or
             `HunyuanVideo15Transformer3DModel` (the joint `attn` of its dual-stream blocks; valid image, ByT5 and
@@ -864,10 +935,10 @@ def install_dsv(transformer: nn.Module, cfg: AttentionConfig) -> DSVController:
             `LTXVideoTransformer3DModel` (its `attn1` modules; the forward must give `num_frames`, `height` and
             `width`) or `MochiTransformer3DModel` (the joint `attn1` of its blocks; valid prompt tokens always
             attended, padded ones never, text outputs as its processor gives them), with the default processors.
-            Cross-attention (Wan's and LTX's `attn2`) is left as it is.
+            Cross-attention (Wan's, Cosmos's and LTX's `attn2`) is left as it is.
         cfg: the DSV attention config; a `cfg.cube` that does not tile an input's token grid gives partial cubes
             at its edges (window mode needs whole cubes and says so). `cfg.predictor_rotary=None` (the default)
-            gives the predictors 6 rotary dims where the model's rotary embeddings position q and k (Wan,
+            gives the predictors 6 rotary dims where the model's rotary embeddings position q and k (Wan, Cosmos,
             HunyuanVideo, HunyuanVideo 1.5, LTX-Video, Mochi; CogVideoX with `use_rotary_positional_embeddings`),
             none otherwise.
 
@@ -894,8 +965,9 @@ def install_dsv(transformer: nn.Module, cfg: AttentionConfig) -> DSVController:
                 "call unfuse_qkv_projections() first)"
             )
     grid = _LatentGrid(*grid_args, cube=tuple(cfg.cube))
-    for name, attn in modules:
-        processor = processor_cls(attn, cfg, grid).to(attn.to_q.weight.device)
+    # Every processor built before any is set: one that refuses its module leaves the model as it was.
+    processors = [processor_cls(attn, cfg, grid).to(attn.to_q.weight.device) for _, attn in modules]
+    for (name, attn), processor in zip(modules, processors):
         if hasattr(attn, "set_processor"):
             attn.set_processor(processor)
         else:  # MochiAttention: diffusers' set_processor of an nn.Module processor is this assignment
@@ -925,11 +997,11 @@ def install_dsv(transformer: nn.Module, cfg: AttentionConfig) -> DSVController:
 # ----------------------------------------------------------------------------------------------------
 
 _SUPPORTED = {cls.__name__: cls for cls in (WanTransformer3DModel, WanVACETransformer3DModel,
-                                            CogVideoXTransformer3DModel, HunyuanVideoTransformer3DModel,
-                                            HunyuanVideo15Transformer3DModel, LTXVideoTransformer3DModel,
-                                            MochiTransformer3DModel)}
-# state_dict keys that install_dsv adds: the self-attention processors (Wan, CogVideoX, LTX-Video, Mochi: `attn1`;
-# HunyuanVideo's and HunyuanVideo 1.5's joint blocks: `attn`) and the controller.
+                                            CogVideoXTransformer3DModel, CosmosTransformer3DModel,
+                                            HunyuanVideoTransformer3DModel, HunyuanVideo15Transformer3DModel,
+                                            LTXVideoTransformer3DModel, MochiTransformer3DModel)}
+# state_dict keys that install_dsv adds: the self-attention processors (Wan, CogVideoX, Cosmos, LTX-Video, Mochi:
+# `attn1`; HunyuanVideo's and HunyuanVideo 1.5's joint blocks: `attn`) and the controller.
 _DSV_KEY_PATTERNS = (r"(^|\.)attn1?\.processor\.", rf"^{CONTROLLER_NAME}\.")
 
 
@@ -988,8 +1060,8 @@ def from_pretrained_local(
     variant: str | None = None,
     torch_dtype: torch.dtype | None = None,
 ) -> nn.Module:
-    """Load a local `save_pretrained` folder of a Wan (or Wan VACE), CogVideoX, HunyuanVideo, HunyuanVideo 1.5,
-    LTX-Video or Mochi transformer and install DSV on it.
+    """Load a local `save_pretrained` folder of a Wan (or Wan VACE), CogVideoX, Cosmos, HunyuanVideo, HunyuanVideo
+    1.5, LTX-Video or Mochi transformer and install DSV on it.
 
     Nothing is downloaded (`local_files_only=True`). A plain pretrained folder gets fresh DSV state
     (stage 1, untrained predictors). A folder saved from a model with DSV installed also holds the DSV

@@ -89,7 +89,7 @@ def cog_inputs(rotary: bool = True, patch_size_t: int | None = None, size: int =
 
 def cog_forward(model, inputs):
     x, text, rope = inputs
-    return model(x, text, torch.tensor([10, 600]), image_rotary_emb=rope, return_dict=False)[0]
+    return model(x, text, torch.tensor([10, 600], device=x.device), image_rotary_emb=rope, return_dict=False)[0]
 
 
 def grads(model, forward, inputs):
@@ -1034,12 +1034,14 @@ def _as(dtype, inputs):
     return tuple(t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t for t in inputs)
 
 
-def bf16_model_errors(reference, forward, inputs):
+def bf16_model_errors(reference, forward, inputs, autocast: bool = False):
     """`(patched, [DSV error, stock error])`: relative errors (output and input gradient together) against the
     float32 `reference` on `inputs` (float32, on its device) of a bf16 copy with DSV in `oracle` mode keeping every
-    key on its sparse path (2x4x4 cubes), and of the stock bf16 copy (same weights)."""
-    stock = copy.deepcopy(reference).to(torch.bfloat16)
-    patched = copy.deepcopy(reference).to(torch.bfloat16)
+    key on its sparse path (2x4x4 cubes), and of the stock bf16 copy (same weights). With `autocast`, the copies keep
+    float32 weights and inputs and run under bf16 autocast instead, as one-GPU training does."""
+    weights = torch.float32 if autocast else torch.bfloat16
+    stock = copy.deepcopy(reference).to(weights)
+    patched = copy.deepcopy(reference).to(weights)
     install_dsv(patched, dsv.AttentionConfig(mode="oracle", cube=(2, 4, 4), keep_floor_blocks=10_000,
                                              sparse_threshold=0.0, speed_dispatch=False))
     state = patched.state_dict()
@@ -1056,7 +1058,8 @@ def bf16_model_errors(reference, forward, inputs):
         return torch.cat([out.float().flatten(), x.grad.float().flatten()])
 
     want = result(reference, torch.float32)
-    return patched, [_relative_error(result(model, torch.bfloat16), want) for model in (patched, stock)]
+    with torch.autocast(inputs[0].device.type, dtype=torch.bfloat16, enabled=autocast):
+        return patched, [_relative_error(result(model, weights), want) for model in (patched, stock)]
 
 
 def processor_errors(model, forward, attn, inputs, bad) -> dict[str, str]:
