@@ -365,9 +365,9 @@ class _DSVProcessor(DSVAttentionCore):
 
     def __init__(self, attn: nn.Module, cfg: AttentionConfig, grid: _LatentGrid):
         heads = attn.heads
-        # DSV selects and attends key blocks per query head: keys and values need a head of their own for each query
-        # head (a module built with fewer key/value heads, which stock processors repeat for grouped-query
-        # attention, is not supported).
+        # DSV selects and attends key blocks per query head: keys and values as wide as the queries, a head of each
+        # for each query head (a module built with narrower key/value projections, which some stock processors widen
+        # by repetition, is not supported).
         widths = {name: getattr(attn, name).out_features for name in ("to_q", "to_k", "to_v")}
         if len(set(widths.values())) != 1:
             raise ValueError(
@@ -435,10 +435,11 @@ class _SelfAttentionProcessor(_DSVProcessor):
         q, k, v = attn.to_q(hidden), attn.to_k(hidden), attn.to_v(hidden)
         q, k = self._normalize(attn, q, k)
         q, k = self._rotate(q, k, rotary_emb, perm)
+        out_dtype = q.dtype  # the stock processors return attention in q's dtype, whatever it computed in
         q, k, v = self._in_attention_dtype(q, k, v)
         q, k, v = (t.unflatten(2, (self.heads, -1)).transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
         index = self.prepare_index(hidden, q, k, grid)
-        out = self.attend(q, k, v, index).transpose(1, 2).flatten(2, 3).type_as(q)
+        out = self.attend(q, k, v, index).transpose(1, 2).flatten(2, 3).to(out_dtype)
         out = attn.to_out[1](attn.to_out[0](out))
         return out.index_select(1, inv)
 
@@ -649,10 +650,11 @@ class CogVideoXDSVProcessor(_JointVideoTextProcessor):
         q_video, k_video, v_video = self._heads(hidden, projections, norms)
         text = self._heads(encoder_hidden_states, projections, norms)
         q_video, k_video = self._rotate_video(q_video, k_video, image_rotary_emb, perm)
+        out_dtype = q_video.dtype  # the stock processors return attention in q's dtype, whatever it computed in
         *text, q_video, k_video, v_video = self._in_attention_dtype(*text, q_video, k_video, v_video)
         index = self.prepare_index(hidden, q_video, k_video, grid)
         out = self._joint_attention((q_video, k_video, v_video), text, index, None, None)
-        out = out.transpose(1, 2).flatten(2, 3).type_as(q_video)
+        out = out.transpose(1, 2).flatten(2, 3).to(out_dtype)
         out = attn.to_out[1](attn.to_out[0](out))
         return out[:, :seq_len].index_select(1, inv), out[:, seq_len:]
 
@@ -716,6 +718,7 @@ class _TwoStreamProcessor(_JointVideoTextProcessor):
             norms = (attn.norm_added_q, attn.norm_added_k)
         text = self._heads(encoder_hidden_states, projections, norms)
         q_video, k_video = self._rotate_video(q_video, k_video, image_rotary_emb, perm)
+        out_dtype = q_video.dtype  # the stock processors return attention in q's dtype, whatever it computed in
         *text, q_video, k_video, v_video = self._in_attention_dtype(*text, q_video, k_video, v_video)
         index = self.prepare_index(hidden, q_video, k_video, grid)
         if index is not None or self._dense_over_unpadded_text:
@@ -724,7 +727,7 @@ class _TwoStreamProcessor(_JointVideoTextProcessor):
         else:  # dense attention under the mask as it is
             lengths = None
         out = self._joint_attention((q_video, k_video, v_video), text, index, lengths, key_mask)
-        out = out.transpose(1, 2).flatten(2, 3).type_as(q_video)
+        out = out.transpose(1, 2).flatten(2, 3).to(out_dtype)
         video, text_out = out[:, :seq_len], out[:, seq_len:]
         if text_rows is not None:
             text_out = text_out.masked_fill(~text_rows.unsqueeze(-1), 0)
