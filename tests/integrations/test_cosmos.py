@@ -18,12 +18,12 @@ from tests.integrations.test_diffusers import (  # noqa: E402
     TOL64,
     _as,
     _sparse_quarter,
-    all_keys_sparse_matches,
+    assert_all_keys_sparse_matches,
+    assert_dense_mode_matches,
+    assert_dsv_state_round_trips,
     assert_same_grads,
     bf16_model_errors,
     cfg,
-    dense_mode_matches,
-    dsv_state_round_trips,
     processor_errors,
     sparse_grads,
 )
@@ -75,7 +75,7 @@ def cosmos_forward(model, inputs):
 @pytest.mark.parametrize("patch_size, frames", [((1, 2, 2), 4), ((2, 2, 2), 8)], ids=["patch-1x2x2", "patch-2x2x2"])
 def test_cosmos_dense_mode_equals_unpatched_forward_and_backward(patch_size, frames):
     model = tiny_cosmos(patch_size=patch_size)
-    patched = dense_mode_matches(model, cosmos_forward, cosmos_inputs(frames), TOL64)
+    patched = assert_dense_mode_matches(model, cosmos_forward, cosmos_inputs(frames), TOL64)
     names = [name for name, module in patched.named_modules() if isinstance(module, CosmosDSVProcessor)]
     assert names == ["transformer_blocks.0.attn1.processor", "transformer_blocks.1.attn1.processor"]
     assert all(type(block.attn2.processor) is CosmosAttnProcessor2_0 for block in patched.transformer_blocks)
@@ -85,14 +85,14 @@ def test_cosmos_dense_mode_equals_unpatched_forward_and_backward(patch_size, fra
 def test_cosmos_with_image_context_keeps_its_cross_attention_processor():
     """Cosmos 2.5's blocks cross-attend to text and image tokens through another processor: it is left as it is."""
     model = tiny_cosmos(image_context=True)
-    patched = dense_mode_matches(model, cosmos_forward, cosmos_inputs(image_context=True), TOL64)
+    patched = assert_dense_mode_matches(model, cosmos_forward, cosmos_inputs(image_context=True), TOL64)
     assert all(type(block.attn2.processor) is CosmosAttnProcessor2_5 for block in patched.transformer_blocks)
     assert all(isinstance(block.attn1.processor, CosmosDSVProcessor) for block in patched.transformer_blocks)
 
 
 @pytest.mark.parametrize("frames, size", [(4, 8), (3, 6)], ids=["whole-cubes", "partial-cubes"])
 def test_cosmos_oracle_with_all_keys_equals_dense_forward_and_backward(frames, size):
-    all_keys_sparse_matches(tiny_cosmos(), cosmos_forward, cosmos_inputs(frames, size), TOL64)
+    assert_all_keys_sparse_matches(tiny_cosmos(), cosmos_forward, cosmos_inputs(frames, size), TOL64)
 
 
 def test_cosmos_tokens_are_the_raster_order_of_the_grid_dsv_reads():
@@ -134,7 +134,7 @@ def test_cosmos_trains_sparse_with_gradient_checkpointing_as_without():
 def test_cosmos_dsv_state_round_trips_through_save_pretrained(tmp_path):
     # In float32: loading in float64 would keep the learnable positional embedding (`_keep_in_fp32_modules`) in
     # float32, so the loaded model's state would not be the saved one's bit for bit.
-    dsv_state_round_trips(tiny_cosmos().float(), cosmos_forward, _as(torch.float32, cosmos_inputs()), tmp_path,
+    assert_dsv_state_round_trips(tiny_cosmos().float(), cosmos_forward, _as(torch.float32, cosmos_inputs()), tmp_path,
                           "transformer_blocks.1.attn1.processor.predictor.")
 
 

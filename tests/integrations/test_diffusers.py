@@ -121,7 +121,7 @@ def train_steps(model, controller, forward, inputs, steps: int) -> None:
         controller.end_step()
     model.zero_grad()
 
-def dense_mode_matches(reference, forward, inputs, tol):
+def assert_dense_mode_matches(reference, forward, inputs, tol):
     """DSV in `dense` mode on a copy of `reference`: output, input and parameter gradients equal the unpatched
     model's within `tol`, every layer on SDPA. Returns the patched model."""
     patched = copy.deepcopy(reference)
@@ -131,7 +131,7 @@ def dense_mode_matches(reference, forward, inputs, tol):
     return patched
 
 
-def all_keys_sparse_matches(reference, forward, inputs, tol):
+def assert_all_keys_sparse_matches(reference, forward, inputs, tol):
     """DSV in `oracle` mode keeping every key on a copy of `reference`, after one step of the schedule (stage 2,
     every layer sparse): output, input and parameter gradients equal the unpatched model's within `tol`."""
     patched = copy.deepcopy(reference)
@@ -163,7 +163,7 @@ def test_wan_dense_layer_equals_diffusers_processor_in_float64():
 
 
 def test_wan_dense_mode_equals_unpatched_forward_and_backward():
-    dense_mode_matches(tiny_wan(), wan_forward, wan_inputs(), TOL32)
+    assert_dense_mode_matches(tiny_wan(), wan_forward, wan_inputs(), TOL32)
 
 
 # Latent sizes whose token grid the 2x2x2 cube tiles, and three it does not (3 frames; a 5x5 grid; one frame,
@@ -175,7 +175,7 @@ GRIDS = pytest.mark.parametrize("frames, size", [(4, 8), (3, 8), (4, 10), (1, 8)
 
 @GRIDS
 def test_wan_oracle_with_all_keys_equals_dense_forward_and_backward(frames, size):
-    all_keys_sparse_matches(tiny_wan(), wan_forward, wan_inputs(frames=frames, size=size), TOL32)
+    assert_all_keys_sparse_matches(tiny_wan(), wan_forward, wan_inputs(frames=frames, size=size), TOL32)
 
 
 def test_wan_cross_attention_and_pretrained_weights_untouched():
@@ -678,7 +678,7 @@ def test_build_wan_for_training_trains_on_real_video():
 
 @pytest.mark.parametrize("rotary, patch_size_t", [(True, None), (False, None), (True, 2)])
 def test_cogvideox_dense_mode_equals_unpatched_forward_and_backward(rotary, patch_size_t):
-    patched = dense_mode_matches(tiny_cogvideox(rotary, patch_size_t), cog_forward,
+    patched = assert_dense_mode_matches(tiny_cogvideox(rotary, patch_size_t), cog_forward,
                                  cog_inputs(rotary, patch_size_t), TOL64)
     assert all(isinstance(b.attn1.processor, CogVideoXDSVProcessor) for b in patched.transformer_blocks)
 
@@ -687,7 +687,7 @@ def test_cogvideox_dense_mode_equals_unpatched_forward_and_backward(rotary, patc
 def test_cogvideox_oracle_with_all_keys_equals_dense_forward_and_backward(size):
     """With a 3x3 token grid per frame the video (36 tokens) ends inside a group and a key block of 8: the
     block shared with the text keys is kept once."""
-    all_keys_sparse_matches(tiny_cogvideox(), cog_forward, cog_inputs(size=size), TOL64)
+    assert_all_keys_sparse_matches(tiny_cogvideox(), cog_forward, cog_inputs(size=size), TOL64)
 
 
 def test_cogvideox_text_tokens_stay_dense_under_a_partial_budget():
@@ -928,7 +928,7 @@ def hunyuan_forward(model, inputs):
 
 
 def test_hunyuan_dense_mode_equals_unpatched_forward_and_backward():
-    patched = dense_mode_matches(tiny_hunyuan(), hunyuan_forward, hunyuan_inputs(), TOL64)
+    patched = assert_dense_mode_matches(tiny_hunyuan(), hunyuan_forward, hunyuan_inputs(), TOL64)
     assert isinstance(patched.transformer_blocks[0].attn.processor, HunyuanVideoDSVProcessor)
     assert isinstance(patched.single_transformer_blocks[0].attn.processor, HunyuanVideoDSVProcessor)
     # The text refiner's self-attention over text tokens is not DSV's.
@@ -942,7 +942,7 @@ def test_hunyuan_oracle_with_all_keys_equals_dense_forward_and_backward(size, te
     """With every video key kept, DSV's joint attention is the stock processor's: each sample's unpadded text
     keys attended, its padded ones not (also where the video ends inside a key block shared with the text). A
     sample with no unpadded text at all is NaN in the stock model already (its text refiner attends to no key)."""
-    all_keys_sparse_matches(tiny_hunyuan(), hunyuan_forward, hunyuan_inputs(size, text_lengths), TOL64)
+    assert_all_keys_sparse_matches(tiny_hunyuan(), hunyuan_forward, hunyuan_inputs(size, text_lengths), TOL64)
 
 
 def calls_inside_the_forward(model, forward, attn, inputs, calls) -> dict:
@@ -1062,6 +1062,18 @@ def bf16_model_errors(reference, forward, inputs, autocast: bool = False):
         return patched, [_relative_error(result(model, weights), want) for model in (patched, stock)]
 
 
+def attend_calls(model, forward, attn, inputs, monkeypatch) -> list[tuple[int, int, torch.Tensor | None]]:
+    """`(batch, sequence length, key_mask)` of each attention call (`attend`) of the DSV layer on `attn` in a no-grad
+    `forward(model, inputs)`."""
+    calls = []
+    attend = type(attn.processor).attend
+    monkeypatch.setattr(attn.processor, "attend", lambda q, k, v, index, key_mask=None: calls.append(
+        (q.shape[0], q.shape[2], key_mask)) or attend(attn.processor, q, k, v, index, key_mask))
+    with torch.no_grad():
+        forward(model, inputs)
+    return calls
+
+
 def processor_errors(model, forward, attn, inputs, bad) -> dict[str, str]:
     """The ValueError message of `attn`'s processor called, inside `forward(model, inputs)`, with the module's own
     keyword arguments changed by each of `bad(kwargs)`'s `{name: changed keyword arguments}` (each must raise)."""
@@ -1076,7 +1088,7 @@ def processor_errors(model, forward, attn, inputs, bad) -> dict[str, str]:
     return calls_inside_the_forward(model, forward, attn, inputs, calls)
 
 
-def dsv_state_round_trips(model, forward, inputs, tmp_path, predictor_key: str) -> None:
+def assert_dsv_state_round_trips(model, forward, inputs, tmp_path, predictor_key: str) -> None:
     """`model` (two DSV layers) trained into stage 2 with both layers sparse, saved by `save_pretrained` and loaded by
     `from_pretrained_local` in its dtype: every state_dict entry (`predictor_key` among them) read back bit for bit,
     the same output on `inputs`, both layers sparse; a cfg of another mode is refused."""
@@ -1202,14 +1214,14 @@ def ltx_forward(model, inputs):
 
 
 def test_ltx_dense_mode_equals_unpatched_forward_and_backward():
-    patched = dense_mode_matches(tiny_ltx(), ltx_forward, ltx_inputs(), TOL64)
+    patched = assert_dense_mode_matches(tiny_ltx(), ltx_forward, ltx_inputs(), TOL64)
     assert all(isinstance(b.attn1.processor, LTXVideoDSVProcessor) for b in patched.transformer_blocks)
     assert not any(isinstance(b.attn2.processor, LTXVideoDSVProcessor) for b in patched.transformer_blocks)
 
 
 @pytest.mark.parametrize("frames, size", [(4, 8), (3, 6)], ids=["tiled", "untiled"])
 def test_ltx_oracle_with_all_keys_equals_dense_forward_and_backward(frames, size):
-    all_keys_sparse_matches(tiny_ltx(), ltx_forward, ltx_inputs(frames, size), TOL64)
+    assert_all_keys_sparse_matches(tiny_ltx(), ltx_forward, ltx_inputs(frames, size), TOL64)
 
 
 def test_ltx_trains_sparse_with_gradient_checkpointing_as_without():

@@ -16,14 +16,15 @@ from tests.integrations.test_diffusers import (  # noqa: E402
     TOL64,
     _as,
     _sparse_quarter,
-    all_keys_sparse_matches,
+    assert_all_keys_sparse_matches,
     assert_as_close_as_stock_bf16,
+    assert_dense_mode_matches,
+    assert_dsv_state_round_trips,
     assert_same_grads,
+    attend_calls,
     bf16_joint_errors,
     calls_inside_the_forward,
     cfg,
-    dense_mode_matches,
-    dsv_state_round_trips,
     processor_errors,
     sparse_grads,
 )
@@ -88,7 +89,7 @@ def layer_mask(kwargs: dict, masks: str) -> dict:
 
 @pytest.mark.parametrize("image", [False, True], ids=["text-to-video", "image-to-video"])
 def test_hunyuan_video15_dense_mode_equals_unpatched_forward_and_backward(image):
-    patched = dense_mode_matches(tiny_hunyuan_video15(), hv15_forward, hv15_inputs(image=image), TOL64)
+    patched = assert_dense_mode_matches(tiny_hunyuan_video15(), hv15_forward, hv15_inputs(image=image), TOL64)
     assert all(isinstance(block.attn.processor, HunyuanVideo15DSVProcessor) for block in patched.transformer_blocks)
     # The text refiner's self-attention over the prompt tokens is not DSV's.
     assert not any(isinstance(module.processor, HunyuanVideo15DSVProcessor)
@@ -144,14 +145,8 @@ def test_hunyuan_video15_dense_layers_attend_without_a_mask(monkeypatch, masks, 
     sample where they differ."""
     model = tiny_hunyuan_video15()
     install_dsv(model, cfg("dense"))
-    attn = model.transformer_blocks[0].attn
-    calls = []
-    attend = type(attn.processor).attend
-    monkeypatch.setattr(attn.processor, "attend", lambda q, k, v, index, key_mask=None: calls.append(
-        (q.shape[0], q.shape[2], key_mask)) or attend(attn.processor, q, k, v, index, key_mask))
     inputs = hv15_inputs(masks=masks, image=True)
-    with torch.no_grad():
-        hv15_forward(model, inputs)
+    calls = attend_calls(model, hv15_forward, model.transformer_blocks[0].attn, inputs, monkeypatch)
     video_tokens = 4 * 4 * 4
     valid_counts = (1 + inputs[2].sum(1) + inputs[4].sum(1)).tolist()  # the image token, prompt and ByT5 tokens
     expected = ([(2, video_tokens + TEXT_TOKENS)] if unmasked_calls == 1 else
@@ -167,7 +162,7 @@ def test_hunyuan_video15_oracle_with_all_keys_equals_dense_forward_and_backward(
     """With every video key kept, DSV's joint attention is the stock processor's: each sample's valid text keys
     attended, its padded ones not (one sample at a time where the counts differ; the masked image token of
     text-to-video pads both samples alike where nothing else does)."""
-    all_keys_sparse_matches(tiny_hunyuan_video15(), hv15_forward, hv15_inputs(size, masks, image), TOL64)
+    assert_all_keys_sparse_matches(tiny_hunyuan_video15(), hv15_forward, hv15_inputs(size, masks, image), TOL64)
 
 
 @pytest.mark.parametrize("masks", ["model", *LAYER_MASKS])
@@ -241,7 +236,7 @@ def test_hunyuan_video15_bad_inputs_raise_clear_errors():
 
 
 def test_hunyuan_video15_dsv_state_round_trips_through_save_pretrained(tmp_path):
-    dsv_state_round_trips(tiny_hunyuan_video15(), hv15_forward, hv15_inputs(), tmp_path,
+    assert_dsv_state_round_trips(tiny_hunyuan_video15(), hv15_forward, hv15_inputs(), tmp_path,
                           "transformer_blocks.1.attn.processor.predictor.")
 
 

@@ -15,14 +15,15 @@ from tests.integrations.test_diffusers import (  # noqa: E402
     _as,
     _scale_second_sample_padding,
     _sparse_quarter,
-    all_keys_sparse_matches,
+    assert_all_keys_sparse_matches,
     assert_as_close_as_stock_bf16,
+    assert_dense_mode_matches,
+    assert_dsv_state_round_trips,
     assert_same_grads,
+    attend_calls,
     bf16_joint_errors,
     calls_inside_the_forward,
     cfg,
-    dense_mode_matches,
-    dsv_state_round_trips,
     grads,
     processor_errors,
     sparse_grads,
@@ -75,7 +76,7 @@ def mochi_forward(model, inputs):
 
 def test_mochi_dense_mode_equals_unpatched_forward_and_backward():
     reference, inputs = tiny_mochi(), mochi_inputs()
-    patched = dense_mode_matches(reference, mochi_forward, inputs, TOL64)
+    patched = assert_dense_mode_matches(reference, mochi_forward, inputs, TOL64)
     assert all(isinstance(block.attn1.processor, MochiDSVProcessor) for block in patched.transformer_blocks)
     assert patched.transformer_blocks[-1].attn1.context_pre_only  # the last block's text output is not projected
     assert patched.dsv_controller.cfg.predictor_rotary == 6  # rotary embeddings position q and k
@@ -116,14 +117,8 @@ def test_mochi_dense_layers_attend_without_a_mask(monkeypatch, masks, unmasked_c
     fast GPU kernels take none): one call for the batch where no prompt is padded, one a sample where they differ."""
     model = tiny_mochi()
     install_dsv(model, cfg("dense"))
-    attn = model.transformer_blocks[0].attn1
-    calls = []
-    attend = type(attn.processor).attend
-    monkeypatch.setattr(attn.processor, "attend", lambda q, k, v, index, key_mask=None: calls.append(
-        (q.shape[0], q.shape[2], key_mask)) or attend(attn.processor, q, k, v, index, key_mask))
     inputs = mochi_inputs(masks=masks)
-    with torch.no_grad():
-        mochi_forward(model, inputs)
+    calls = attend_calls(model, mochi_forward, model.transformer_blocks[0].attn1, inputs, monkeypatch)
     video_tokens = 4 * 4 * 4
     lengths = inputs[2].sum(1).tolist()
     expected = [(2, video_tokens + 7)] if unmasked_calls == 1 else [(1, video_tokens + n) for n in lengths]
@@ -137,7 +132,7 @@ def test_mochi_dense_layers_attend_without_a_mask(monkeypatch, masks, unmasked_c
 def test_mochi_oracle_with_all_keys_equals_dense_forward_and_backward(size, masks):
     """With every video key kept, DSV's joint attention is the stock processor's: each sample's valid text keys
     attended, its padded ones not (one sample at a time where they differ), its text outputs in the stock order."""
-    all_keys_sparse_matches(tiny_mochi(), mochi_forward, mochi_inputs(size, masks), TOL64)
+    assert_all_keys_sparse_matches(tiny_mochi(), mochi_forward, mochi_inputs(size, masks), TOL64)
 
 
 @pytest.mark.parametrize("masks", ["padded", "holes"])
@@ -207,7 +202,7 @@ def test_mochi_bad_inputs_raise_clear_errors():
 
 
 def test_mochi_dsv_state_round_trips_through_save_pretrained(tmp_path):
-    dsv_state_round_trips(tiny_mochi(), mochi_forward, mochi_inputs(), tmp_path,
+    assert_dsv_state_round_trips(tiny_mochi(), mochi_forward, mochi_inputs(), tmp_path,
                           "transformer_blocks.0.attn1.processor.predictor.")
 
 

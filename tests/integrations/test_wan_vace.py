@@ -12,11 +12,11 @@ from dsv.integrations.diffusers import WanDSVProcessor  # noqa: E402
 from tests.integrations.test_diffusers import (  # noqa: E402
     TOL64,
     _as,
-    all_keys_sparse_matches,
+    assert_all_keys_sparse_matches,
+    assert_dense_mode_matches,
+    assert_dsv_state_round_trips,
     assert_same_grads,
     bf16_model_errors,
-    dense_mode_matches,
-    dsv_state_round_trips,
     sparse_grads,
 )
 
@@ -45,7 +45,7 @@ def vace_forward(model, inputs):
 
 
 def test_wan_vace_dense_mode_equals_unpatched_forward_and_backward():
-    patched = dense_mode_matches(tiny_wan_vace(), vace_forward, vace_inputs(), TOL64)
+    patched = assert_dense_mode_matches(tiny_wan_vace(), vace_forward, vace_inputs(), TOL64)
     names = [name for name, module in patched.named_modules() if isinstance(module, WanDSVProcessor)]
     assert names == ["blocks.0.attn1.processor", "vace_blocks.0.attn1.processor"]
     assert patched.dsv_controller.cfg.predictor_rotary == 6  # Wan's rotary embedding positions q and k
@@ -56,7 +56,7 @@ def test_wan_vace_dense_mode_equals_unpatched_forward_and_backward():
 def test_wan_vace_oracle_with_all_keys_equals_dense_forward_and_backward(frames, size, control_frames):
     """Keeping every key, the sparse path of both stacks is the stock attention, also on a grid the cube does not
     tile and with a control latent shorter than the video (zero tokens at the end of the control stream)."""
-    all_keys_sparse_matches(tiny_wan_vace(), vace_forward, vace_inputs(frames, size, control_frames), TOL64)
+    assert_all_keys_sparse_matches(tiny_wan_vace(), vace_forward, vace_inputs(frames, size, control_frames), TOL64)
 
 
 def test_wan_vace_trains_sparse_with_gradient_checkpointing_as_without():
@@ -68,7 +68,7 @@ def test_wan_vace_trains_sparse_with_gradient_checkpointing_as_without():
 
 def test_wan_vace_dsv_state_round_trips_through_save_pretrained(tmp_path):
     # In float32: loading in float64 would keep the modules Wan marks `_keep_in_fp32_modules` in float32.
-    dsv_state_round_trips(tiny_wan_vace().float(), vace_forward, _as(torch.float32, vace_inputs()), tmp_path,
+    assert_dsv_state_round_trips(tiny_wan_vace().float(), vace_forward, _as(torch.float32, vace_inputs()), tmp_path,
                           "vace_blocks.0.attn1.processor.predictor.")
 
 
